@@ -1,0 +1,40 @@
+"""Shared numerics: format maxima and saturating casts."""
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+FP4_E2M1_MAX = 6.0
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def fp8_max(fp8_dtype: torch.dtype) -> float:
+    try:
+        return FP8_MAX[fp8_dtype]
+    except KeyError:
+        raise TypeError(f"unsupported fp8 dtype {fp8_dtype}; expected float8_e4m3fn or float8_e5m2") from None
+
+
+def saturating_cast(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """Round-to-nearest-even cast to fp8 that clamps to +-max (Inf saturates, NaN stays NaN)."""
+    m = fp8_max(fp8_dtype)
+    return x.float().clamp(-m, m).to(fp8_dtype)
+
+
+def scale_from_amax(amax: torch.Tensor, fmt_max: float, margin: int = 0, power_2: bool = False,
+                    epsilon: float = 0.0) -> torch.Tensor:
+    """Quantization scale `fmt_max / amax / 2**margin` with TE's edge rules.
+
+    amax == 0 (or NaN/Inf amax) gives scale 1; a scale that overflows float32 becomes float32 max;
+    `power_2` rounds the scale down to a power of two (so scale_inv is exact).
+    """
+    amax = amax.float()
+    if epsilon > 0:
+        amax = torch.clamp(amax, min=epsilon)
+    scale = (fmt_max / amax) / (2.0 ** margin)
+    scale = torch.where(torch.isinf(scale) & (amax > 0), torch.full_like(scale, FLOAT32_MAX), scale)
+    bad = (amax == 0) | ~torch.isfinite(amax)
+    scale = torch.where(bad, torch.ones_like(scale), scale)
+    if power_2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return scale

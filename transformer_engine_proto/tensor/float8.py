@@ -1,0 +1,177 @@
+"""Per-tensor FP8: delayed scaling (`Float8Quantizer`) and current scaling.
+
+Buffers: `_data` (logical shape, fp8), `_transpose` (K, M) fp8 for columnwise use, and one fp32
+`_scale_inv` of shape (1,). The transpose is an exact relayout of the rowwise data, so either
+usage can be derived from the other without requantizing.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import torch
+
+from ..kernels import kernel
+from ..kernels.reference.common import fp8_max
+from .quantized_tensor import QuantizedTensor
+from .quantizer import BufferSpec, Quantizer, flat_2d
+from .storage import QuantizedTensorStorage
+
+__all__ = [
+    "Float8TensorStorage",
+    "Float8Tensor",
+    "Float8Quantizer",
+    "Float8CurrentScalingQuantizer",
+]
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _check_fp8_dtype(fp8_dtype) -> None:
+    if fp8_dtype not in _FP8_DTYPES:
+        raise TypeError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}")
+
+
+class Float8TensorStorage(QuantizedTensorStorage):
+    _FLATTEN_TENSOR_BUFFERS = (("_data", "data"), ("_transpose", "data_transpose"), ("_scale_inv", "fp8_scale_inv"))
+    _META_FIELDS = ("fp8_dtype",)
+    _LOGICAL_SHAPE_BUFFERS = ("_data",)
+
+    def has_rowwise(self) -> bool:
+        return self._data is not None
+
+    def has_columnwise(self) -> bool:
+        return self._transpose is not None
+
+    def _dequantize(self, dtype):
+        if self._data is not None:
+            values = self._data.float()
+        else:
+            values = self._transpose.float().t().reshape(self._shape)
+        return (values * self._scale_inv).to(dtype)
+
+    def _make_columnwise_from_rowwise(self) -> None:
+        self._transpose = self._data.reshape(-1, self._shape[-1]).t().contiguous()
+
+    def _make_rowwise_from_columnwise(self) -> None:
+        self._data = self._transpose.t().contiguous().view(self._shape)
+
+    def _drop_usage(self, rowwise, columnwise) -> None:
+        if not rowwise:
+            self._data = None
+        if not columnwise:
+            self._transpose = None
+
+    def _view_buffers(self, shape):
+        bufs = super()._view_buffers(shape)
+        if bufs is None and self._data is not None and self._transpose is None:
+            # Without a transpose any contiguous reshape is a plain view of the data.
+            bufs = {"_data": self._data.view(tuple(shape)), "_scale_inv": self._scale_inv}
+        return bufs
+
+    def _transpose_buffers(self):
+        if self._data is None or self._transpose is None or len(self._shape) != 2:
+            return None
+        return {"_data": self._transpose, "_transpose": self._data, "_scale_inv": self._scale_inv}
+
+
+class Float8Tensor(Float8TensorStorage, QuantizedTensor):
+    """Per-tensor scaled FP8 tensor (either recipe)."""
+
+
+@dataclass(frozen=True)
+class _Float8QuantizerBase(Quantizer):
+    @property
+    def tensor_class(self):
+        return Float8Tensor
+
+    def metadata(self):
+        return {"fp8_dtype": self.fp8_dtype}
+
+    def buffer_layout(self, shape) -> Dict[str, BufferSpec]:
+        m, k = flat_2d(shape)
+        out = {}
+        if self.rowwise_usage:
+            out["_data"] = BufferSpec(tuple(shape), self.fp8_dtype)
+        if self.columnwise_usage:
+            out["_transpose"] = BufferSpec((k, m), self.fp8_dtype)
+        out["_scale_inv"] = BufferSpec((1,), torch.float32)
+        return out
+
+    def _pack(self, data, transpose, scale_inv) -> Dict[str, torch.Tensor]:
+        out = {}
+        if self.rowwise_usage:
+            out["_data"] = data
+        if self.columnwise_usage:
+            out["_transpose"] = transpose
+        out["_scale_inv"] = scale_inv
+        return out
+
+
+@dataclass(frozen=True)
+class Float8Quantizer(_Float8QuantizerBase):
+    """Delayed scaling: quantizes with a given `scale` and records the amax into `amax`.
+
+    `scale` and `amax` are fp32 tensors of one element owned by the caller (e.g. module buffers,
+    TE's `fp8_meta`); they are state, not settings, so they take no part in equality.
+    """
+
+    scale: Optional[torch.Tensor] = field(compare=False, repr=False)
+    amax: Optional[torch.Tensor] = field(compare=False, repr=False)
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+
+    def __post_init__(self):
+        _check_fp8_dtype(self.fp8_dtype)
+        for name in ("scale", "amax"):
+            t = getattr(self, name)
+            if t is None:
+                continue  # a stateless description (what tensors carry as metadata)
+            if not isinstance(t, torch.Tensor) or t.numel() != 1 or t.dtype != torch.float32:
+                raise TypeError(f"Float8Quantizer.{name} must be a float32 tensor with one element")
+
+    def stateless(self) -> "Float8Quantizer":
+        """The same settings without scale/amax: what a tensor's metadata holds, so it stays a
+        compile-time constant (state lives with its owner, e.g. module buffers)."""
+        return dataclasses.replace(self, scale=None, amax=None)
+
+    def create_metadata(self, shape, dtype):
+        cls, kwargs = super().create_metadata(shape, dtype)
+        kwargs["quantizer"] = self.stateless()
+        return cls, kwargs
+
+    def _quantize_buffers(self, x):
+        if self.scale is None or self.amax is None:
+            raise RuntimeError(
+                "Float8Quantizer has no scale/amax tensors (a stateless copy from tensor metadata); "
+                "quantize with the quantizer that owns the delayed-scaling state"
+            )
+        data, transpose, scale_inv = kernel("fp8_quantize_delayed", x.device)(
+            x, self.scale, self.amax, self.fp8_dtype, self.rowwise_usage, self.columnwise_usage
+        )
+        return self._pack(data, transpose, scale_inv)
+
+
+@dataclass(frozen=True)
+class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
+    """Current scaling: scale = fp8_max / amax(x) / 2**margin, computed at quantize time."""
+
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+    device: Optional[torch.device] = field(default=None, compare=False)
+    force_pow_2_scales: bool = False
+    amax_epsilon: float = 0.0
+    margin: int = 0
+
+    def __post_init__(self):
+        _check_fp8_dtype(self.fp8_dtype)
+
+    @property
+    def fp8_max(self) -> float:
+        return fp8_max(self.fp8_dtype)
+
+    def _quantize_buffers(self, x):
+        data, transpose, scale_inv, _ = kernel("fp8_quantize_current", x.device)(
+            x, self.fp8_dtype, self.rowwise_usage, self.columnwise_usage,
+            self.margin, self.force_pow_2_scales, self.amax_epsilon,
+        )
+        return self._pack(data, transpose, scale_inv)

@@ -1,0 +1,161 @@
+"""`QuantizedTensor`: a torch.Tensor wrapper subclass over a `QuantizedTensorStorage`.
+
+It presents the logical (high-precision) shape and dtype. A handful of ops are implemented on the
+quantized buffers directly (detach, view/reshape that keep the last dim, clone, copy_,
+empty_like, and 2D transposes for formats that keep a transpose); anything else runs on the
+dequantized tensor, with a one-time warning per op so silent precision loss stays visible.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Dict
+
+import torch
+from torch.utils._pytree import tree_map
+
+from .storage import QuantizedTensorStorage
+
+__all__ = ["QuantizedTensor"]
+
+aten = torch.ops.aten
+_WARNED_OPS = set()
+
+
+def _warn_fallback(func) -> None:
+    if func not in _WARNED_OPS:
+        _WARNED_OPS.add(func)
+        warnings.warn(
+            f"QuantizedTensor: {func} has no quantized implementation; running it on the "
+            "dequantized tensor (this warning is shown once per op)",
+            stacklevel=3,
+        )
+
+
+class QuantizedTensor(torch.Tensor):
+    """Base of the per-format tensor classes (`class Float8Tensor(Float8TensorStorage, QuantizedTensor)`)."""
+
+    @staticmethod
+    def __new__(cls, *, shape, dtype, quantizer=None, requires_grad=False, **kwargs):
+        device = None
+        for _, kw in cls._FLATTEN_TENSOR_BUFFERS:
+            buf = kwargs.get(kw)
+            if buf is not None:
+                device = buf.device
+                break
+        if device is None:
+            raise ValueError(f"{cls.__name__}: at least one data buffer is required")
+        return torch.Tensor._make_wrapper_subclass(
+            cls, tuple(shape), dtype=dtype, device=device, requires_grad=requires_grad
+        )
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self, *, tensor_contents=None):
+        return (
+            f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"quantizer={self._quantizer!r}, buffers={list(self.get_buffers())})"
+        )
+
+    def _stable_hash_for_caching(self) -> str:
+        return repr(self._flatten_ctx())
+
+    def _rebuild(self, buffers: Dict[str, torch.Tensor], shape=None, requires_grad=False):
+        meta = self.get_metadata()
+        if shape is not None:
+            meta["shape"] = tuple(shape)
+        return type(self)._from_buffers(buffers, requires_grad=requires_grad, **meta)
+
+    # ---- dispatch ---------------------------------------------------------------------------
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            out = handler(func, args, kwargs)
+            if out is not NotImplemented:
+                return out
+        _warn_fallback(func)
+
+        def unwrap(t):
+            return t.dequantize() if isinstance(t, QuantizedTensor) else t
+
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+
+# ---- natively handled ops ---------------------------------------------------------------------
+_HANDLERS = {}
+
+
+def _handles(*funcs):
+    def register(fn):
+        for f in funcs:
+            _HANDLERS[f] = fn
+        return fn
+
+    return register
+
+
+@_handles(aten.detach.default, aten.alias.default)
+def _detach(func, args, kwargs):
+    return args[0]._rebuild(args[0].get_buffers())
+
+
+@_handles(aten.clone.default)
+def _clone(func, args, kwargs):
+    src = args[0]
+    return src._rebuild({k: v.clone() for k, v in src.get_buffers().items()})
+
+
+@_handles(aten.empty_like.default)
+def _empty_like(func, args, kwargs):
+    src = args[0]
+    if kwargs.get("dtype") not in (None, src.dtype):
+        return NotImplemented
+    return src._rebuild({k: torch.empty_like(v) for k, v in src.get_buffers().items()})
+
+
+@_handles(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+def _view(func, args, kwargs):
+    src, shape = args[0], list(args[1])
+    if -1 in shape:
+        known = 1
+        for s in shape:
+            if s != -1:
+                known *= s
+        shape[shape.index(-1)] = src.numel() // max(known, 1)
+    bufs = src._view_buffers(shape)
+    if bufs is None:
+        return NotImplemented
+    return src._rebuild(bufs, shape=shape)
+
+
+@_handles(aten.t.default, aten.transpose.int)
+def _transpose(func, args, kwargs):
+    src = args[0]
+    if src.dim() != 2:
+        return NotImplemented
+    if func is aten.transpose.int and sorted(d % 2 for d in args[1:3]) != [0, 1]:
+        return NotImplemented
+    bufs = src._transpose_buffers()
+    if bufs is None:
+        return NotImplemented
+    return src._rebuild(bufs, shape=(src.shape[1], src.shape[0]))
+
+
+@_handles(aten.copy_.default)
+def _copy(func, args, kwargs):
+    dst, src = args[0], args[1]
+    if not isinstance(dst, QuantizedTensor):
+        return dst.copy_(src.dequantize(dtype=dst.dtype))
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"copy_: shape mismatch {tuple(src.shape)} -> {tuple(dst.shape)}")
+    if type(src) is type(dst) and src.get_buffers().keys() == dst.get_buffers().keys():
+        for name, buf in dst.get_buffers().items():
+            buf.copy_(getattr(src, name))
+        return dst
+    if isinstance(src, QuantizedTensor):
+        src = src.dequantize()
+    if dst._quantizer is None:
+        raise RuntimeError(f"copy_ into {type(dst).__name__} needs a quantizer to re-quantize with")
+    dst._quantizer.update_quantized(src, dst)
+    return dst

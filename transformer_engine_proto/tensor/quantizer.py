@@ -1,0 +1,157 @@
+"""`Quantizer`: a value-opaque description of how to quantize, plus the buffer layout it produces.
+
+A quantizer is a frozen dataclass: it compares and hashes by its settings, so torch.compile
+treats it as a constant (and guards on it). Everything a fake impl needs -- the names, shapes,
+strides and dtypes of the buffers a real quantize returns -- is computed here in pure Python by
+`buffer_layout`, with no tensor data involved.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["Quantizer", "BufferSpec", "HIGH_PRECISION_DTYPES", "check_input"]
+
+HIGH_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """Shape, dtype and stride of one inner buffer; `stride=None` means contiguous."""
+
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    stride: Optional[Tuple[int, ...]] = None
+
+    def empty(self, device) -> torch.Tensor:
+        if self.stride is None:
+            return torch.empty(self.shape, dtype=self.dtype, device=device)
+        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=device)
+
+
+def flat_2d(shape: Sequence[int]) -> Tuple[int, int]:
+    """(M, K): all leading dims folded into rows, the last dim is the reduction dim K."""
+    if len(shape) == 0:
+        raise ValueError("cannot quantize a 0-dim tensor: need at least one dimension")
+    return math.prod(shape[:-1]), shape[-1]
+
+
+def check_input(x: torch.Tensor, what: str = "quantize") -> None:
+    """Reject inputs no format can represent, naming the problem."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(
+            f"{what}: input dtype {x.dtype} is not supported; expected one of "
+            f"{', '.join(str(d) for d in HIGH_PRECISION_DTYPES)}"
+        )
+    if x.dim() == 0:
+        raise ValueError(f"{what}: cannot quantize a 0-dim tensor")
+
+
+@dataclass(frozen=True)
+class Quantizer:
+    """Base quantizer. Subclasses declare their tensor class and `buffer_layout`.
+
+    `rowwise_usage` produces the buffers used when the tensor is the reduction-dim-last GEMM
+    operand (fprop); `columnwise_usage` the buffers for the transposed use (dgrad/wgrad).
+    """
+
+    rowwise_usage: bool = field(default=True, kw_only=True)
+    columnwise_usage: bool = field(default=True, kw_only=True)
+
+    # ---- what subclasses provide -------------------------------------------------------
+    @property
+    def tensor_class(self):
+        raise NotImplementedError
+
+    def buffer_layout(self, shape: Sequence[int]) -> Dict[str, BufferSpec]:
+        """Name -> spec of every buffer that quantizing a tensor of `shape` creates."""
+        raise NotImplementedError
+
+    def check_shape(self, shape: Sequence[int]) -> None:
+        """Raise ValueError if the format cannot represent `shape` with this usage."""
+        flat_2d(shape)
+
+    def _quantize_buffers(self, x: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """Run the kernels: returns exactly the buffers `buffer_layout` describes."""
+        raise NotImplementedError
+
+    def metadata(self) -> Dict[str, object]:
+        """Non-tensor constructor kwargs beyond shape/dtype/quantizer (e.g. fp8_dtype)."""
+        return {}
+
+    # ---- usage --------------------------------------------------------------------------
+    def set_usage(self, *, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None):
+        """TE-style in-place usage change. Prefer `with_usage` in code that torch.compile sees."""
+        if rowwise is not None:
+            object.__setattr__(self, "rowwise_usage", bool(rowwise))
+        if columnwise is not None:
+            object.__setattr__(self, "columnwise_usage", bool(columnwise))
+        return self
+
+    def with_usage(self, *, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None):
+        """A copy with a different usage; the original is left untouched."""
+        changes = {}
+        if rowwise is not None:
+            changes["rowwise_usage"] = bool(rowwise)
+        if columnwise is not None:
+            changes["columnwise_usage"] = bool(columnwise)
+        return dataclasses.replace(self, **changes)
+
+    def copy(self):
+        return dataclasses.replace(self)
+
+    # ---- allocation (pure Python, safe under tracing) ---------------------------------
+    def _check_usage(self) -> None:
+        if not (self.rowwise_usage or self.columnwise_usage):
+            raise ValueError(f"{type(self).__name__}: neither rowwise nor columnwise usage is set")
+
+    def alloc_tensors(self, shape, dtype: torch.dtype, device=None) -> Dict[str, torch.Tensor]:
+        """Empty inner buffers with exactly the names/shapes/strides/dtypes a real quantize makes."""
+        shape = tuple(int(s) for s in shape)
+        self._check_usage()
+        self.check_shape(shape)
+        return {name: spec.empty(device) for name, spec in self.buffer_layout(shape).items()}
+
+    def create_metadata(self, shape, dtype: torch.dtype):
+        """(tensor class, non-tensor constructor kwargs) for a quantized tensor of this shape."""
+        kwargs = dict(shape=tuple(int(s) for s in shape), dtype=dtype, quantizer=self)
+        kwargs.update(self.metadata())
+        return self.tensor_class, kwargs
+
+    def make_tensor(self, buffers: Dict[str, torch.Tensor], shape, dtype: torch.dtype):
+        """Wrap named buffers (as returned by alloc_tensors / a kernel) in the tensor class."""
+        cls, kwargs = self.create_metadata(shape, dtype)
+        return cls._from_buffers(buffers, **kwargs)
+
+    def make_empty(self, shape, dtype: torch.dtype = torch.float32, device=None):
+        return self.make_tensor(self.alloc_tensors(shape, dtype, device), shape, dtype)
+
+    # ---- quantization -------------------------------------------------------------------
+    def quantize(self, x: torch.Tensor):
+        """Quantize a high-precision tensor into a new QuantizedTensor."""
+        from .quantized_tensor import QuantizedTensor
+
+        if isinstance(x, QuantizedTensor):
+            x = x.dequantize()
+        check_input(x, f"{type(self).__name__}.quantize")
+        self._check_usage()
+        self.check_shape(tuple(x.shape))
+        buffers = self._quantize_buffers(x.contiguous())
+        return self.make_tensor(buffers, tuple(x.shape), x.dtype)
+
+    def __call__(self, x: torch.Tensor):
+        return self.quantize(x)
+
+    def update_quantized(self, src: torch.Tensor, dst) -> None:
+        """Re-quantize `src` into the existing buffers of `dst` (used by `copy_`)."""
+        new = self.quantize(src)
+        for attr, _ in dst._FLATTEN_TENSOR_BUFFERS:
+            old_buf, new_buf = getattr(dst, attr), getattr(new, attr)
+            if old_buf is not None and new_buf is not None:
+                old_buf.copy_(new_buf)

@@ -1,0 +1,164 @@
+"""`QuantizedTensorStorage`: the inner buffers of a quantized tensor and their (un)flattening.
+
+Each storage class declares `_FLATTEN_TENSOR_BUFFERS`, pairs of (attribute name, constructor
+kwarg), in a fixed order. That order is the contract between real and fake op impls: a quantized
+tensor crosses a custom-op boundary as that list of plain tensors. Classes register themselves by
+qualified name in `__init_subclass__`, so `__tensor_unflatten__` can rebuild any of them from a
+plain-Python context.
+"""
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+
+__all__ = ["QuantizedTensorStorage", "storage_class_by_qualname", "registered_storage_classes"]
+
+_REGISTRY: Dict[str, type] = {}
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def storage_class_by_qualname(name: str) -> type:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"no quantized storage class registered under {name!r}") from None
+
+
+def registered_storage_classes() -> Dict[str, type]:
+    return dict(_REGISTRY)
+
+
+class QuantizedTensorStorage:
+    """Holds the buffers; subclasses define the format (buffers, dequantize, layout helpers)."""
+
+    _FLATTEN_TENSOR_BUFFERS: Tuple[Tuple[str, str], ...] = ()
+    # Non-tensor constructor kwargs stored as attributes of the same name (e.g. fp8_dtype).
+    _META_FIELDS: Tuple[str, ...] = ()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _REGISTRY[_qualname(cls)] = cls
+
+    def __init__(self, *, shape, dtype, quantizer=None, requires_grad=False, **kwargs):
+        self._shape = torch.Size(shape)
+        self._hp_dtype = dtype
+        self._quantizer = quantizer
+        for attr, kw in self._FLATTEN_TENSOR_BUFFERS:
+            setattr(self, attr, kwargs.pop(kw, None))
+        for name in self._META_FIELDS:
+            setattr(self, name, kwargs.pop(name))
+        if kwargs:
+            raise TypeError(f"{type(self).__name__}: unexpected constructor arguments {sorted(kwargs)}")
+
+    # ---- construction from / to named buffers ------------------------------------------
+    @classmethod
+    def _from_buffers(cls, buffers: Dict[str, torch.Tensor], **kwargs):
+        ctor = dict(kwargs)
+        known = {attr for attr, _ in cls._FLATTEN_TENSOR_BUFFERS}
+        unknown = set(buffers) - known
+        if unknown:
+            raise KeyError(f"{cls.__name__}: unknown buffers {sorted(unknown)}")
+        for attr, kw in cls._FLATTEN_TENSOR_BUFFERS:
+            if attr in buffers:
+                ctor[kw] = buffers[attr]
+        return cls(**ctor)
+
+    def get_buffers(self) -> Dict[str, torch.Tensor]:
+        """Present buffers, in `_FLATTEN_TENSOR_BUFFERS` order."""
+        out = {}
+        for attr, _ in self._FLATTEN_TENSOR_BUFFERS:
+            t = getattr(self, attr)
+            if t is not None:
+                out[attr] = t
+        return out
+
+    def get_metadata(self) -> Dict[str, object]:
+        meta = dict(shape=tuple(self._shape), dtype=self._hp_dtype, quantizer=self._quantizer)
+        meta.update({name: getattr(self, name) for name in self._META_FIELDS})
+        return meta
+
+    def _flatten_ctx(self):
+        meta = tuple((name, getattr(self, name)) for name in self._META_FIELDS)
+        return (_qualname(type(self)), tuple(self._shape), self._hp_dtype, self._quantizer, meta)
+
+    def __tensor_flatten__(self):
+        return list(self.get_buffers()), self._flatten_ctx()
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, ctx, outer_size=None, outer_stride=None):
+        qualname, shape, dtype, quantizer, meta = ctx
+        cls = storage_class_by_qualname(qualname)
+        if outer_size is not None:
+            shape = tuple(outer_size)
+        return cls._from_buffers(dict(inner_tensors), shape=shape, dtype=dtype, quantizer=quantizer, **dict(meta))
+
+    # ---- format interface ------------------------------------------------------------------
+    @property
+    def quantizer(self):
+        return self._quantizer
+
+    def has_rowwise(self) -> bool:
+        raise NotImplementedError
+
+    def has_columnwise(self) -> bool:
+        raise NotImplementedError
+
+    def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize(self, *, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        return self._dequantize(self._hp_dtype if dtype is None else dtype)
+
+    def _drop_usage(self, rowwise: bool, columnwise: bool) -> None:
+        """Forget buffers of the usages that are not kept (subclasses name them)."""
+        raise NotImplementedError
+
+    def _make_columnwise_from_rowwise(self) -> None:
+        raise RuntimeError(
+            f"{type(self).__name__}: columnwise data cannot be derived from rowwise data "
+            "exactly in this format; quantize with columnwise usage instead"
+        )
+
+    def _make_rowwise_from_columnwise(self) -> None:
+        raise RuntimeError(
+            f"{type(self).__name__}: rowwise data cannot be derived from columnwise data "
+            "exactly in this format; quantize with rowwise usage instead"
+        )
+
+    def update_usage(self, rowwise_usage: Optional[bool] = None, columnwise_usage: Optional[bool] = None):
+        """Keep/derive/drop usages in place; the stored quantizer follows the new usage."""
+        rowwise = self.has_rowwise() if rowwise_usage is None else bool(rowwise_usage)
+        columnwise = self.has_columnwise() if columnwise_usage is None else bool(columnwise_usage)
+        if not (rowwise or columnwise):
+            raise ValueError("update_usage: at least one of rowwise/columnwise usage must be kept")
+        if columnwise and not self.has_columnwise():
+            self._make_columnwise_from_rowwise()
+        if rowwise and not self.has_rowwise():
+            self._make_rowwise_from_columnwise()
+        self._drop_usage(rowwise, columnwise)
+        if self._quantizer is not None:
+            self._quantizer = self._quantizer.with_usage(rowwise=rowwise, columnwise=columnwise)
+        return self
+
+    # ---- native view / transpose hooks (return None when the layout does not allow it) ---
+    def _view_buffers(self, shape) -> Optional[Dict[str, torch.Tensor]]:
+        """Buffers for a view to `shape`; default: only views that keep the last dim."""
+        shape = tuple(shape)
+        if len(shape) == 0 or shape[-1] != self._shape[-1]:
+            return None
+        bufs = self.get_buffers()
+        for name in self._LOGICAL_SHAPE_BUFFERS:
+            if name in bufs:
+                bufs[name] = bufs[name].view(shape)
+        return bufs
+
+    # Buffers whose shape is the tensor's logical shape (viewed along with it).
+    _LOGICAL_SHAPE_BUFFERS: Tuple[str, ...] = ()
+
+    def _transpose_buffers(self) -> Optional[Dict[str, torch.Tensor]]:
+        """Buffers of the 2D transpose without requantizing, or None if impossible."""
+        return None
