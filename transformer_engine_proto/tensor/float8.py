@@ -13,7 +13,7 @@ from typing import Dict, Optional
 import torch
 
 from ..kernels import kernel
-from ..kernels.reference.common import fp8_max
+from ..kernels.reference.common import fp8_max, transpose_2d
 from .quantized_tensor import QuantizedTensor
 from .quantizer import BufferSpec, Quantizer, flat_2d
 from .storage import QuantizedTensorStorage
@@ -52,10 +52,10 @@ class Float8TensorStorage(QuantizedTensorStorage):
         return (values * self._scale_inv).to(dtype)
 
     def _make_columnwise_from_rowwise(self) -> None:
-        self._transpose = self._data.reshape(-1, self._shape[-1]).t().contiguous()
+        self._transpose = transpose_2d(self._data.reshape(-1, self._shape[-1]))
 
     def _make_rowwise_from_columnwise(self) -> None:
-        self._data = self._transpose.t().contiguous().view(self._shape)
+        self._data = transpose_2d(self._transpose).view(self._shape)
 
     def _drop_usage(self, rowwise, columnwise) -> None:
         if not rowwise:

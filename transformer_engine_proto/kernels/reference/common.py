@@ -38,3 +38,10 @@ def scale_from_amax(amax: torch.Tensor, fmt_max: float, margin: int = 0, power_2
     if power_2:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     return scale
+
+
+def transpose_2d(x2d: torch.Tensor) -> torch.Tensor:
+    """A (K, M) copy of a (M, K) tensor with canonical contiguous strides (even for size-1 dims,
+    where `.t().contiguous()` would keep the old strides and break layout equality)."""
+    out = torch.empty((x2d.shape[1], x2d.shape[0]), dtype=x2d.dtype, device=x2d.device)
+    return out.copy_(x2d.t())

@@ -6,13 +6,13 @@ from typing import Optional, Tuple
 import torch
 
 from .. import register_kernel
-from .common import fp8_max, saturating_cast, scale_from_amax
+from .common import fp8_max, saturating_cast, scale_from_amax, transpose_2d
 
 
 def _cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype, rowwise: bool, columnwise: bool):
     data = saturating_cast(x.float() * scale.float(), fp8_dtype)
     x2d = data.reshape(-1, x.shape[-1])
-    transpose = x2d.t().contiguous() if columnwise else None
+    transpose = transpose_2d(x2d) if columnwise else None
     return (data if rowwise else None), transpose
 
 

@@ -1,0 +1,169 @@
+"""Format-generic invariants: the fake layout equals the real quantize, flatten round-trips,
+TensorProto matches, dequantize error bounds, and bad shapes/dtypes raise clear errors."""
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from format_cases import FORMAT_CASES
+from transformer_engine_proto.tensor import QuantizedTensor, TensorProto, to_tensor_proto
+
+USAGES = [(True, False), (False, True), (True, True)]
+
+
+def _lcm(a, b):
+    import math
+
+    return a * b // math.gcd(a, b)
+
+
+@st.composite
+def valid_shapes(draw, case, rowwise, columnwise):
+    k_mult = 1
+    if rowwise:
+        k_mult = _lcm(k_mult, case.k_multiple)
+    if columnwise:
+        k_mult = _lcm(k_mult, case.k_multiple_columnwise)
+    m_mult = case.m_multiple if columnwise else 1
+    k = k_mult * draw(st.integers(1, max(1, 96 // k_mult)))
+    ndim = draw(st.integers(1, 3)) if m_mult == 1 else draw(st.integers(2, 3))
+    if ndim == 1:
+        return (k,)
+    m = m_mult * draw(st.integers(1, max(1, 64 // m_mult)))
+    if ndim == 3 and m % 2 == 0 and draw(st.booleans()):
+        return (2, m // 2, k)
+    return (1, m, k) if ndim == 3 else (m, k)
+
+
+def _inputs(shape, dtype, kind, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    if kind == "large":
+        x = x * 1e4
+    elif kind == "zeros":
+        x = torch.zeros(shape)
+    elif kind == "denormal":
+        x = x * 1e-39
+    elif kind == "mixed":
+        x = x * torch.exp2(torch.randint(-20, 20, shape, generator=g).float())
+    return x.to(dtype)
+
+
+def _specs(bufs):
+    return {k: (tuple(v.shape), tuple(v.stride()), v.dtype) for k, v in bufs.items()}
+
+
+@st.composite
+def cases_and_shapes(draw):
+    case = draw(st.sampled_from(FORMAT_CASES))
+    rowwise, columnwise = draw(st.sampled_from(USAGES))
+    shape = draw(valid_shapes(case, rowwise, columnwise))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    kind = draw(st.sampled_from(["normal", "large", "zeros", "denormal", "mixed"]))
+    return case, rowwise, columnwise, shape, dtype, kind
+
+
+@given(cases_and_shapes(), st.integers(0, 2**16))
+def test_fake_layout_matches_real_quantize(args, seed):
+    case, rowwise, columnwise, shape, dtype, kind = args
+    q = case.make(rowwise, columnwise)
+    x = _inputs(shape, dtype, kind, seed)
+    real = q.quantize(x)
+    assert isinstance(real, QuantizedTensor)
+    assert real.shape == x.shape and real.dtype == x.dtype
+    fake = q.alloc_tensors(shape, dtype, "cpu")
+    assert _specs(fake) == _specs(real.get_buffers())
+    assert list(fake) == [a for a, _ in type(real)._FLATTEN_TENSOR_BUFFERS if a in fake]
+
+    proto = TensorProto(shape, dtype, q)
+    made = proto.create_tensor()
+    assert type(made) is type(real)
+    assert made.shape == real.shape and made.dtype == real.dtype
+    assert _specs(made.get_buffers()) == _specs(real.get_buffers())
+    assert proto.inner_names() == tuple(real.get_buffers())
+    assert proto.create_metadata()[1] == made.get_metadata()
+    assert to_tensor_proto(real).inner_names() == proto.inner_names()
+
+    # flatten -> unflatten round-trips by value
+    names, ctx = real.__tensor_flatten__()
+    assert names == list(real.get_buffers())
+    back = type(real).__tensor_unflatten__({n: getattr(real, n) for n in names}, ctx, real.shape, real.stride())
+    assert type(back) is type(real)
+    for n in names:
+        assert torch.equal(getattr(back, n).view(torch.uint8), getattr(real, n).view(torch.uint8))
+    torch.testing.assert_close(back.dequantize(), real.dequantize(), equal_nan=True, rtol=0, atol=0)
+
+
+@given(cases_and_shapes(), st.integers(0, 2**16))
+def test_dequantize_error_bound(args, seed):
+    case, rowwise, columnwise, shape, dtype, kind = args
+    q = case.make(rowwise, columnwise)
+    x = _inputs(shape, dtype, kind, seed).float()
+    y = q.quantize(x).dequantize()
+    assert y.dtype == torch.float32 and y.shape == x.shape
+    assert torch.isfinite(y).all()
+    amax = x.abs().max().item()
+    err = (y - x).abs().max().item()
+    assert err <= case.max_abs_rel_err * amax + 1e-30, f"{case.name}: err {err} vs amax {amax}"
+    if kind == "zeros":
+        assert torch.equal(y, x)
+
+
+@pytest.mark.parametrize("case", FORMAT_CASES, ids=repr)
+def test_both_usages_dequantize_alike(case):
+    x = torch.randn(128, 256)
+    row = case.make(True, False).quantize(x).dequantize()
+    col = case.make(False, True).quantize(x).dequantize()
+    assert row.shape == col.shape == x.shape
+    # Formats with different rowwise/columnwise blocks differ a little; both are close to x.
+    for y in (row, col):
+        assert (y - x).abs().max() <= case.max_abs_rel_err * x.abs().max()
+
+
+@pytest.mark.parametrize("case", FORMAT_CASES, ids=repr)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int8, torch.float64, torch.float8_e4m3fn])
+def test_rejects_unsupported_dtypes(case, dtype):
+    x = torch.ones(128, 128).to(dtype)
+    with pytest.raises(TypeError, match="dtype"):
+        case.make(True, True).quantize(x)
+
+
+@pytest.mark.parametrize("case", [c for c in FORMAT_CASES if c.k_multiple > 1 or c.m_multiple > 1], ids=repr)
+def test_rejects_shapes_blocks_do_not_divide(case):
+    if case.k_multiple > 1:
+        bad = (case.m_multiple * 2, case.k_multiple + 1)
+        with pytest.raises(ValueError, match=r"\b%d\b" % bad[-1]):
+            case.make(True, False).quantize(torch.randn(bad))
+        with pytest.raises(ValueError, match=r"\b%d\b" % bad[-1]):
+            case.make(True, False).alloc_tensors(bad, torch.float32)
+    if case.m_multiple > 1:
+        bad = (case.m_multiple + 1, max(case.k_multiple, case.k_multiple_columnwise) * 2)
+        with pytest.raises(ValueError, match=r"\b%d\b" % bad[0]):
+            case.make(False, True).quantize(torch.randn(bad))
+        with pytest.raises(ValueError, match=r"\b%d\b" % bad[0]):
+            TensorProto(bad, torch.float32, case.make(False, True)).create_tensor()
+
+
+@pytest.mark.parametrize("case", FORMAT_CASES, ids=repr)
+def test_rejects_zero_dim_and_no_usage(case):
+    with pytest.raises(ValueError, match="0-dim"):
+        case.make(True, True).quantize(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="usage"):
+        case.make(False, False).quantize(torch.randn(128, 128))
+
+
+@pytest.mark.parametrize("case", FORMAT_CASES, ids=repr)
+def test_nan_and_inf_inputs_documented_behaviour(case):
+    """NaN propagates to the dequantized output where it was; Inf saturates to the format's
+    largest value for its block, keeping its sign (no exception: checking would need a host
+    sync). Where the block scale saturates too (MXFP8: 448 * 2**127) that value is +-inf in fp32."""
+    x = torch.randn(128, 128)
+    x[3, 5] = float("nan")
+    y = case.make(True, False).quantize(x).dequantize()
+    assert torch.isnan(y[3, 5])
+    x = torch.randn(128, 128)
+    x[7, 9] = float("inf")
+    x[8, 1] = float("-inf")
+    y = case.make(True, False).quantize(x).dequantize()
+    assert not torch.isnan(y[7, 9]) and y[7, 9] > 0
+    assert not torch.isnan(y[8, 1]) and y[8, 1] < 0
