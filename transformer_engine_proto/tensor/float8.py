@@ -140,6 +140,14 @@ class Float8Quantizer(_Float8QuantizerBase):
         kwargs["quantizer"] = self.stateless()
         return cls, kwargs
 
+    def update_quantized(self, src, dst) -> None:
+        """Re-quantize into `dst`; a stateless quantizer reuses the scale `dst` was made with."""
+        if self.scale is None:
+            scale = dst._scale_inv.reciprocal()
+            stateful = dataclasses.replace(self, scale=scale, amax=torch.zeros_like(scale))
+            return super(Float8Quantizer, stateful).update_quantized(src, dst)
+        return super().update_quantized(src, dst)
+
     def _quantize_buffers(self, x):
         if self.scale is None or self.amax is None:
             raise RuntimeError(

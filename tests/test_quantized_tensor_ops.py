@@ -1,0 +1,123 @@
+"""QuantizedTensor behaviour shared by all formats: native ops, fallback, usages."""
+import warnings
+
+import pytest
+import torch
+
+from format_cases import FORMAT_CASES
+from transformer_engine_proto.tensor import QuantizedTensor
+from transformer_engine_proto.tensor import quantized_tensor as qt_module
+
+
+def _q(case, x=None, rowwise=True, columnwise=True):
+    x = torch.randn(128, 256) if x is None else x
+    return case.make(rowwise, columnwise).quantize(x), x
+
+
+@pytest.mark.parametrize("case", FORMAT_CASES, ids=repr)
+def test_detach_clone_empty_like_keep_format(case):
+    t, _ = _q(case)
+    for out in (t.detach(), t.clone(), torch.empty_like(t)):
+        assert type(out) is type(t) and out.shape == t.shape and out.dtype == t.dtype
+        assert out.get_buffers().keys() == t.get_buffers().keys()
+    clone = t.clone()
+    for name, buf in clone.get_buffers().items():
+        assert buf.data_ptr() != getattr(t, name).data_ptr()
+    torch.testing.assert_close(clone.dequantize(), t.dequantize(), rtol=0, atol=0)
+    det = t.detach()
+    for name, buf in det.get_buffers().items():
+        assert buf.data_ptr() == getattr(t, name).data_ptr()
+
+
+@pytest.mark.parametrize("case", FORMAT_CASES, ids=repr)
+def test_view_keeping_last_dim_is_native(case):
+    t, x = _q(case)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback would warn
+        v = t.view(4, 32, 256)
+    assert isinstance(v, QuantizedTensor) and v.shape == (4, 32, 256)
+    torch.testing.assert_close(v.dequantize(), t.dequantize().view(4, 32, 256), rtol=0, atol=0)
+    r = v.reshape(128, 256)
+    torch.testing.assert_close(r.dequantize(), t.dequantize(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", FORMAT_CASES, ids=repr)
+def test_copy_requantizes_into_existing_buffers(case):
+    t, _ = _q(case)
+    ptrs = {k: v.data_ptr() for k, v in t.get_buffers().items()}
+    y = torch.randn(128, 256) * 3
+    t.copy_(y)
+    assert {k: v.data_ptr() for k, v in t.get_buffers().items()} == ptrs
+    if getattr(case.make(True, True), "stochastic_rounding", False):
+        assert (t.dequantize() - y).abs().max() <= case.max_abs_rel_err * y.abs().max()
+        return
+    fresh = case.make(True, True).quantize(y)
+    torch.testing.assert_close(t.dequantize(), fresh.dequantize(), rtol=0, atol=0)
+    # copy_ between quantized tensors of the same format copies the buffers
+    t2, _ = _q(case)
+    t2.copy_(t)
+    torch.testing.assert_close(t2.dequantize(), t.dequantize(), rtol=0, atol=0)
+    # and into a plain tensor it dequantizes
+    plain = torch.empty(128, 256)
+    plain.copy_(t)
+    torch.testing.assert_close(plain, t.dequantize(), rtol=0, atol=0)
+
+
+def test_fallback_runs_on_dequantized_and_warns_once():
+    case = FORMAT_CASES[1]
+    t, _ = _q(case)
+    qt_module._WARNED_OPS.discard(torch.ops.aten.mul.Tensor)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out1 = t * 2
+        out2 = t * 3
+    msgs = [w for w in caught if "no quantized implementation" in str(w.message)]
+    assert len(msgs) == 1 and "aten.mul.Tensor" in str(msgs[0].message)
+    assert type(out1) is torch.Tensor
+    torch.testing.assert_close(out1, t.dequantize() * 2)
+    torch.testing.assert_close(out2, t.dequantize() * 3)
+
+
+@pytest.mark.parametrize("case", FORMAT_CASES, ids=repr)
+def test_update_usage_drops_and_keeps(case):
+    t, _ = _q(case)
+    ref = t.dequantize()
+    t.update_usage(rowwise_usage=True, columnwise_usage=False)
+    assert t.has_rowwise() and not t.has_columnwise()
+    assert not t._quantizer.columnwise_usage
+    assert set(t.get_buffers()) == set(t._quantizer.alloc_tensors(t.shape, t.dtype))
+    torch.testing.assert_close(t.dequantize(), ref, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="at least one"):
+        t.update_usage(rowwise_usage=False, columnwise_usage=False)
+
+
+@pytest.mark.parametrize("case", FORMAT_CASES, ids=repr)
+def test_columnwise_only_dequantizes(case):
+    t, x = _q(case, rowwise=False, columnwise=True)
+    assert not t.has_rowwise() and t.has_columnwise()
+    assert (t.dequantize() - x).abs().max() <= case.max_abs_rel_err * x.abs().max()
+
+
+@pytest.mark.parametrize("case", FORMAT_CASES, ids=repr)
+def test_deriving_a_missing_usage_is_exact_or_a_clear_error(case):
+    t, _ = _q(case, rowwise=True, columnwise=False)
+    ref = t.dequantize()
+    try:
+        t.update_usage(columnwise_usage=True)
+    except RuntimeError as e:
+        assert "columnwise" in str(e)
+        return
+    assert t.has_columnwise()
+    t.update_usage(rowwise_usage=False)
+    torch.testing.assert_close(t.dequantize(), ref, rtol=0, atol=0)
+
+
+def test_storage_registry_resolves_every_tensor_class():
+    from transformer_engine_proto.tensor import storage_class_by_qualname
+
+    for case in FORMAT_CASES:
+        t, _ = _q(case)
+        names, ctx = t.__tensor_flatten__()
+        assert storage_class_by_qualname(ctx[0]) is type(t)
+    with pytest.raises(KeyError, match="no quantized storage class"):
+        storage_class_by_qualname("nope.Nope")
