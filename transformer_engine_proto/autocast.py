@@ -1,0 +1,70 @@
+"""`autocast(enabled=True, recipe=...)` (alias `fp8_autocast`): which recipe modules use now.
+
+The state is a plain Python object that torch.compile reads and guards on, so entering autocast
+with another recipe recompiles instead of silently reusing a graph traced for the old one.
+On entry (outside compiled code) live modules are told the recipe so they can allocate the
+recipe's state buffers eagerly; a compiled graph then only reads and mutates them.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+from typing import Optional
+
+from . import recipe as _recipe
+
+__all__ = ["autocast", "fp8_autocast", "is_fp8_enabled", "get_fp8_recipe", "FP8GlobalState"]
+
+
+@dataclass
+class _State:
+    enabled: bool = False
+    recipe: Optional[_recipe.Recipe] = None
+
+
+class FP8GlobalState:
+    state = _State()
+    modules: "weakref.WeakSet" = weakref.WeakSet()  # modules to prepare on autocast entry
+
+    @classmethod
+    def register_module(cls, module) -> None:
+        cls.modules.add(module)
+
+
+def is_fp8_enabled() -> bool:
+    return FP8GlobalState.state.enabled
+
+
+def get_fp8_recipe() -> Optional[_recipe.Recipe]:
+    return FP8GlobalState.state.recipe if FP8GlobalState.state.enabled else None
+
+
+def _default_recipe() -> _recipe.Recipe:
+    return _recipe.DelayedScaling()
+
+
+@contextlib.contextmanager
+def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[_recipe.Recipe] = None,
+             amax_reduction_group=None, _graph: bool = False):
+    """Run the enclosed TE-proto modules in low precision with `recipe` (default DelayedScaling)."""
+    if calibrating:
+        raise NotImplementedError("calibrating=True is not supported by transformer_engine_proto")
+    if recipe is None:
+        recipe = _default_recipe()
+    if not isinstance(recipe, _recipe.Recipe):
+        raise TypeError(f"recipe must be a transformer_engine_proto.recipe.Recipe, got {type(recipe).__name__}")
+    import torch
+
+    if enabled and not torch.compiler.is_compiling():
+        for module in list(FP8GlobalState.modules):
+            module.prepare_for_recipe(recipe)
+    saved = FP8GlobalState.state
+    FP8GlobalState.state = _State(enabled=bool(enabled), recipe=recipe if enabled else None)
+    try:
+        yield
+    finally:
+        FP8GlobalState.state = saved
+
+
+fp8_autocast = autocast

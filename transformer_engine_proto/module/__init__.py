@@ -1,0 +1,2 @@
+"""TE-style modules: Linear, LayerNormLinear, LayerNormMLP, LayerNorm, RMSNorm, TransformerLayer."""
+from .linear import Linear  # noqa: F401

@@ -1,0 +1,55 @@
+"""Shared behaviour of TE-proto modules: naming, input checks, recipe preparation."""
+from __future__ import annotations
+
+import itertools
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..autocast import FP8GlobalState, get_fp8_recipe
+from ..tensor.quantizer import HIGH_PRECISION_DTYPES
+
+__all__ = ["TransformerEngineBaseModule"]
+
+_counter = itertools.count()
+
+
+class TransformerEngineBaseModule(nn.Module):
+    """Registers itself so `autocast` can prepare recipe state before any compiled graph runs."""
+
+    def __init__(self, name: Optional[str] = None):
+        super().__init__()
+        self.name = name if name is not None else f"{type(self).__name__.lower()}_{next(_counter)}"
+        FP8GlobalState.register_module(self)
+
+    def _gemms(self):
+        """(QuantizedGemm, weight) pairs of this module."""
+        return []
+
+    def prepare_for_recipe(self, recipe) -> None:
+        for gemm, weight in self._gemms():
+            gemm.prepare_for_recipe(recipe, weight)
+
+    def _check_input(self, inp: torch.Tensor, features: int, what: str = "input") -> None:
+        if not isinstance(inp, torch.Tensor):
+            raise TypeError(f"{self.name}: {what} must be a torch.Tensor, got {type(inp).__name__}")
+        if inp.dtype not in HIGH_PRECISION_DTYPES:
+            raise TypeError(f"{self.name}: {what} dtype {inp.dtype} is not supported (float32, bfloat16, float16)")
+        if inp.dim() < 1 or inp.shape[-1] != features:
+            raise ValueError(f"{self.name}: {what} last dim must be {features}, got shape {tuple(inp.shape)}")
+        recipe = get_fp8_recipe()
+        if recipe is not None:
+            self._check_recipe_shapes(recipe)
+
+    def _check_recipe_shapes(self, recipe) -> None:
+        """Fail early, naming the module, when a recipe's blocks do not divide a weight."""
+        from ..tensor.recipe_quantizers import quantizers_for_recipe
+
+        q = quantizers_for_recipe(recipe)
+        for _, weight in self._gemms():
+            try:
+                q.weight.check_shape(tuple(weight.shape))
+                q.input.with_usage(rowwise=True, columnwise=False).check_shape((1, weight.shape[1]))
+            except ValueError as e:
+                raise ValueError(f"{self.name}: recipe {type(recipe).__name__} cannot quantize this layer: {e}") from None

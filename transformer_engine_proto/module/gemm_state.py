@@ -1,0 +1,135 @@
+"""`QuantizedGemm`: the per-GEMM state a TE module keeps, and the call into the linear ops.
+
+State lives in buffers so torch.compile sees it as graph inputs it may mutate (no host sync):
+the delayed-scaling scales and amax history (updated in-graph at each first micro-batch) and
+the quantized weight cache for `is_first_microbatch`. Buffers whose shape depends on the recipe
+are allocated eagerly by `prepare_for_recipe`, which `autocast` calls on entry.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .. import recipe as R
+from ..autocast import get_fp8_recipe
+from ..ops import linear_ops
+from ..ops.recipe_registry import quantizers_from_key, recipe_key
+from ..tensor import TensorProto
+
+__all__ = ["QuantizedGemm", "DEFAULT_HISTORY_LEN"]
+
+DEFAULT_HISTORY_LEN = 1024
+
+
+def _role_maxes(recipe: R.DelayedScaling):
+    fwd = 448.0 if recipe.fp8_format.fwd_dtype == torch.float8_e4m3fn else 57344.0
+    bwd = 448.0 if recipe.fp8_format.bwd_dtype == torch.float8_e4m3fn else 57344.0
+    return (fwd, fwd, bwd)
+
+
+def _update_from_history(scale, amax_history, recipe: R.DelayedScaling, fp8_max: float) -> None:
+    """TE's rule: scale from the max (or most recent) amax of the history, kept where that amax
+    is 0 or non-finite; then roll the history so slot 0 is free for this step's amax."""
+    history = amax_history[: recipe.amax_history_len]
+    amax = history.amax(0) if recipe.amax_compute_algo == "max" else history[0]
+    new = fp8_max / amax / (2.0 ** recipe.margin)
+    keep = (amax <= 0) | ~torch.isfinite(amax) | ~torch.isfinite(new)
+    scale.copy_(torch.where(keep, scale, new))
+    history.copy_(torch.roll(history, -1, 0))
+    history[0].zero_()
+
+
+class QuantizedGemm(nn.Module):
+    """State and dispatch for one GEMM (input @ weight.T) of a module."""
+
+    def __init__(self, device=None):
+        super().__init__()
+        # columns: input, weight (forward); the gradient has its own buffers because backward
+        # reads them after forward has already recorded this step's amaxes
+        self.register_buffer("fp8_scale", torch.ones(2, device=device))
+        self.register_buffer("amax_history", torch.zeros(DEFAULT_HISTORY_LEN, 2, device=device))
+        self.register_buffer("grad_fp8_scale", torch.ones(1, device=device))
+        self.register_buffer("grad_amax_history", torch.zeros(DEFAULT_HISTORY_LEN, 1, device=device))
+        self._cache_names = []
+        self._cache_for = None  # (recipe key, weight shape, dtype) the cache was allocated for
+
+    # ---- eager preparation ----------------------------------------------------------------
+    def prepare_for_recipe(self, recipe: R.Recipe, weight: torch.Tensor) -> None:
+        if isinstance(recipe, R.DelayedScaling) and recipe.amax_history_len > self.amax_history.shape[0]:
+            device = self.amax_history.device
+            self.amax_history = torch.zeros(recipe.amax_history_len, 2, device=device)
+            self.grad_amax_history = torch.zeros(recipe.amax_history_len, 1, device=device)
+        self._alloc_weight_cache(recipe_key(recipe), weight)
+
+    def _alloc_weight_cache(self, key: str, weight: torch.Tensor) -> None:
+        want = (key, tuple(weight.shape), weight.dtype)
+        if self._cache_for == want:
+            return
+        for name in self._cache_names:
+            delattr(self, name)
+        self._cache_names = []
+        q = quantizers_from_key(key).weight
+        if q is not None:
+            proto = TensorProto(weight.shape, weight.dtype, q.with_usage(rowwise=True, columnwise=True),
+                                device=weight.device)
+            for i, buf in enumerate(proto.create_buffers().values()):
+                name = f"weight_cache_{i}"
+                self.register_buffer(name, buf, persistent=False)
+                self._cache_names.append(name)
+        self._cache_for = want
+
+    # ---- in-graph delayed scaling -----------------------------------------------------------
+    def _update_delayed_scales(self, recipe: R.DelayedScaling) -> None:
+        fwd_max, _, bwd_max = _role_maxes(recipe)
+        _update_from_history(self.fp8_scale, self.amax_history, recipe, fwd_max)
+        _update_from_history(self.grad_fp8_scale, self.grad_amax_history, recipe, bwd_max)
+
+    # ---- the call ---------------------------------------------------------------------------
+    def forward(self, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                is_first_microbatch: Optional[bool] = None, save_original_input: bool = False,
+                fuse_wgrad_accumulation: bool = False) -> torch.Tensor:
+        recipe = get_fp8_recipe()
+        key = recipe_key(recipe)
+        delayed = isinstance(recipe, R.DelayedScaling)
+        cache_mode, cache = linear_ops.CACHE_OFF, []
+        if recipe is not None and is_first_microbatch is not None:
+            if self._cache_for != (key, tuple(weight.shape), weight.dtype):
+                if torch.compiler.is_compiling():
+                    raise RuntimeError(
+                        "is_first_microbatch needs the quantized-weight cache, which is allocated when "
+                        "autocast is entered outside torch.compile; enter autocast(recipe=...) outside the "
+                        "compiled region (or run one eager step) before compiling"
+                    )
+                self._alloc_weight_cache(key, weight)
+            cache = [getattr(self, n) for n in self._cache_names]
+            cache_mode = linear_ops.CACHE_FILL if is_first_microbatch else linear_ops.CACHE_USE
+        if delayed and cache_mode != linear_ops.CACHE_USE:
+            if recipe.amax_history_len > self.amax_history.shape[0]:
+                if torch.compiler.is_compiling():
+                    raise RuntimeError(
+                        f"amax_history_len={recipe.amax_history_len} exceeds the allocated history "
+                        f"({self.amax_history.shape[0]}); enter autocast outside torch.compile first"
+                    )
+                self.prepare_for_recipe(recipe, weight)
+            self._update_delayed_scales(recipe)
+        main_grad = None
+        if fuse_wgrad_accumulation and weight.requires_grad:
+            main_grad = getattr(weight, "main_grad", None)
+            if main_grad is None:
+                raise RuntimeError("fuse_wgrad_accumulation=True needs weight.main_grad (an fp32 buffer) to be set")
+        out, amaxes, new_cache = linear_ops.linear(
+            inp, weight, bias, key=key,
+            fp8_scales=self.fp8_scale if delayed else None,
+            grad_scale=self.grad_fp8_scale if delayed else None,
+            grad_amax_history=self.grad_amax_history if delayed else None,
+            weight_cache=cache, main_grad=main_grad, cache_mode=cache_mode,
+            save_original_input=save_original_input, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+        )
+        if delayed:
+            slot = self.amax_history[0]
+            slot.copy_(torch.maximum(slot, amaxes.detach()))
+        for buf, new in zip(cache, new_cache):
+            buf.copy_(new.detach())
+        return out

@@ -1,0 +1,2 @@
+"""torch.library custom ops (namespace `te_proto`) with fake impls built from TensorProtos."""
+from . import linear as linear_ops  # noqa: F401  (registers te_proto::linear_fwd / linear_bwd)

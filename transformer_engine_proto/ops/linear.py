@@ -1,0 +1,317 @@
+"""Linear forward/backward as `torch.library` custom ops (namespace `te_proto`).
+
+Both ops return plain tensors only. Quantized tensors that backward needs (the columnwise input
+for wgrad, the columnwise weight for dgrad) leave the forward op as their flattened buffers; the
+fake impls build the same lists from `TensorProto`s, which `LinearPlan` derives from the call's
+flags (never from live `requires_grad`). The forward is functional (it returns amaxes instead of
+writing them); the backward op mutates the delayed-scaling amax history and `main_grad`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+
+from ..gemm import gemm
+from ..tensor import Float8Quantizer, QuantizedTensor, TensorProto
+from .recipe_registry import quantizers_from_key
+
+__all__ = ["linear", "LinearPlan", "CACHE_OFF", "CACHE_FILL", "CACHE_USE"]
+
+CACHE_OFF, CACHE_FILL, CACHE_USE = 0, 1, 2  # weight quantization cache modes (is_first_microbatch)
+# Delayed scaling state: fp8_scales (2,) for input/weight, used in forward only; grad_scale (1,)
+# and grad_amax_history (H, 1) are saved for backward, which records the grad amax in slot 0.
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """Which buffers exist for one call, from shapes and call-time flags only."""
+
+    key: str
+    in_shape: tuple
+    weight_shape: tuple
+    act_dtype: torch.dtype
+    weight_dtype: torch.dtype
+    input_requires_grad: bool
+    weight_requires_grad: bool
+    cache_mode: int
+    save_original_input: bool
+
+    @property
+    def quantizers(self):
+        return quantizers_from_key(self.key)
+
+    @property
+    def quantized(self) -> bool:
+        return self.quantizers.enabled
+
+    @property
+    def delayed(self) -> bool:
+        return isinstance(self.quantizers.input, Float8Quantizer)
+
+    @property
+    def m(self) -> int:
+        m = 1
+        for s in self.in_shape[:-1]:
+            m *= s
+        return m
+
+    def _proto(self, role, shape, dtype, rowwise, columnwise):
+        q = getattr(self.quantizers, role).with_usage(rowwise=rowwise, columnwise=columnwise)
+        return TensorProto(shape, dtype, q)
+
+    def saved_input(self) -> Optional[TensorProto]:
+        if self.quantized and self.weight_requires_grad and not self.save_original_input:
+            return self._proto("input", (self.m, self.in_shape[-1]), self.act_dtype, False, True)
+        return None
+
+    def saved_weight(self) -> Optional[TensorProto]:
+        if self.quantized and self.input_requires_grad and self.cache_mode != CACHE_USE:
+            return self._proto("weight", self.weight_shape, self.weight_dtype, False, True)
+        return None
+
+    def cached_weight(self) -> Optional[TensorProto]:
+        """Both usages, as stored in (or refreshed into) the module's weight cache."""
+        if self.quantized and self.cache_mode != CACHE_OFF:
+            return self._proto("weight", self.weight_shape, self.weight_dtype, True, True)
+        return None
+
+    def saved_protos(self) -> List[TensorProto]:
+        return [p for p in (self.saved_input(), self.saved_weight()) if p is not None]
+
+    # ---- what the autograd context keeps from the op's inputs (never op outputs) ----------
+    def saves_raw_input(self) -> bool:
+        return self.weight_requires_grad and (not self.quantized or self.save_original_input)
+
+    def saves_raw_weight(self) -> bool:
+        return self.input_requires_grad and not self.quantized
+
+
+def _split(buffers: Sequence[torch.Tensor], protos: Sequence[TensorProto]):
+    out, i = [], 0
+    for p in protos:
+        n = len(p.inner_names())
+        out.append(rebuild(p, buffers[i:i + n]))
+        i += n
+    return out
+
+
+def rebuild(proto: TensorProto, buffers: Sequence[torch.Tensor]) -> QuantizedTensor:
+    """A quantized tensor from its flattened buffers (the inverse of `get_buffers`)."""
+    cls, meta = proto.create_metadata()
+    ctx = (f"{cls.__module__}.{cls.__qualname__}", tuple(meta.pop("shape")), meta.pop("dtype"),
+           meta.pop("quantizer"), tuple(meta.items()))
+    return cls.__tensor_unflatten__(dict(zip(proto.inner_names(), buffers)), ctx, None, None)
+
+
+def only_usage(t: QuantizedTensor, rowwise: bool) -> QuantizedTensor:
+    """A detached view of `t` keeping one usage, so gemm reads the intended buffers."""
+    view = t.detach()
+    return view.update_usage(rowwise_usage=rowwise, columnwise_usage=not rowwise)
+
+
+def _bind_delayed(q, scales, amaxes, slot: int):
+    return dataclasses.replace(q, scale=scales[slot:slot + 1], amax=amaxes[slot:slot + 1])
+
+
+def _plan(key, inp, weight, input_requires_grad, weight_requires_grad, cache_mode, save_original_input):
+    return LinearPlan(key, tuple(inp.shape), tuple(weight.shape), inp.dtype, weight.dtype,
+                      input_requires_grad, weight_requires_grad, cache_mode, save_original_input)
+
+
+# ---- forward ----------------------------------------------------------------------------------
+@torch.library.custom_op("te_proto::linear_fwd", mutates_args=())
+def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+               fp8_scales: Optional[torch.Tensor], grad_scale: Optional[torch.Tensor],
+               grad_amax_history: Optional[torch.Tensor], weight_cache: List[torch.Tensor],
+               main_grad: Optional[torch.Tensor], key: str,
+               input_requires_grad: bool, weight_requires_grad: bool, cache_mode: int,
+               save_original_input: bool, fuse_wgrad_accumulation: bool
+               ) -> tuple[torch.Tensor, torch.Tensor, List[torch.Tensor], List[torch.Tensor]]:
+    plan = _plan(key, inp, weight, input_requires_grad, weight_requires_grad, cache_mode, save_original_input)
+    x2d = inp.reshape(-1, inp.shape[-1])
+    out_shape = tuple(inp.shape[:-1]) + (weight.shape[0],)
+    if not plan.quantized:
+        out = gemm(x2d, weight, trans_b=True, bias=bias, out_dtype=inp.dtype)
+        return out.view(out_shape), inp.new_empty(0, dtype=torch.float32), [], []
+    q = plan.quantizers
+    amaxes = torch.zeros(2 if plan.delayed else 0, dtype=torch.float32, device=inp.device)
+    iq = q.input.with_usage(rowwise=True, columnwise=plan.saved_input() is not None)
+    if plan.delayed:
+        iq = _bind_delayed(iq, fp8_scales, amaxes, 0)
+    xq = iq.quantize(x2d)
+    if cache_mode == CACHE_USE:
+        wq = rebuild(plan.cached_weight(), weight_cache)
+    else:
+        wq = q.weight.with_usage(rowwise=True, columnwise=input_requires_grad or cache_mode == CACHE_FILL)
+        if plan.delayed:
+            wq = _bind_delayed(wq, fp8_scales, amaxes, 1)
+        wq = wq.quantize(weight)
+    out = gemm(only_usage(xq, True), only_usage(wq, True), trans_b=True, bias=bias, out_dtype=inp.dtype)
+    cache = list(wq.get_buffers().values()) if cache_mode == CACHE_FILL else []
+    saved = []
+    if plan.saved_input() is not None:
+        saved += list(only_usage(xq, False).get_buffers().values())
+    if plan.saved_weight() is not None:
+        saved += [b.clone() if cache else b for b in only_usage(wq, False).get_buffers().values()]
+    return out.view(out_shape), amaxes, saved, cache
+
+
+@linear_fwd.register_fake
+def _linear_fwd_fake(inp, weight, bias, fp8_scales, grad_scale, grad_amax_history, weight_cache, main_grad, key,
+                     input_requires_grad, weight_requires_grad, cache_mode, save_original_input,
+                     fuse_wgrad_accumulation):
+    plan = _plan(key, inp, weight, input_requires_grad, weight_requires_grad, cache_mode, save_original_input)
+    out = inp.new_empty(tuple(inp.shape[:-1]) + (weight.shape[0],))
+    amaxes = inp.new_empty(2 if plan.quantized and plan.delayed else 0, dtype=torch.float32)
+    saved = []
+    for p in plan.saved_protos():
+        p.device = inp.device
+        saved += list(p.create_buffers().values())
+    cache = []
+    if cache_mode == CACHE_FILL and plan.quantized:
+        p = plan.cached_weight()
+        p.device = inp.device
+        cache = list(p.create_buffers().values())
+    return out, amaxes, saved, cache
+
+
+# ---- backward ---------------------------------------------------------------------------------
+@torch.library.custom_op("te_proto::linear_bwd", mutates_args=())
+def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[torch.Tensor],
+               weight: Optional[torch.Tensor], weight_cache: List[torch.Tensor],
+               fp8_scales: Optional[torch.Tensor], grad_scale: Optional[torch.Tensor],
+               grad_amax_history: Optional[torch.Tensor], main_grad: Optional[torch.Tensor], key: str,
+               in_shape: List[int], weight_shape: List[int],
+               weight_dtype: torch.dtype, input_requires_grad: bool, weight_requires_grad: bool,
+               bias_requires_grad: bool, cache_mode: int, save_original_input: bool,
+               fuse_wgrad_accumulation: bool) -> List[torch.Tensor]:
+    """[dgrad] [wgrad (fp32 when it is accumulated into main_grad)] [dbias] [grad amax (delayed)]."""
+    plan = LinearPlan(key, tuple(in_shape), tuple(weight_shape), grad_out.dtype, weight_dtype,
+                      input_requires_grad, weight_requires_grad, cache_mode, save_original_input)
+    dy = grad_out.reshape(-1, grad_out.shape[-1])
+    saved_q = iter(_split(saved, plan.saved_protos()))
+    x = next(saved_q) if plan.saved_input() is not None else inp.reshape(-1, in_shape[-1]) if plan.weight_requires_grad else None
+    if not input_requires_grad:
+        w = None
+    elif plan.saved_weight() is not None:
+        w = next(saved_q)
+    elif cache_mode == CACHE_USE and plan.quantized:
+        w = only_usage(rebuild(plan.cached_weight(), weight_cache), False)
+    else:
+        w = weight
+    dy_q = dy
+    grad_amax = torch.zeros(1, dtype=torch.float32, device=dy.device)
+    if plan.quantized:
+        gq = plan.quantizers.grad_output.with_usage(rowwise=input_requires_grad, columnwise=weight_requires_grad)
+        if plan.delayed:
+            gq = dataclasses.replace(gq, scale=grad_scale, amax=grad_amax)
+        dy_q = gq.quantize(dy)
+        if plan.save_original_input and weight_requires_grad:
+            iq = plan.quantizers.input.with_usage(rowwise=False, columnwise=True)
+            if plan.delayed:  # reuse the forward's scale; the amax was recorded in forward
+                iq = dataclasses.replace(iq, scale=fp8_scales[0:1], amax=torch.zeros(1, device=dy.device))
+            x = iq.quantize(x)
+    grads = []
+    if input_requires_grad:
+        a = only_usage(dy_q, True) if isinstance(dy_q, QuantizedTensor) and weight_requires_grad else dy_q
+        dgrad = gemm(a, w, out_dtype=grad_out.dtype)
+        grads.append(dgrad.view(tuple(in_shape)))
+    if weight_requires_grad:
+        a = only_usage(dy_q, False) if isinstance(dy_q, QuantizedTensor) and input_requires_grad else dy_q
+        wgrad_dtype = torch.float32 if fuse_wgrad_accumulation else weight_dtype
+        grads.append(gemm(a, x, trans_a=True, out_dtype=wgrad_dtype))
+    if bias_requires_grad:
+        grads.append(dy.float().sum(0).to(weight_dtype))
+    if plan.quantized and plan.delayed:
+        grads.append(grad_amax)
+    return grads
+
+
+@linear_bwd.register_fake
+def _linear_bwd_fake(grad_out, saved, inp, weight, weight_cache, fp8_scales, grad_scale, grad_amax_history, main_grad,
+                     key, in_shape, weight_shape, weight_dtype, input_requires_grad,
+                     weight_requires_grad, bias_requires_grad, cache_mode, save_original_input,
+                     fuse_wgrad_accumulation):
+    grads = []
+    if input_requires_grad:
+        grads.append(grad_out.new_empty(tuple(in_shape)))
+    if weight_requires_grad:
+        dtype = torch.float32 if fuse_wgrad_accumulation else weight_dtype
+        grads.append(grad_out.new_empty(tuple(weight_shape), dtype=dtype))
+    if bias_requires_grad:
+        grads.append(grad_out.new_empty((weight_shape[0],), dtype=weight_dtype))
+    plan = LinearPlan(key, tuple(in_shape), tuple(weight_shape), grad_out.dtype, weight_dtype,
+                      input_requires_grad, weight_requires_grad, cache_mode, save_original_input)
+    if plan.quantized and plan.delayed:
+        grads.append(grad_out.new_empty((1,), dtype=torch.float32))
+    return grads
+
+
+# ---- autograd wiring ----------------------------------------------------------------------------
+_FWD_ARGS = ("inp", "weight", "bias", "fp8_scales", "grad_scale", "grad_amax_history", "weight_cache",
+             "main_grad", "key",
+             "input_requires_grad", "weight_requires_grad", "cache_mode", "save_original_input",
+             "fuse_wgrad_accumulation")
+
+
+def _setup_context(ctx, inputs, output):
+    a = dict(zip(_FWD_ARGS, inputs))
+    _, _, saved, _ = output
+    plan = _plan(a["key"], a["inp"], a["weight"], a["input_requires_grad"], a["weight_requires_grad"],
+                 a["cache_mode"], a["save_original_input"])
+    raw_inp = a["inp"] if plan.saves_raw_input() else None
+    raw_w = a["weight"] if plan.saves_raw_weight() else None
+    cache = list(a["weight_cache"]) if a["cache_mode"] == CACHE_USE and a["input_requires_grad"] else []
+    ctx.n_saved, ctx.n_cache, ctx.n_cache_in = len(saved), len(cache), len(a["weight_cache"])
+    state = (raw_inp, raw_w, a["fp8_scales"], a["grad_scale"], a["grad_amax_history"], a["main_grad"])
+    ctx.has = tuple(t is not None for t in state)
+    tensors = [t for t in state if t is not None]
+    ctx.save_for_backward(*saved, *cache, *tensors)
+    ctx.args = dict(key=a["key"], in_shape=list(a["inp"].shape), weight_shape=list(a["weight"].shape),
+                    weight_dtype=a["weight"].dtype, input_requires_grad=a["input_requires_grad"],
+                    weight_requires_grad=a["weight_requires_grad"],
+                    bias_requires_grad=a["bias"] is not None and a["bias"].requires_grad,
+                    cache_mode=a["cache_mode"], save_original_input=a["save_original_input"],
+                    fuse_wgrad_accumulation=a["fuse_wgrad_accumulation"])
+
+
+def _backward(ctx, grad_out, _grad_amaxes, _grad_saved, _grad_cache):
+    tensors = list(ctx.saved_tensors)
+    saved, tensors = tensors[:ctx.n_saved], tensors[ctx.n_saved:]
+    cache, tensors = tensors[:ctx.n_cache], tensors[ctx.n_cache:]
+    it = iter(tensors)
+    raw_inp, raw_w, scales, grad_scale, grad_history, main_grad = (next(it) if h else None for h in ctx.has)
+    args = ctx.args
+    grads = iter(linear_bwd(grad_out.contiguous(), saved, raw_inp, raw_w, cache, scales, grad_scale,
+                            grad_history, main_grad, **args))
+    dgrad = next(grads) if args["input_requires_grad"] else None
+    wgrad = next(grads) if args["weight_requires_grad"] else None
+    dbias = next(grads) if args["bias_requires_grad"] else None
+    if grad_history is not None:  # record this step's gradient amax (delayed scaling)
+        grad_history[0].copy_(torch.maximum(grad_history[0], next(grads)))
+    if args["fuse_wgrad_accumulation"] and wgrad is not None:
+        main_grad.add_(wgrad)
+        wgrad = None
+    # one grad per input: None for the state tensors, a list of Nones for the weight-cache list
+    return (dgrad, wgrad, dbias, None, None, None, [None] * ctx.n_cache_in) + (None,) * (len(_FWD_ARGS) - 7)
+
+
+linear_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def linear(inp, weight, bias=None, *, key: str, fp8_scales=None, grad_scale=None, grad_amax_history=None,
+           weight_cache=(),
+           main_grad=None, cache_mode: int = CACHE_OFF, save_original_input: bool = False,
+           fuse_wgrad_accumulation: bool = False):
+    """y = inp @ weight.T + bias through the custom ops. Returns (y, amaxes, new_weight_cache)."""
+    grad_on = torch.is_grad_enabled()
+    input_requires_grad = grad_on and inp.requires_grad
+    weight_requires_grad = grad_on and weight.requires_grad
+    out, amaxes, _, cache = linear_fwd(
+        inp, weight, bias, fp8_scales, grad_scale, grad_amax_history, list(weight_cache), main_grad, key,
+        input_requires_grad, weight_requires_grad, cache_mode, save_original_input,
+        fuse_wgrad_accumulation and weight_requires_grad)
+    return out, amaxes, cache

@@ -1,0 +1,42 @@
+"""Recipes cross custom-op boundaries as string keys.
+
+A custom op's schema cannot carry a Python object, so the module registers the recipe under its
+repr (deterministic: recipes are frozen dataclasses of plain values) and passes the string.
+`assume_constant_result` makes torch.compile run the registration at trace time and bake the key
+into the graph as a constant.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Dict, Optional
+
+import torch
+
+from ..recipe import Recipe
+from ..tensor.recipe_quantizers import RoleQuantizers, quantizers_for_recipe
+
+__all__ = ["recipe_key", "recipe_from_key", "quantizers_from_key", "HIGH_PRECISION_KEY"]
+
+HIGH_PRECISION_KEY = "high_precision"
+_RECIPES: Dict[str, Optional[Recipe]] = {HIGH_PRECISION_KEY: None}
+
+
+@torch._dynamo.assume_constant_result
+def recipe_key(recipe: Optional[Recipe]) -> str:
+    if recipe is None:
+        return HIGH_PRECISION_KEY
+    key = repr(recipe)
+    _RECIPES[key] = recipe
+    return key
+
+
+def recipe_from_key(key: str) -> Optional[Recipe]:
+    try:
+        return _RECIPES[key]
+    except KeyError:
+        raise KeyError(f"recipe key {key!r} was never registered (call recipe_key(recipe) first)") from None
+
+
+@functools.lru_cache(maxsize=None)
+def quantizers_from_key(key: str) -> RoleQuantizers:
+    return quantizers_for_recipe(recipe_from_key(key))
