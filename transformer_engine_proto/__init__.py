@@ -1,5 +1,12 @@
-"""transformer_engine_proto: a torch.compile-native prototype of Transformer Engine's FP8 stack."""
+"""transformer_engine_proto: a torch.compile-native prototype of Transformer Engine's FP8 stack.
+
+TE code ports by changing one import: `import transformer_engine_proto as te` gives
+`te.Linear`, `te.LayerNormLinear`, `te.LayerNormMLP`, `te.LayerNorm`, `te.RMSNorm`,
+`te.TransformerLayer`, `te.autocast` / `te.fp8_autocast` and `te.recipe`.
+"""
 from . import recipe  # noqa: F401
+from .autocast import autocast, fp8_autocast, get_fp8_recipe, is_fp8_enabled  # noqa: F401
+from .module import LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm, TransformerLayer  # noqa: F401
 from .tensor import QuantizedTensor, TensorProto, to_tensor_proto  # noqa: F401
 
 __version__ = "0.1.0"

@@ -1,2 +1,6 @@
 """TE-style modules: Linear, LayerNormLinear, LayerNormMLP, LayerNorm, RMSNorm, TransformerLayer."""
 from .linear import Linear  # noqa: F401
+from .normalization import LayerNorm, RMSNorm  # noqa: F401
+from .layernorm_linear import LayerNormLinear  # noqa: F401
+from .layernorm_mlp import LayerNormMLP  # noqa: F401
+from .transformer_layer import TransformerLayer  # noqa: F401

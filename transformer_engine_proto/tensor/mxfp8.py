@@ -1,1 +1,134 @@
-__all__ = []
+"""MXFP8: fp8 data with one E8M0 (power-of-two) scale per block of 32 values.
+
+Buffers (all contiguous, no padding or swizzle), in flatten order:
+`_rowwise_data` (logical shape, fp8), `_rowwise_scale_inv` (M, K/32) e8m0,
+`_columnwise_data` (logical shape, fp8, NOT transposed), `_columnwise_scale_inv` (M/32, K) e8m0,
+where M is the product of the leading dims and K the last dim. The two usages block along
+different dims, so neither can be derived from the other without the original values.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict
+
+import torch
+
+from ..kernels import kernel
+from ..kernels.reference.common import fp8_max
+from .quantized_tensor import QuantizedTensor
+from .quantizer import BufferSpec, Quantizer, flat_2d
+from .storage import QuantizedTensorStorage
+
+__all__ = ["MXFP8TensorStorage", "MXFP8Tensor", "MXFP8Quantizer", "MXFP8_BLOCK_SIZE"]
+
+MXFP8_BLOCK_SIZE = 32
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_SCALE_DTYPE = torch.float8_e8m0fnu
+
+
+class MXFP8TensorStorage(QuantizedTensorStorage):
+    _FLATTEN_TENSOR_BUFFERS = (
+        ("_rowwise_data", "rowwise_data"),
+        ("_rowwise_scale_inv", "rowwise_scale_inv"),
+        ("_columnwise_data", "columnwise_data"),
+        ("_columnwise_scale_inv", "columnwise_scale_inv"),
+    )
+    _META_FIELDS = ("fp8_dtype",)
+    # Scales are 2D over (M, K) and stay as they are under views that keep the last dim.
+    _LOGICAL_SHAPE_BUFFERS = ("_rowwise_data", "_columnwise_data")
+
+    def has_rowwise(self) -> bool:
+        return self._rowwise_data is not None
+
+    def has_columnwise(self) -> bool:
+        return self._columnwise_data is not None
+
+    def _dequantize(self, dtype):
+        dequant = kernel("mxfp8_dequantize", self._device_of_buffers())
+        if self._rowwise_data is not None:
+            out = dequant(self._rowwise_data, self._rowwise_scale_inv, False, dtype)
+        else:
+            out = dequant(self._columnwise_data, self._columnwise_scale_inv, True, dtype)
+        return out.reshape(self._shape)
+
+    def _device_of_buffers(self):
+        data = self._rowwise_data if self._rowwise_data is not None else self._columnwise_data
+        return data.device
+
+    def _drop_usage(self, rowwise, columnwise) -> None:
+        if not rowwise:
+            self._rowwise_data = self._rowwise_scale_inv = None
+        if not columnwise:
+            self._columnwise_data = self._columnwise_scale_inv = None
+
+    # Base `_make_columnwise_from_rowwise` (an error) is kept: columnwise blocks need the
+    # original values. Base `_transpose_buffers` (None) is kept: a transpose would change the
+    # block direction, so t() falls back to the dequantized tensor.
+
+
+class MXFP8Tensor(MXFP8TensorStorage, QuantizedTensor):
+    """MXFP8 tensor: 1x32 rowwise and 32x1 columnwise blocks with E8M0 scales."""
+
+
+@dataclass(frozen=True)
+class MXFP8Quantizer(Quantizer):
+    """MX block scaling: per 32 values, scale 2**ceil(log2(amax / fp8_max)) stored as E8M0."""
+
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+
+    def __post_init__(self):
+        if self.fp8_dtype not in _FP8_DTYPES:
+            raise TypeError(
+                f"MXFP8Quantizer.fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {self.fp8_dtype}"
+            )
+
+    @property
+    def fp8_max(self) -> float:
+        return fp8_max(self.fp8_dtype)
+
+    @property
+    def tensor_class(self):
+        return MXFP8Tensor
+
+    def metadata(self):
+        return {"fp8_dtype": self.fp8_dtype}
+
+    def check_shape(self, shape) -> None:
+        m, k = flat_2d(shape)
+        shape = tuple(shape)
+        b = MXFP8_BLOCK_SIZE
+        if self.rowwise_usage and k % b != 0:
+            raise ValueError(
+                f"MXFP8 rowwise usage: shape {shape} has last dim {k}, which is not a multiple "
+                f"of the MXFP8 block of {b}"
+            )
+        if self.columnwise_usage and m % b != 0:
+            raise ValueError(
+                f"MXFP8 columnwise usage: shape {shape} has {m} rows (product of the leading dims), "
+                f"which is not a multiple of the MXFP8 block of {b}"
+            )
+
+    def buffer_layout(self, shape) -> Dict[str, BufferSpec]:
+        m, k = flat_2d(shape)
+        b = MXFP8_BLOCK_SIZE
+        out = {}
+        if self.rowwise_usage:
+            out["_rowwise_data"] = BufferSpec(tuple(shape), self.fp8_dtype)
+            out["_rowwise_scale_inv"] = BufferSpec((m, k // b), _SCALE_DTYPE)
+        if self.columnwise_usage:
+            out["_columnwise_data"] = BufferSpec(tuple(shape), self.fp8_dtype)
+            out["_columnwise_scale_inv"] = BufferSpec((m // b, k), _SCALE_DTYPE)
+        return out
+
+    def _quantize_buffers(self, x) -> Dict[str, torch.Tensor]:
+        row_data, row_scale, col_data, col_scale = kernel("mxfp8_quantize", x.device)(
+            x, self.fp8_dtype, self.rowwise_usage, self.columnwise_usage
+        )
+        out = {}
+        if self.rowwise_usage:
+            out["_rowwise_data"] = row_data
+            out["_rowwise_scale_inv"] = row_scale
+        if self.columnwise_usage:
+            out["_columnwise_data"] = col_data
+            out["_columnwise_scale_inv"] = col_scale
+        return out

@@ -1,1 +1,170 @@
-__all__ = []
+"""NVFP4: E2M1 values packed two per byte, an E4M3 scale per 16 values, one fp32 amax per usage.
+
+x is viewed as (M, K). Rowwise buffers quantize x along K: `_rowwise_data` uint8 (M, K/2),
+`_rowwise_scale_inv` e4m3 (M, K/16), `_amax_rowwise` (1,). Columnwise buffers quantize x^T along
+M (optionally after the random Hadamard transform, for wgrad): `_columnwise_data` (K, M/2),
+`_columnwise_scale_inv` (K, M/16), `_amax_columnwise` (1,). All buffers are 2D over (M, K), so a
+view that keeps the last dim leaves them untouched. With 2D (16x16) blocks the two usages hold
+the same rounded values, so each can be derived exactly from the other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+
+from ..kernels import kernel
+from ..kernels.reference.nvfp4 import BLOCK, transpose_2d_blocks
+from .quantized_tensor import QuantizedTensor
+from .quantizer import BufferSpec, Quantizer, check_input, flat_2d
+from .storage import QuantizedTensorStorage
+
+__all__ = ["NVFP4Quantizer", "NVFP4TensorStorage", "NVFP4Tensor"]
+
+
+class NVFP4TensorStorage(QuantizedTensorStorage):
+    _FLATTEN_TENSOR_BUFFERS = (
+        ("_rowwise_data", "rowwise_data"),
+        ("_rowwise_scale_inv", "rowwise_scale_inv"),
+        ("_columnwise_data", "columnwise_data"),
+        ("_columnwise_scale_inv", "columnwise_scale_inv"),
+        ("_amax_rowwise", "amax_rowwise"),
+        ("_amax_columnwise", "amax_columnwise"),
+    )
+    # The layout settings dequantize/relayout need, kept even without a quantizer.
+    _META_FIELDS = ("with_2d_quantization", "with_rht", "rht_seed")
+    _LOGICAL_SHAPE_BUFFERS = ()
+
+    def has_rowwise(self) -> bool:
+        return self._rowwise_data is not None
+
+    def has_columnwise(self) -> bool:
+        return self._columnwise_data is not None
+
+    def _dequantize(self, dtype):
+        dev = (self._rowwise_data if self._rowwise_data is not None else self._columnwise_data).device
+        values = kernel("nvfp4_dequantize", dev)(
+            self._rowwise_data, self._rowwise_scale_inv, self._amax_rowwise,
+            self._columnwise_data, self._columnwise_scale_inv, self._amax_columnwise,
+            self.with_rht, self.rht_seed,
+        )
+        return values.reshape(self._shape).to(dtype)
+
+    def _check_derivable(self, what: str) -> None:
+        m, _ = flat_2d(self._shape)
+        if not self.with_2d_quantization:
+            raise RuntimeError(
+                f"{type(self).__name__}: {what} data cannot be derived exactly with 1D blocks (the "
+                f"blocks run along the other dim); quantize with {what} usage instead"
+            )
+        if m % BLOCK:
+            raise ValueError(
+                f"NVFP4: cannot derive {what} data for shape {tuple(self._shape)}: the leading dims "
+                f"product {m} is not a multiple of the block size {BLOCK}"
+            )
+
+    def _make_columnwise_from_rowwise(self) -> None:
+        self._check_derivable("columnwise")
+        self._columnwise_data, self._columnwise_scale_inv = transpose_2d_blocks(
+            self._rowwise_data, self._rowwise_scale_inv)
+        self._amax_columnwise = self._amax_rowwise.clone()
+
+    def _make_rowwise_from_columnwise(self) -> None:
+        self._check_derivable("rowwise")
+        self._rowwise_data, self._rowwise_scale_inv = transpose_2d_blocks(
+            self._columnwise_data, self._columnwise_scale_inv)
+        self._amax_rowwise = self._amax_columnwise.clone()
+
+    def _drop_usage(self, rowwise, columnwise) -> None:
+        if not rowwise:
+            self._rowwise_data = self._rowwise_scale_inv = self._amax_rowwise = None
+        if not columnwise:
+            self._columnwise_data = self._columnwise_scale_inv = self._amax_columnwise = None
+
+    def _transpose_buffers(self):
+        """Without the RHT, the columnwise buffers of x are the rowwise buffers of x^T and vice
+        versa (same blocks, same global amax), so a 2D transpose swaps them."""
+        if not (self.has_rowwise() and self.has_columnwise()) or len(self._shape) != 2 or self.with_rht:
+            return None
+        return {
+            "_rowwise_data": self._columnwise_data, "_rowwise_scale_inv": self._columnwise_scale_inv,
+            "_columnwise_data": self._rowwise_data, "_columnwise_scale_inv": self._rowwise_scale_inv,
+            "_amax_rowwise": self._amax_columnwise, "_amax_columnwise": self._amax_rowwise,
+        }
+
+
+class NVFP4Tensor(NVFP4TensorStorage, QuantizedTensor):
+    """NVFP4 tensor (1D or 2D blocks, optional RHT on the columnwise operand)."""
+
+
+@dataclass(frozen=True)
+class NVFP4Quantizer(Quantizer):
+    """NVFP4 settings. 2D (16x16) blocks are for weights; the RHT (columnwise only) and
+    stochastic rounding are for gradients. `rht_seed` fixes the RHT's random sign vector."""
+
+    with_2d_quantization: bool = False
+    with_rht: bool = False
+    stochastic_rounding: bool = False
+    rht_seed: int = 0
+
+    def __post_init__(self):
+        if self.with_2d_quantization and self.with_rht:
+            raise ValueError("NVFP4Quantizer: with_rht cannot be combined with with_2d_quantization")
+        if not isinstance(self.rht_seed, int):
+            raise TypeError(f"NVFP4Quantizer.rht_seed must be an int, got {type(self.rht_seed).__name__}")
+
+    @property
+    def tensor_class(self):
+        return NVFP4Tensor
+
+    def metadata(self):
+        return {"with_2d_quantization": self.with_2d_quantization, "with_rht": self.with_rht,
+                "rht_seed": self.rht_seed}
+
+    def check_shape(self, shape) -> None:
+        m, k = flat_2d(shape)
+        if (self.rowwise_usage or self.with_2d_quantization) and k % BLOCK:
+            raise ValueError(
+                f"NVFP4: shape {tuple(shape)}: last dim {k} is not a multiple of the block size {BLOCK}")
+        if self.columnwise_usage and m % BLOCK:
+            raise ValueError(
+                f"NVFP4: shape {tuple(shape)}: columnwise usage needs the leading dims product {m} "
+                f"to be a multiple of the block size {BLOCK}")
+
+    def buffer_layout(self, shape) -> Dict[str, BufferSpec]:
+        m, k = flat_2d(shape)
+        out = {}
+        if self.rowwise_usage:
+            out["_rowwise_data"] = BufferSpec((m, k // 2), torch.uint8)
+            out["_rowwise_scale_inv"] = BufferSpec((m, k // BLOCK), torch.float8_e4m3fn)
+        if self.columnwise_usage:
+            out["_columnwise_data"] = BufferSpec((k, m // 2), torch.uint8)
+            out["_columnwise_scale_inv"] = BufferSpec((k, m // BLOCK), torch.float8_e4m3fn)
+        if self.rowwise_usage:
+            out["_amax_rowwise"] = BufferSpec((1,), torch.float32)
+        if self.columnwise_usage:
+            out["_amax_columnwise"] = BufferSpec((1,), torch.float32)
+        return out
+
+    def _quantize_buffers(self, x, rand=None, rand_columnwise=None):
+        bufs = kernel("nvfp4_quantize", x.device)(
+            x, self.rowwise_usage, self.columnwise_usage, self.with_2d_quantization, self.with_rht,
+            self.rht_seed, self.stochastic_rounding, rand, rand_columnwise,
+        )
+        names = [attr for attr, _ in NVFP4TensorStorage._FLATTEN_TENSOR_BUFFERS]
+        return {name: buf for name, buf in zip(names, bufs) if buf is not None}
+
+    def quantize(self, x: torch.Tensor, *, rand: Optional[torch.Tensor] = None,
+                 rand_columnwise: Optional[torch.Tensor] = None):
+        """As `Quantizer.quantize`; with stochastic rounding, `rand` (x's shape) and
+        `rand_columnwise` ((K, M)) give the uniform [0, 1) draws, so results are reproducible."""
+        if rand is None and rand_columnwise is None:
+            return super().quantize(x)
+        if isinstance(x, QuantizedTensor):
+            x = x.dequantize()
+        check_input(x, f"{type(self).__name__}.quantize")
+        self._check_usage()
+        self.check_shape(tuple(x.shape))
+        buffers = self._quantize_buffers(x.contiguous(), rand, rand_columnwise)
+        return self.make_tensor(buffers, tuple(x.shape), x.dtype)

@@ -1,1 +1,102 @@
+"""FP8 blockwise (DeepSeek-style) quantize/dequantize: one fp32 scale per 1x128 or 128x128 tile.
 
+Partial tiles at the matrix edges are allowed: their amax covers only the real elements (the
+padding used to shape the reduction is zeros, which cannot raise an amax).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .. import register_kernel
+from .common import fp8_max, saturating_cast, scale_from_amax, transpose_2d
+
+TILE = 128
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def pow2_floor(scale: torch.Tensor) -> torch.Tensor:
+    """Largest power of two <= `scale` (positive, finite, normal fp32), by zeroing the mantissa.
+
+    Exact where `exp2(floor(log2(s)))` is not: fp32 log2 of a value one ulp below 2**k rounds
+    to k, which would give a scale that overflows fp8 for the tile's amax.
+    """
+    return (scale.float().view(torch.int32) & 0x7F800000).view(torch.float32)
+
+
+def tile_scales(x2d: torch.Tensor, rows: int, fp8_dtype, power_2: bool, epsilon: float) -> torch.Tensor:
+    """fp32 quantization scale per (rows x 128) tile of the (R, C) matrix `x2d`: shape
+    (ceil(R/rows), ceil(C/128))."""
+    r, c = x2d.shape
+    rt, ct = ceil_div(r, rows), ceil_div(c, TILE)
+    a = x2d.float().abs()
+    if rt * rows != r or ct * TILE != c:
+        a = F.pad(a, (0, ct * TILE - c, 0, rt * rows - r))
+    amax = a.reshape(rt, rows, ct, TILE).amax(dim=(1, 3))
+    scale = scale_from_amax(amax, fp8_max(fp8_dtype), 0, False, epsilon)
+    return pow2_floor(scale) if power_2 else scale
+
+
+def expand_tiles(s: torch.Tensor, rows: int, r: int, c: int) -> torch.Tensor:
+    """Broadcast per-tile values (rt, ct) to every element of an (r, c) matrix."""
+    rt, ct = s.shape
+    full = s[:, None, :, None].expand(rt, rows, ct, TILE).reshape(rt * rows, ct * TILE)
+    return full[:r, :c]
+
+
+def _cast_tiles(x2d, scale, rows, fp8_dtype) -> torch.Tensor:
+    r, c = x2d.shape
+    return saturating_cast(x2d.float() * expand_tiles(scale, rows, r, c), fp8_dtype)
+
+
+def outer_dim_major(s: torch.Tensor) -> torch.Tensor:
+    """Same shape, strides (1, R): the layout `torch._scaled_mm` wants for 1x128 scales."""
+    return transpose_2d(s).t()
+
+
+def _quantize_1x128(x2d, fp8_dtype, power_2, epsilon):
+    scale = tile_scales(x2d, 1, fp8_dtype, power_2, epsilon)
+    return _cast_tiles(x2d, scale, 1, fp8_dtype), outer_dim_major(scale.reciprocal())
+
+
+@register_kernel("fp8_blockwise_quantize")
+def fp8_blockwise_quantize(x: torch.Tensor, fp8_dtype, block_scaling_dim: int, rowwise: bool,
+                           columnwise: bool, power_2: bool = True, epsilon: float = 0.0
+                           ) -> Tuple[Optional[torch.Tensor], ...]:
+    """Returns (rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv); the
+    buffers of an unrequested usage are None. Layouts: see tensor/float8_blockwise.py."""
+    shape = tuple(x.shape)
+    x2d = x.reshape(math.prod(shape[:-1]), shape[-1])
+    row_data = row_si = col_data = col_si = None
+    if block_scaling_dim == 1:
+        if rowwise:
+            row_data, row_si = _quantize_1x128(x2d, fp8_dtype, power_2, epsilon)
+            row_data = row_data.view(shape)
+        if columnwise:
+            col_data, col_si = _quantize_1x128(transpose_2d(x2d), fp8_dtype, power_2, epsilon)
+    elif block_scaling_dim == 2:
+        scale = tile_scales(x2d, TILE, fp8_dtype, power_2, epsilon)
+        data2d = _cast_tiles(x2d, scale, TILE, fp8_dtype)
+        scale_inv = scale.reciprocal()
+        if rowwise:
+            row_data, row_si = data2d.view(shape), scale_inv
+        if columnwise:
+            # Same tiles as rowwise: the columnwise copy is an exact relayout.
+            col_data, col_si = transpose_2d(data2d), transpose_2d(scale_inv)
+    else:
+        raise ValueError(f"block_scaling_dim must be 1 or 2, got {block_scaling_dim}")
+    return row_data, row_si, col_data, col_si
+
+
+@register_kernel("fp8_blockwise_dequantize")
+def fp8_blockwise_dequantize(data2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int,
+                             dtype: torch.dtype) -> torch.Tensor:
+    """(R, C) fp8 data times its per-(block_rows x 128) tile scale_inv, cast to `dtype`."""
+    r, c = data2d.shape
+    return (data2d.float() * expand_tiles(scale_inv.float(), block_rows, r, c)).to(dtype)

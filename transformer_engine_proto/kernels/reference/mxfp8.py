@@ -53,15 +53,18 @@ def block_exponent(amax: torch.Tensor, fmt_max: float) -> torch.Tensor:
 
 
 def exponent_to_e8m0(e: torch.Tensor) -> torch.Tensor:
-    """E8M0 holds the biased exponent e + 127 as its byte."""
-    return (e + E8M0_BIAS).to(torch.uint8).view(torch.float8_e8m0fnu)
+    """E8M0 scales (byte e + 127) from int exponents in [-127, 127].
+
+    Casts the exact power of two 2**e: any rounding mode keeps it exact (tests pin every byte).
+    A value cast, not a uint8 bitcast, because Inductor's CPU codegen has no e8m0 type: it runs
+    e8m0 casts as eager aten ops but tries to generate code for e8m0 bitcasts.
+    """
+    return exp2_int(e).to(torch.float8_e8m0fnu)
 
 
 def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
-    """Exact float32 value of E8M0 scales (byte 255 is NaN)."""
-    bits = scale.view(torch.uint8).to(torch.int32)
-    val = exp2_int(bits - E8M0_BIAS)
-    return torch.where(bits == 255, torch.full_like(val, float("nan")), val)
+    """Exact float32 value of E8M0 scales: 2**(byte - 127), byte 255 is NaN (torch's cast)."""
+    return scale.float()
 
 
 def _quantize_blocks(xb: torch.Tensor, dim: int, fp8_dtype) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,61 @@
+"""`LayerNorm` and `RMSNorm` modules (TE names and arguments) on the `te_proto::norm_*` ops."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..ops.norm import NORMALIZATIONS, norm
+from .base import TransformerEngineBaseModule
+
+__all__ = ["LayerNorm", "RMSNorm", "NormParams"]
+
+
+class NormParams(nn.Module):
+    """The gamma (and, for LayerNorm, beta) of a normalization; shared by the fused modules."""
+
+    def __init__(self, hidden_size: int, normalization: str, eps: float, zero_centered_gamma: bool,
+                 dtype: torch.dtype, device=None):
+        super().__init__()
+        if normalization not in NORMALIZATIONS:
+            raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
+        self.normalization, self.eps, self.zero_centered_gamma = normalization, eps, zero_centered_gamma
+        init = torch.zeros if zero_centered_gamma else torch.ones
+        self.weight = nn.Parameter(init(hidden_size, dtype=dtype, device=device))
+        self.bias = (nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
+                     if normalization == "LayerNorm" else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return norm(x, self.weight, self.bias, self.eps, self.normalization, self.zero_centered_gamma)
+
+
+class _Norm(TransformerEngineBaseModule):
+    _KIND = ""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, *, zero_centered_gamma: bool = False,
+                 params_dtype: Optional[torch.dtype] = None, device=None, name: Optional[str] = None):
+        super().__init__(name)
+        self.hidden_size = hidden_size
+        self.norm = NormParams(hidden_size, self._KIND, eps, zero_centered_gamma,
+                               params_dtype or torch.get_default_dtype(), device)
+
+    @property
+    def weight(self):
+        return self.norm.weight
+
+    @property
+    def bias(self):
+        return self.norm.bias
+
+    def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        self._check_input(inp, self.hidden_size)
+        return self.norm(inp)
+
+
+class LayerNorm(_Norm):
+    _KIND = "LayerNorm"
+
+
+class RMSNorm(_Norm):
+    _KIND = "RMSNorm"
