@@ -33,8 +33,12 @@ takes for a blockwise 1x128 operand, so GEMMs need no relayout:
 * wgrad ``dw = dy.T @ x``: A = ``dy._columnwise_data`` (N, M) with its (N, Mt) scales,
   B = ``x._columnwise_data.t()`` (M, K) with ``scale_b = x._columnwise_scale_inv.t()`` (Mt, K).
 
-On CUDA, cuBLAS also wants 16-byte aligned scale strides (e.g. Kt a multiple of 4 for the
-128x128 operand); shapes that miss that need padded scales at the GEMM call.
+Alignment (checked on H100, torch 2.11, `torch._scaled_mm`): besides the GEMM's own % 16 rules,
+the 1x128 A operand needs M % 4 == 0 (else CUBLAS_STATUS_NOT_SUPPORTED), and the 128x128 operand
+needs its reduction-dim tile count % 4 == 0 -- ceil(K/128) for fprop, ceil(N/128) for dgrad --
+else the result is silently wrong (padded scale strides are refused). `F.scaled_mm` (v2) takes
+that scale padded to L4 = round_up(count, 4) instead (notes/scaled_mm.md): a small copy into
+``zeros(Nt, L4)[:, :Kt]`` at the GEMM. 1x128 x 1x128 (wgrad) has no such rule.
 """
 from __future__ import annotations
 

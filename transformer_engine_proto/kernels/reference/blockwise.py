@@ -21,15 +21,6 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def pow2_floor(scale: torch.Tensor) -> torch.Tensor:
-    """Largest power of two <= `scale` (positive, finite, normal fp32), by zeroing the mantissa.
-
-    Exact where `exp2(floor(log2(s)))` is not: fp32 log2 of a value one ulp below 2**k rounds
-    to k, which would give a scale that overflows fp8 for the tile's amax.
-    """
-    return (scale.float().view(torch.int32) & 0x7F800000).view(torch.float32)
-
-
 def tile_scales(x2d: torch.Tensor, rows: int, fp8_dtype, power_2: bool, epsilon: float) -> torch.Tensor:
     """fp32 quantization scale per (rows x 128) tile of the (R, C) matrix `x2d`: shape
     (ceil(R/rows), ceil(C/128))."""
@@ -39,8 +30,7 @@ def tile_scales(x2d: torch.Tensor, rows: int, fp8_dtype, power_2: bool, epsilon:
     if rt * rows != r or ct * TILE != c:
         a = F.pad(a, (0, ct * TILE - c, 0, rt * rows - r))
     amax = a.reshape(rt, rows, ct, TILE).amax(dim=(1, 3))
-    scale = scale_from_amax(amax, fp8_max(fp8_dtype), 0, False, epsilon)
-    return pow2_floor(scale) if power_2 else scale
+    return scale_from_amax(amax, fp8_max(fp8_dtype), 0, power_2, epsilon)
 
 
 def expand_tiles(s: torch.Tensor, rows: int, r: int, c: int) -> torch.Tensor:

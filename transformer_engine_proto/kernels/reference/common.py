@@ -31,13 +31,23 @@ def scale_from_amax(amax: torch.Tensor, fmt_max: float, margin: int = 0, power_2
     amax = amax.float()
     if epsilon > 0:
         amax = torch.clamp(amax, min=epsilon)
-    scale = (fmt_max / amax) / (2.0 ** margin)
+    # a true fp32 division (a Python scalar over a tensor would be reciprocal-then-multiply)
+    scale = torch.full_like(amax, fmt_max) / amax / (2.0 ** margin)
     scale = torch.where(torch.isinf(scale) & (amax > 0), torch.full_like(scale, FLOAT32_MAX), scale)
     bad = (amax == 0) | ~torch.isfinite(amax)
     scale = torch.where(bad, torch.ones_like(scale), scale)
     if power_2:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
+        scale = pow2_floor(scale)
     return scale
+
+
+def pow2_floor(scale: torch.Tensor) -> torch.Tensor:
+    """Largest power of two <= `scale` (positive, finite, normal fp32), by zeroing the mantissa.
+
+    Exact where `exp2(floor(log2(s)))` is not: fp32 log2 of a value one ulp below 2**k rounds
+    to k, which would give a scale that overflows fp8 for the tile's amax.
+    """
+    return (scale.float().view(torch.int32) & 0x7F800000).view(torch.float32)
 
 
 def transpose_2d(x2d: torch.Tensor) -> torch.Tensor:
