@@ -1,34 +1,141 @@
 """One `gemm` for every format: out = op(a) @ op(b) (+ bias), op = optional transpose.
 
 Operands are plain tensors or quantized tensors holding exactly the usage the product needs (the
-ops drop the other usage before calling). This is the emulated path: dequantize each operand and
-multiply in float32 -- exact for the quantized values, so it is the numerical reference for the
-fast `torch._scaled_mm` paths that slot in here by format and device.
+ops drop the other usage before calling). Paths, picked by format and device:
+
+- CUDA, per-tensor FP8: `torch._scaled_mm` tensorwise. A must be row-major op(a) and B
+  column-major op(b); the rowwise data of X is row-major X and the FP8 transpose is row-major X^T,
+  so every GEMM of fprop/dgrad/wgrad reads existing buffers with no transpose copy.
+- CUDA, FP8 blockwise: `F.scaled_mm` with 1x128 / 128x128 block scales (the v2 API: the v1 API
+  silently mis-reads 128x128 scales unless K/128 is a multiple of 4); 128x128 scales are padded
+  to a multiple of 4 blocks along the reduction dim (a copy of a few KB).
+- CUDA otherwise (MXFP8/NVFP4 on Hopper, shapes cuBLAS rejects): dequantize to bf16 and matmul.
+- CPU: dequantize to float32 and matmul -- exact for the quantized values, so it is the numerical
+  reference the fast paths are compared against.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from .tensor import QuantizedTensor
+from .tensor.float8 import Float8Tensor
+from .tensor.float8_blockwise import Float8BlockwiseQTensor
 
-__all__ = ["gemm"]
+__all__ = ["gemm", "emulated_gemm"]
 
 
-def _values(t: torch.Tensor, transpose: bool) -> torch.Tensor:
-    v = t.dequantize(dtype=torch.float32) if isinstance(t, QuantizedTensor) else t.float()
+def _values(t: torch.Tensor, transpose: bool, dtype: torch.dtype) -> torch.Tensor:
+    v = t.dequantize(dtype=dtype) if isinstance(t, QuantizedTensor) else t.to(dtype)
     v = v.reshape(-1, v.shape[-1])
     return v.t() if transpose else v
 
 
-def gemm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype, trans_a: bool = False,
-         trans_b: bool = False, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """op(a) (M,K) @ op(b) (K,N) in float32, + bias, cast to out_dtype."""
-    a2, b2 = _values(a, trans_a), _values(b, trans_b)
+def emulated_gemm(a, b, *, out_dtype, trans_a=False, trans_b=False, bias=None, compute_dtype=torch.float32):
+    a2, b2 = _values(a, trans_a, compute_dtype), _values(b, trans_b, compute_dtype)
     if a2.shape[1] != b2.shape[0]:
         raise ValueError(f"gemm: inner dims differ: {tuple(a2.shape)} @ {tuple(b2.shape)}")
-    out = a2 @ b2
+    out = (a2 @ b2).float()
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype)
+
+
+# ---- per-tensor FP8 -----------------------------------------------------------------------------
+def _rowmajor_fp8(t: Float8Tensor, transpose: bool) -> Optional[torch.Tensor]:
+    """Row-major fp8 matrix of t (transpose=False) or t^T (True) from existing buffers."""
+    if transpose:
+        return t._transpose
+    return None if t._data is None else t._data.reshape(-1, t.shape[-1])
+
+
+def _tensorwise(a, b, trans_a, trans_b, out_dtype, bias):
+    a_mat = _rowmajor_fp8(a, trans_a)  # (M, K) row-major
+    b_rows = _rowmajor_fp8(b, not trans_b)  # (N, K) row-major, i.e. B column-major
+    if a_mat is None or b_rows is None:
+        return None
+    k, n = a_mat.shape[1], b_rows.shape[0]
+    if k % 16 or n % 16 or (a.fp8_dtype == b.fp8_dtype == torch.float8_e5m2):
+        return None
+    fused_bias = bias is not None and out_dtype == torch.bfloat16 and bias.dtype == torch.bfloat16
+    out = torch._scaled_mm(a_mat, b_rows.t(), a._scale_inv, b._scale_inv,
+                           bias=bias if fused_bias else None, out_dtype=out_dtype)
+    if bias is not None and not fused_bias:
+        out = (out.float() + bias.float()).to(out_dtype)
+    return out
+
+
+# ---- FP8 blockwise ------------------------------------------------------------------------------
+def _block_operand(t: Float8BlockwiseQTensor, transpose: bool):
+    """(row-major fp8 matrix of op(t), its scales, block dim) from t's existing buffers."""
+    if transpose:
+        return t._columnwise_data, t._columnwise_scale_inv
+    if t._rowwise_data is None:
+        return None, None
+    return t._rowwise_data.reshape(-1, t.shape[-1]), t._rowwise_scale_inv
+
+
+def _pad_128x128(scale: torch.Tensor) -> torch.Tensor:
+    """(blocks_out, blocks_k) scales -> the (L4, blocks_out) stride-(1, L4) layout cuBLAS wants."""
+    rows, kb = scale.shape
+    l4 = (kb + 3) // 4 * 4
+    padded = scale.new_zeros(rows, l4)
+    padded[:, :kb] = scale
+    return padded.t()
+
+
+def _blockwise(a, b, trans_a, trans_b, out_dtype, bias):
+    if not hasattr(F, "scaled_mm"):
+        return None
+    a_mat, sa = _block_operand(a, trans_a)  # (M, K)
+    b_rows, sb = _block_operand(b, not trans_b)  # (N, K)
+    if a_mat is None or b_rows is None or a.block_scaling_dim == 2 and b.block_scaling_dim == 2:
+        return None
+    m, k = a_mat.shape
+    n = b_rows.shape[0]
+    if k % 128 or n % 16 or m % 4:
+        return None
+    st = F.ScalingType
+    if a.block_scaling_dim == 2:
+        rec_a, sa = st.BlockWise128x128, _pad_128x128(sa)
+    else:
+        rec_a = st.BlockWise1x128
+    if b.block_scaling_dim == 2:
+        rec_b, sb = st.BlockWise128x128, _pad_128x128(sb)
+    else:
+        rec_b = st.BlockWise1x128  # stored as (N, kb) with strides (1, N): what v2 wants
+    out = F.scaled_mm(a_mat, b_rows.t(), sa, rec_a, sb, rec_b, output_dtype=out_dtype)
+    if bias is not None:
+        out = (out.float() + bias.float()).to(out_dtype)
+    return out
+
+
+def _high_precision(a, b, trans_a, trans_b, out_dtype, bias):
+    """Plain tensors on CUDA: one cuBLAS call in the operands' dtype, like torch.nn.Linear."""
+    a2 = a.reshape(-1, a.shape[-1]).to(out_dtype)
+    b2 = b.reshape(-1, b.shape[-1]).to(out_dtype)
+    a2 = a2.t() if trans_a else a2
+    b2 = b2.t() if trans_b else b2
+    if bias is not None:
+        return torch.addmm(bias.to(out_dtype), a2, b2)
+    return a2 @ b2
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype, trans_a: bool = False,
+         trans_b: bool = False, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """op(a) (M,K) @ op(b) (K,N), + bias, in out_dtype."""
+    if a.device.type == "cuda":
+        out = None
+        if isinstance(a, Float8Tensor) and isinstance(b, Float8Tensor):
+            out = _tensorwise(a, b, trans_a, trans_b, out_dtype, bias)
+        elif isinstance(a, Float8BlockwiseQTensor) and isinstance(b, Float8BlockwiseQTensor):
+            out = _blockwise(a, b, trans_a, trans_b, out_dtype, bias)
+        if out is not None:
+            return out
+        if not isinstance(a, QuantizedTensor) and not isinstance(b, QuantizedTensor):
+            return _high_precision(a, b, trans_a, trans_b, out_dtype, bias)
+        return emulated_gemm(a, b, out_dtype=out_dtype, trans_a=trans_a, trans_b=trans_b, bias=bias,
+                             compute_dtype=torch.bfloat16)
+    return emulated_gemm(a, b, out_dtype=out_dtype, trans_a=trans_a, trans_b=trans_b, bias=bias)
