@@ -44,12 +44,22 @@ class TransformerEngineBaseModule(nn.Module):
 
     def _check_recipe_shapes(self, recipe) -> None:
         """Fail early, naming the module, when a recipe's blocks do not divide a weight."""
-        from ..tensor.recipe_quantizers import quantizers_for_recipe
+        error = _recipe_shape_error(recipe, tuple(tuple(w.shape) for _, w in self._gemms()))
+        if error:
+            raise ValueError(f"{self.name}: recipe {type(recipe).__name__} cannot quantize this layer: {error}")
 
-        q = quantizers_for_recipe(recipe)
-        for _, weight in self._gemms():
-            try:
-                q.weight.check_shape(tuple(weight.shape))
-                q.input.with_usage(rowwise=True, columnwise=False).check_shape((1, weight.shape[1]))
-            except ValueError as e:
-                raise ValueError(f"{self.name}: recipe {type(recipe).__name__} cannot quantize this layer: {e}") from None
+
+@torch._dynamo.assume_constant_result
+def _recipe_shape_error(recipe, weight_shapes) -> str:
+    """'' if every weight (and its input's last dim) suits the recipe, else the reason.
+    Evaluated once at trace time: quantizer construction stays out of compiled graphs."""
+    from ..tensor.recipe_quantizers import quantizers_for_recipe
+
+    q = quantizers_for_recipe(recipe)
+    for shape in weight_shapes:
+        try:
+            q.weight.check_shape(shape)
+            q.input.with_usage(rowwise=True, columnwise=False).check_shape((1, shape[1]))
+        except ValueError as e:
+            return str(e)
+    return ""
