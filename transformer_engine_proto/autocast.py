@@ -14,13 +14,16 @@ from typing import Optional
 
 from . import recipe as _recipe
 
-__all__ = ["autocast", "fp8_autocast", "is_fp8_enabled", "get_fp8_recipe", "FP8GlobalState"]
+__all__ = ["autocast", "fp8_autocast", "is_fp8_enabled", "get_fp8_recipe", "get_fp8_recipe_key", "FP8GlobalState"]
 
 
 @dataclass
 class _State:
     enabled: bool = False
     recipe: Optional[_recipe.Recipe] = None
+    # The recipe's registry key (a string): compiled code reads this, so dynamo guards on a plain
+    # constant and never has to rebuild a recipe object (torch 2.11 cannot for frozen dataclasses).
+    key: str = "high_precision"
 
 
 class FP8GlobalState:
@@ -30,6 +33,10 @@ class FP8GlobalState:
     @classmethod
     def register_module(cls, module) -> None:
         cls.modules.add(module)
+
+
+def get_fp8_recipe_key() -> str:
+    return FP8GlobalState.state.key
 
 
 def is_fp8_enabled() -> bool:
@@ -56,11 +63,16 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[_
         raise TypeError(f"recipe must be a transformer_engine_proto.recipe.Recipe, got {type(recipe).__name__}")
     import torch
 
-    if enabled and not torch.compiler.is_compiling():
+    from .ops.recipe_registry import recipe_key
+
+    if torch.compiler.is_compiling():
+        raise RuntimeError("enter autocast outside the torch.compile'd region (compile the model, not the context)")
+    if enabled:
         for module in list(FP8GlobalState.modules):
             module.prepare_for_recipe(recipe)
     saved = FP8GlobalState.state
-    FP8GlobalState.state = _State(enabled=bool(enabled), recipe=recipe if enabled else None)
+    FP8GlobalState.state = _State(enabled=bool(enabled), recipe=recipe if enabled else None,
+                                  key=recipe_key(recipe if enabled else None))
     try:
         yield
     finally:

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..autocast import FP8GlobalState, get_fp8_recipe
+from ..autocast import FP8GlobalState, get_fp8_recipe, get_fp8_recipe_key
 from ..tensor.quantizer import HIGH_PRECISION_DTYPES
 
 __all__ = ["TransformerEngineBaseModule"]
@@ -38,24 +38,23 @@ class TransformerEngineBaseModule(nn.Module):
             raise TypeError(f"{self.name}: {what} dtype {inp.dtype} is not supported (float32, bfloat16, float16)")
         if inp.dim() < 1 or inp.shape[-1] != features:
             raise ValueError(f"{self.name}: {what} last dim must be {features}, got shape {tuple(inp.shape)}")
-        recipe = get_fp8_recipe()
-        if recipe is not None:
-            self._check_recipe_shapes(recipe)
+        if get_fp8_recipe() is not None:
+            self._check_recipe_shapes()
 
-    def _check_recipe_shapes(self, recipe) -> None:
+    def _check_recipe_shapes(self) -> None:
         """Fail early, naming the module, when a recipe's blocks do not divide a weight."""
-        error = _recipe_shape_error(recipe, tuple(tuple(w.shape) for _, w in self._gemms()))
+        error = _recipe_shape_error(get_fp8_recipe_key(), tuple(tuple(w.shape) for _, w in self._gemms()))
         if error:
-            raise ValueError(f"{self.name}: recipe {type(recipe).__name__} cannot quantize this layer: {error}")
+            raise ValueError(f"{self.name}: recipe {type(get_fp8_recipe()).__name__} cannot quantize this layer: {error}")
 
 
 @torch._dynamo.assume_constant_result
-def _recipe_shape_error(recipe, weight_shapes) -> str:
+def _recipe_shape_error(key: str, weight_shapes) -> str:
     """'' if every weight (and its input's last dim) suits the recipe, else the reason.
     Evaluated once at trace time: quantizer construction stays out of compiled graphs."""
-    from ..tensor.recipe_quantizers import quantizers_for_recipe
+    from ..ops.recipe_registry import quantizers_from_key
 
-    q = quantizers_for_recipe(recipe)
+    q = quantizers_from_key(key)
     for shape in weight_shapes:
         try:
             q.weight.check_shape(shape)

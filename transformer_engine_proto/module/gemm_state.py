@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .. import recipe as R
-from ..autocast import get_fp8_recipe
+from ..autocast import get_fp8_recipe, get_fp8_recipe_key
 from ..ops import linear_ops
 from ..ops.recipe_registry import quantizers_from_key, recipe_key
 from ..tensor import TensorProto
@@ -91,7 +91,7 @@ class QuantizedGemm(nn.Module):
                 is_first_microbatch: Optional[bool] = None, save_original_input: bool = False,
                 fuse_wgrad_accumulation: bool = False) -> torch.Tensor:
         recipe = get_fp8_recipe()
-        key = recipe_key(recipe)
+        key = get_fp8_recipe_key()
         delayed = isinstance(recipe, R.DelayedScaling)
         cache_mode, cache = linear_ops.CACHE_OFF, []
         if recipe is not None and is_first_microbatch is not None:

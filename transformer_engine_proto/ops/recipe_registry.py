@@ -1,16 +1,13 @@
 """Recipes cross custom-op boundaries as string keys.
 
-A custom op's schema cannot carry a Python object, so the module registers the recipe under its
-repr (deterministic: recipes are frozen dataclasses of plain values) and passes the string.
-`assume_constant_result` makes torch.compile run the registration at trace time and bake the key
-into the graph as a constant.
+A custom op's schema cannot carry a Python object, so `autocast` registers the recipe under its
+repr (deterministic: recipes are frozen dataclasses of plain values) and modules pass the string,
+which torch.compile bakes into the graph as a constant (and guards on).
 """
 from __future__ import annotations
 
 import functools
 from typing import Dict, Optional
-
-import torch
 
 from ..recipe import Recipe
 from ..tensor.recipe_quantizers import RoleQuantizers, quantizers_for_recipe
@@ -21,7 +18,6 @@ HIGH_PRECISION_KEY = "high_precision"
 _RECIPES: Dict[str, Optional[Recipe]] = {HIGH_PRECISION_KEY: None}
 
 
-@torch._dynamo.assume_constant_result
 def recipe_key(recipe: Optional[Recipe]) -> str:
     if recipe is None:
         return HIGH_PRECISION_KEY
