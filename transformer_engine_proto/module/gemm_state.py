@@ -54,6 +54,7 @@ class QuantizedGemm(nn.Module):
         self.register_buffer("grad_amax_history", torch.zeros(DEFAULT_HISTORY_LEN, 1, device=device))
         self._cache_names = []
         self._cache_for = None  # (recipe key, weight shape, dtype) the cache was allocated for
+        self.uses_weight_cache = False  # set by the first is_first_microbatch call (eager)
 
     # ---- eager preparation ----------------------------------------------------------------
     def prepare_for_recipe(self, recipe: R.Recipe, weight: torch.Tensor) -> None:
@@ -61,7 +62,11 @@ class QuantizedGemm(nn.Module):
             device = self.amax_history.device
             self.amax_history = torch.zeros(recipe.amax_history_len, 2, device=device)
             self.grad_amax_history = torch.zeros(recipe.amax_history_len, 1, device=device)
-        self._alloc_weight_cache(recipe_key(recipe), weight)
+        if self.uses_weight_cache:
+            try:
+                self._alloc_weight_cache(recipe_key(recipe), weight)
+            except ValueError:
+                pass  # a shape the recipe cannot quantize: forward raises the error, naming the module
 
     def _alloc_weight_cache(self, key: str, weight: torch.Tensor) -> None:
         want = (key, tuple(weight.shape), weight.dtype)
@@ -98,10 +103,11 @@ class QuantizedGemm(nn.Module):
             if self._cache_for != (key, tuple(weight.shape), weight.dtype):
                 if torch.compiler.is_compiling():
                     raise RuntimeError(
-                        "is_first_microbatch needs the quantized-weight cache, which is allocated when "
-                        "autocast is entered outside torch.compile; enter autocast(recipe=...) outside the "
-                        "compiled region (or run one eager step) before compiling"
+                        "is_first_microbatch needs the quantized-weight cache, allocated eagerly: run one "
+                        "micro-batch eagerly (or set `uses_weight_cache = True` on the module's "
+                        "QuantizedGemm before entering autocast) before compiling"
                     )
+                self.uses_weight_cache = True
                 self._alloc_weight_cache(key, weight)
             cache = [getattr(self, n) for n in self._cache_names]
             cache_mode = linear_ops.CACHE_FILL if is_first_microbatch else linear_ops.CACHE_USE

@@ -1,0 +1,143 @@
+"""Norm ops and the fused modules: numerics, opcheck, and compiled == eager for every module type."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._dynamo.utils import counters
+
+import transformer_engine_proto as te
+from transformer_engine_proto import recipe as R
+from transformer_engine_proto.ops.norm import norm_fwd
+
+RECIPES = [None, R.DelayedScaling(amax_history_len=4), R.Float8CurrentScaling(), R.MXFP8BlockScaling(),
+           R.Float8BlockScaling(), R.NVFP4BlockScaling(disable_stochastic_rounding=True)]
+
+
+@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("zero_centered_gamma", [False, True])
+def test_norm_matches_torch_and_grads(kind, zero_centered_gamma):
+    torch.manual_seed(0)
+    mod = (te.LayerNorm if kind == "LayerNorm" else te.RMSNorm)(64, eps=1e-5, zero_centered_gamma=zero_centered_gamma)
+    with torch.no_grad():
+        mod.weight.normal_()
+        if mod.bias is not None:
+            mod.bias.normal_()
+    x = torch.randn(3, 5, 64, dtype=torch.float64).float().requires_grad_()
+    gamma = mod.weight + 1 if zero_centered_gamma else mod.weight
+    if kind == "LayerNorm":
+        ref = F.layer_norm(x, (64,), gamma, mod.bias, 1e-5)
+    else:
+        ref = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-5) * gamma
+    out = mod(x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [x, mod.weight], g)
+    refs = torch.autograd.grad(ref, [x, mod.weight], g)
+    for a, b in zip(grads, refs):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
+def test_norm_opcheck(kind):
+    x = torch.randn(4, 32, requires_grad=True)
+    w = torch.randn(32, requires_grad=True)
+    b = torch.randn(32, requires_grad=True) if kind == "LayerNorm" else None
+    torch.library.opcheck(norm_fwd, (x, w, b, 1e-5, kind, False))
+
+
+def _modules(kind, recipe_ok_features=64):
+    h = recipe_ok_features
+    return {
+        "Linear": lambda: te.Linear(h, h),
+        "LayerNormLinear": lambda: te.LayerNormLinear(h, 2 * h, normalization="RMSNorm"),
+        "LayerNormMLP": lambda: te.LayerNormMLP(h, 2 * h, activation="swiglu"),
+        "LayerNormMLP_gelu": lambda: te.LayerNormMLP(h, 2 * h, activation="gelu", normalization="LayerNorm"),
+        "TransformerLayer": lambda: te.TransformerLayer(h, 2 * h, 2, hidden_dropout=0.0, attention_dropout=0.0),
+    }[kind]
+
+
+@settings(max_examples=8, deadline=None)
+@given(kind=st.sampled_from(["LayerNormLinear", "LayerNormMLP", "LayerNormMLP_gelu", "TransformerLayer"]),
+       recipe=st.sampled_from(RECIPES), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_modules_compiled_equal_eager_bitwise(kind, recipe, dtype):
+    torch.manual_seed(0)
+    m = _modules(kind)().to(dtype)
+    mc = copy.deepcopy(m)
+    torch._dynamo.reset()
+    counters.clear()
+    cm = torch.compile(mc, fullgraph=True, backend="aot_eager")
+    for _ in range(2):
+        x = torch.randn(32, 2, 64, dtype=dtype, requires_grad=True)
+        xc = x.detach().clone().requires_grad_()
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            y, yc = m(x), cm(xc)
+        y.float().square().mean().backward()
+        yc.float().square().mean().backward()
+        assert torch.equal(y, yc)
+        assert torch.equal(x.grad, xc.grad)
+        for (name, p), pc in zip(m.named_parameters(), mc.parameters()):
+            assert torch.equal(p.grad, pc.grad), name
+    assert sum(counters["graph_break"].values()) == 0
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_layernorm_linear_returns_layernorm_output_and_bias():
+    m = te.LayerNormLinear(64, 32, return_layernorm_output=True, return_bias=True)
+    x = torch.randn(8, 64)
+    with te.autocast(recipe=R.Float8CurrentScaling()):
+        out, bias, ln_out = m(x)
+    torch.testing.assert_close(ln_out, F.layer_norm(x, (64,), m.layer_norm_weight, m.layer_norm_bias, 1e-5))
+    assert bias is m.bias and out.shape == (8, 32)
+    ref = F.linear(ln_out, m.weight)  # bias returned, not added
+    assert ((out - ref).norm() / ref.norm()) < 0.05
+
+
+@pytest.mark.parametrize("activation", ["gelu", "relu", "silu", "swiglu", "geglu", "reglu"])
+def test_layernorm_mlp_activations_match_high_precision_reference(activation):
+    torch.manual_seed(0)
+    m = te.LayerNormMLP(64, 128, activation=activation)
+    x = torch.randn(16, 64)
+    ln = F.layer_norm(x, (64,), m.layer_norm_weight, m.layer_norm_bias, 1e-5)
+    h = F.linear(ln, m.fc1_weight, m.fc1_bias)
+    acts = {"gelu": lambda t: F.gelu(t, approximate="tanh"), "relu": F.relu, "silu": F.silu}
+    if activation in acts:
+        a = acts[activation](h)
+    else:
+        base = {"swiglu": F.silu, "geglu": lambda t: F.gelu(t, approximate="tanh"), "reglu": F.relu}[activation]
+        u, v = h.chunk(2, -1)
+        a = base(u) * v
+    ref = F.linear(a, m.fc2_weight, m.fc2_bias)
+    torch.testing.assert_close(m(x), ref, rtol=1e-5, atol=1e-5)  # outside autocast: high precision
+    with te.autocast(recipe=R.Float8CurrentScaling()):
+        q = m(x)
+    assert ((q - ref).norm() / ref.norm()) < 0.08
+
+
+def test_transformer_layer_is_causal_and_checks_input():
+    torch.manual_seed(0)
+    layer = te.TransformerLayer(64, 128, 4, hidden_dropout=0.0, attention_dropout=0.0)
+    x = torch.randn(16, 2, 64)
+    y = layer(x)
+    x2 = x.clone()
+    x2[10:] = torch.randn(6, 2, 64)  # changing later tokens must not change earlier outputs
+    torch.testing.assert_close(layer(x2)[:10], y[:10])
+    with pytest.raises(ValueError, match="3D"):
+        layer(torch.randn(16, 64))
+    with pytest.raises(ValueError, match="divisible"):
+        te.TransformerLayer(64, 128, 5)
+
+
+def test_bad_module_arguments():
+    with pytest.raises(ValueError, match="activation"):
+        te.LayerNormMLP(64, 128, activation="tanhh")
+    with pytest.raises(ValueError, match="normalization"):
+        te.LayerNormLinear(64, 64, normalization="BatchNorm")
+    with pytest.raises(TypeError, match="unsupported"):
+        te.Linear(64, 64, tp_size=2)
+    m = te.LayerNormMLP(48, 64)
+    with te.autocast(recipe=R.MXFP8BlockScaling()):
+        with pytest.raises(ValueError, match="32"):
+            m(torch.randn(32, 48))
