@@ -6,15 +6,14 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .base import TransformerEngineBaseModule
 from .gemm_state import QuantizedGemm
 from .linear import _init_weight
-from .normalization import NormParams
+from .normalization import NormFusedModule, NormParams
 
 __all__ = ["LayerNormLinear"]
 
 
-class LayerNormLinear(TransformerEngineBaseModule):
+class LayerNormLinear(NormFusedModule):
     def __init__(self, in_features: int, out_features: int, eps: float = 1e-5, bias: bool = True, *,
                  normalization: str = "LayerNorm", return_layernorm_output: bool = False,
                  zero_centered_gamma: bool = False, params_dtype: Optional[torch.dtype] = None,
@@ -31,14 +30,6 @@ class LayerNormLinear(TransformerEngineBaseModule):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
         self.gemm = QuantizedGemm(device)
 
-    @property
-    def layer_norm_weight(self):
-        return self.norm.weight
-
-    @property
-    def layer_norm_bias(self):
-        return self.norm.bias
-
     def _gemms(self):
         return [(self.gemm, self.weight)]
 
@@ -48,9 +39,4 @@ class LayerNormLinear(TransformerEngineBaseModule):
         bias = None if self.return_bias else self.bias
         out = self.gemm(ln_out, self.weight, bias, is_first_microbatch=is_first_microbatch,
                         fuse_wgrad_accumulation=self.fuse_wgrad_accumulation)
-        outputs = (out,)
-        if self.return_bias:
-            outputs += (self.bias,)
-        if self.return_layernorm_output:
-            outputs += (ln_out,)
-        return outputs[0] if len(outputs) == 1 else outputs
+        return self._pack_outputs(out, self.bias, ln_out)

@@ -7,10 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import TransformerEngineBaseModule
 from .gemm_state import QuantizedGemm
 from .linear import _init_weight
-from .normalization import NormParams
+from .normalization import NormFusedModule, NormParams
 
 __all__ = ["LayerNormMLP", "ACTIVATIONS"]
 
@@ -38,7 +37,7 @@ ACTIVATIONS = {
 }
 
 
-class LayerNormMLP(TransformerEngineBaseModule):
+class LayerNormMLP(NormFusedModule):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5, bias: bool = True, *,
                  normalization: str = "LayerNorm", activation: str = "gelu",
                  return_layernorm_output: bool = False, zero_centered_gamma: bool = False,
@@ -63,14 +62,6 @@ class LayerNormMLP(TransformerEngineBaseModule):
         self.fc1 = QuantizedGemm(device)
         self.fc2 = QuantizedGemm(device)
 
-    @property
-    def layer_norm_weight(self):
-        return self.norm.weight
-
-    @property
-    def layer_norm_bias(self):
-        return self.norm.bias
-
     def _gemms(self):
         return [(self.fc1, self.fc1_weight), (self.fc2, self.fc2_weight)]
 
@@ -82,9 +73,4 @@ class LayerNormMLP(TransformerEngineBaseModule):
         h = ACTIVATIONS[self.activation][0](h)
         fc2_bias = None if self.return_bias else self.fc2_bias
         out = self.fc2(h, self.fc2_weight, fc2_bias, **kw)
-        outputs = (out,)
-        if self.return_bias:
-            outputs += (self.fc2_bias,)
-        if self.return_layernorm_output:
-            outputs += (ln_out,)
-        return outputs[0] if len(outputs) == 1 else outputs
+        return self._pack_outputs(out, self.fc2_bias, ln_out)

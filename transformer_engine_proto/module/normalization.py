@@ -9,7 +9,7 @@ from torch import nn
 from ..ops.norm import NORMALIZATIONS, norm
 from .base import TransformerEngineBaseModule
 
-__all__ = ["LayerNorm", "RMSNorm", "NormParams"]
+__all__ = ["LayerNorm", "RMSNorm", "NormParams", "NormFusedModule"]
 
 
 class NormParams(nn.Module):
@@ -28,6 +28,31 @@ class NormParams(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return norm(x, self.weight, self.bias, self.eps, self.normalization, self.zero_centered_gamma)
+
+
+class NormFusedModule(TransformerEngineBaseModule):
+    """Base of LayerNormLinear / LayerNormMLP: TE's parameter names and output packing."""
+
+    norm: NormParams
+    return_bias: bool
+    return_layernorm_output: bool
+
+    @property
+    def layer_norm_weight(self):
+        return self.norm.weight
+
+    @property
+    def layer_norm_bias(self):
+        return self.norm.bias
+
+    def _pack_outputs(self, out, bias, ln_out):
+        """out, then the unadded bias (return_bias), then the norm output (return_layernorm_output)."""
+        outputs = (out,)
+        if self.return_bias:
+            outputs += (bias,)
+        if self.return_layernorm_output:
+            outputs += (ln_out,)
+        return outputs[0] if len(outputs) == 1 else outputs
 
 
 class _Norm(TransformerEngineBaseModule):
