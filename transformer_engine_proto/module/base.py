@@ -23,6 +23,11 @@ class TransformerEngineBaseModule(nn.Module):
         self.name = name if name is not None else f"{type(self).__name__.lower()}_{next(_counter)}"
         FP8GlobalState.register_module(self)
 
+    def __setstate__(self, state):
+        # deepcopy / unpickling skip __init__: register the copy so autocast prepares it too
+        super().__setstate__(state)
+        FP8GlobalState.register_module(self)
+
     def _gemms(self):
         """(QuantizedGemm, weight) pairs of this module."""
         return []

@@ -204,7 +204,7 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
         w = weight
     dy_q = dy
     grad_amax = torch.zeros(1, dtype=torch.float32, device=dy.device)
-    if plan.quantized:
+    if plan.quantized and (input_requires_grad or weight_requires_grad):  # bias-only: dbias from dy
         gq = plan.quantizers.grad_output.with_usage(rowwise=input_requires_grad, columnwise=weight_requires_grad)
         if plan.delayed:
             gq = dataclasses.replace(gq, scale=grad_scale, amax=grad_amax)
@@ -266,8 +266,13 @@ def _setup_context(ctx, inputs, output):
     raw_w = a["weight"] if plan.saves_raw_weight() else None
     cache = list(a["weight_cache"]) if a["cache_mode"] == CACHE_USE and a["input_requires_grad"] else []
     ctx.n_saved, ctx.n_cache, ctx.n_cache_in = len(saved), len(cache), len(a["weight_cache"])
-    state = (raw_inp, raw_w, a["fp8_scales"], a["grad_scale"], a["grad_amax_history"], a["main_grad"])
+    # Scales are snapshotted (the next call's delayed-scaling update rewrites them in place);
+    # the buffers backward writes into (grad amax history, main_grad) are kept by reference, not
+    # saved, so a module applied twice before its backwards does not trip autograd's version check.
+    clone = lambda t: None if t is None else t.clone()  # noqa: E731
+    state = (raw_inp, raw_w, clone(a["fp8_scales"]), clone(a["grad_scale"]))
     ctx.has = tuple(t is not None for t in state)
+    ctx.grad_amax_history, ctx.main_grad = a["grad_amax_history"], a["main_grad"]
     tensors = [t for t in state if t is not None]
     ctx.save_for_backward(*saved, *cache, *tensors)
     ctx.args = dict(key=a["key"], in_shape=list(a["inp"].shape), weight_shape=list(a["weight"].shape),
@@ -283,7 +288,8 @@ def _backward(ctx, grad_out, _grad_amaxes, _grad_saved, _grad_cache):
     saved, tensors = tensors[:ctx.n_saved], tensors[ctx.n_saved:]
     cache, tensors = tensors[:ctx.n_cache], tensors[ctx.n_cache:]
     it = iter(tensors)
-    raw_inp, raw_w, scales, grad_scale, grad_history, main_grad = (next(it) if h else None for h in ctx.has)
+    raw_inp, raw_w, scales, grad_scale = (next(it) if h else None for h in ctx.has)
+    grad_history, main_grad = ctx.grad_amax_history, ctx.main_grad
     args = ctx.args
     grads = iter(linear_bwd(grad_out.contiguous(), saved, raw_inp, raw_w, cache, scales, grad_scale,
                             grad_history, main_grad, **args))

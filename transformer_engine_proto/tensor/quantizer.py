@@ -113,14 +113,14 @@ class Quantizer:
 
     def alloc_tensors(self, shape, dtype: torch.dtype, device=None) -> Dict[str, torch.Tensor]:
         """Empty inner buffers with exactly the names/shapes/strides/dtypes a real quantize makes."""
-        shape = tuple(int(s) for s in shape)
+        shape = tuple(shape)  # may hold SymInts (a dynamic batch dim): never int() them
         self._check_usage()
         self.check_shape(shape)
         return {name: spec.empty(device) for name, spec in self.buffer_layout(shape).items()}
 
     def create_metadata(self, shape, dtype: torch.dtype):
         """(tensor class, non-tensor constructor kwargs) for a quantized tensor of this shape."""
-        kwargs = dict(shape=tuple(int(s) for s in shape), dtype=dtype, quantizer=self)
+        kwargs = dict(shape=tuple(shape), dtype=dtype, quantizer=self)
         kwargs.update(self.metadata())
         return self.tensor_class, kwargs
 

@@ -1,0 +1,285 @@
+"""Shared helpers of the benchmark scripts: timing, compile bookkeeping, tables, JSON and plots.
+
+Not a test module: the scripts in this folder import it as `_common` (they put their own folder
+and the repository root on `sys.path`, so they run as `python benchmarks/<script>.py` from the
+repository root without installing the package).
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+
+# --------------------------------------------------------------------------------------------
+# recipes by the names `examples/train.py` uses
+# --------------------------------------------------------------------------------------------
+
+
+def make_recipe(name: str):
+    """None for 'none'/'bf16'; else a fresh recipe with TE's defaults."""
+    from transformer_engine_proto import recipe as R
+
+    table = {
+        "none": None,
+        "bf16": None,
+        "delayed": R.DelayedScaling,
+        "current": R.Float8CurrentScaling,
+        "blockwise": R.Float8BlockScaling,
+        "mxfp8": R.MXFP8BlockScaling,
+        "nvfp4": R.NVFP4BlockScaling,
+    }
+    if name not in table:
+        raise ValueError(f"unknown recipe {name!r}; choose from {sorted(table)}")
+    cls = table[name]
+    return None if cls is None else cls()
+
+
+# --------------------------------------------------------------------------------------------
+# timing
+# --------------------------------------------------------------------------------------------
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_ms(fn: Callable[[], object], device: torch.device, *, warmup_ms: float = 25.0,
+             rep_ms: float = 100.0, cpu_warmup: int = 1, cpu_reps: int = 5) -> float:
+    """Median milliseconds of one `fn()` call.
+
+    CUDA: `triton.testing.do_bench(..., return_mode="median")` (per-call CUDA events, L2 flushed
+    between calls outside the timed region); CUDA events by hand when triton is missing.
+    CPU: `time.perf_counter` around each call, median of `cpu_reps` after `cpu_warmup` calls.
+    """
+    if device.type == "cuda":
+        try:
+            from triton.testing import do_bench
+        except ImportError:
+            do_bench = None
+        if do_bench is not None:
+            return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+        return _cuda_events_ms(fn, warmup_ms, rep_ms)
+    for _ in range(cpu_warmup):
+        fn()
+    times = []
+    for _ in range(max(1, cpu_reps)):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return float(statistics.median(times))
+
+
+def _cuda_events_ms(fn, warmup_ms: float, rep_ms: float) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    est = max(start.elapsed_time(end) / 5, 1e-3)
+    for _ in range(max(1, int(warmup_ms / est))):
+        fn()
+    n = max(5, int(rep_ms / est))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return float(statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)))
+
+
+# --------------------------------------------------------------------------------------------
+# compile bookkeeping: graph breaks, cudagraph skips (with their reasons), fresh state per variant
+# --------------------------------------------------------------------------------------------
+
+
+class _SkipCapture:
+    def __init__(self):
+        self.messages: list[str] = []
+
+
+_CAPTURE: Optional[_SkipCapture] = None
+
+
+def _skip_capture() -> _SkipCapture:
+    """Records the reason of every cudagraph skip.
+
+    Inductor reports a skip through `cudagraph_utils.log_cudagraph_skip_and_bump_counter(msg)`,
+    which other inductor modules import by name: wrap it in each of them (torch._logging may reset
+    logger handlers, so a log handler alone is not reliable). Best effort: on a torch where this
+    fails, the counters still work and only the reasons are missing.
+    """
+    global _CAPTURE
+    if _CAPTURE is None:
+        _CAPTURE = _SkipCapture()
+        try:
+            import importlib
+
+            import torch._inductor.cudagraph_utils as cu
+
+            original = cu.log_cudagraph_skip_and_bump_counter
+            capture = _CAPTURE
+
+            def wrapped(msg, *a, **kw):
+                capture.messages.append(str(msg))
+                return original(msg, *a, **kw)
+
+            for modname in ("torch._inductor.cudagraph_utils", "torch._inductor.compile_fx",
+                            "torch._inductor.output_code", "torch._inductor.cudagraph_trees"):
+                try:
+                    mod = importlib.import_module(modname)
+                except Exception:
+                    continue
+                if getattr(mod, "log_cudagraph_skip_and_bump_counter", None) is original:
+                    mod.log_cudagraph_skip_and_bump_counter = wrapped
+        except Exception:
+            pass
+    return _CAPTURE
+
+
+def reset_compile_state(device: torch.device) -> None:
+    """Fresh dynamo caches, cudagraph trees and counters, and free memory: each variant compiles anew."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    _skip_capture().messages.clear()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def compile_stats() -> dict:
+    """Counters since the last `reset_compile_state`."""
+    c = torch._dynamo.utils.counters
+    breaks = dict(c.get("graph_break", {}))
+    return {
+        "graph_breaks": int(sum(breaks.values())),
+        "graph_break_reasons": {str(k)[:300]: int(v) for k, v in breaks.items()},
+        "cudagraph_skips": int(c.get("inductor", {}).get("cudagraph_skips", 0)),
+        "cudagraph_skip_reasons": list(dict.fromkeys(m[:300] for m in _skip_capture().messages)),
+        "unique_graphs": int(c.get("stats", {}).get("unique_graphs", 0)),
+    }
+
+
+def configure_dynamo() -> None:
+    # every variant is compiled after torch._dynamo.reset(), but be generous anyway so a recompile
+    # (e.g. per-layer compile of identical layers) never silently falls back to eager
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    _skip_capture()
+
+
+def short_error(exc: BaseException, limit: int = 160) -> str:
+    # dynamo wraps a user exception raised while tracing (Unsupported: Observed exception ...):
+    # name the innermost cause, which says what actually went wrong
+    root, seen = exc, set()
+    while root.__cause__ is not None and id(root) not in seen:
+        seen.add(id(root))
+        root = root.__cause__
+    msg = " ".join(str(root).split())
+    text = f"{type(root).__name__}: {msg}"
+    return "error: " + (text if len(text) <= limit else text[: limit - 3] + "...")
+
+
+def report_exception(what: str, exc: BaseException) -> str:
+    """Print the traceback to stderr and return the short 'error: ...' table cell."""
+    print(f"\n===== {what} failed =====", file=sys.stderr)
+    traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+    sys.stderr.flush()
+    return short_error(exc)
+
+
+# --------------------------------------------------------------------------------------------
+# output
+# --------------------------------------------------------------------------------------------
+
+
+def _cell(v) -> str:
+    return str(v).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence]) -> str:
+    rows = [[_cell(c) for c in r] for r in rows]
+    headers = [_cell(h) for h in headers]
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    out = [line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [line(r) for r in rows]
+    return "\n".join(out)
+
+
+def environment(device: torch.device) -> dict:
+    env = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": str(device),
+        "host": platform.node(),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except Exception:
+        env["triton"] = None
+    try:
+        import torchao
+
+        env["torchao"] = torchao.__version__
+    except Exception:
+        env["torchao"] = None
+    return env
+
+
+def write_json(out_dir: str, name: str, payload: dict) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2, default=str)
+    print(f"wrote {path}")
+    return path
+
+
+def try_pyplot():
+    """matplotlib.pyplot with the Agg backend, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        return plt
+    except Exception:
+        return None
+
+
+def device_from_arg(arg: Optional[str]) -> torch.device:
+    if arg:
+        return torch.device(arg)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class Budget:
+    """Soft wall-clock budget: variants not started in time are reported as skipped."""
+
+    def __init__(self, minutes: Optional[float]):
+        self.deadline = None if not minutes else time.monotonic() + 60.0 * minutes
+
+    def exhausted(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline

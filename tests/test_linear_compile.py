@@ -1,0 +1,279 @@
+"""Linear under torch.compile(fullgraph=True): the same numbers as eager (bitwise with aot_eager),
+no graph breaks, no recompiles across steps; the weight cache, fused wgrad accumulation,
+save_original_input, inference and a dynamic batch dimension."""
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from linear_cases import (QUANTIZED_IDS, RECIPE_IDS, RECIPES, fresh_dynamo, graph_breaks, recipe_ctx,
+                          unique_graphs)
+from transformer_engine_proto import recipe as R
+from transformer_engine_proto.autocast import FP8GlobalState, autocast
+from transformer_engine_proto.module import Linear
+
+DELAYED_BUFFERS = ("fp8_scale", "amax_history", "grad_fp8_scale", "grad_amax_history")
+
+
+def _compiled_twin(m, backend="aot_eager"):
+    mc = copy.deepcopy(m)
+    return mc, torch.compile(mc, fullgraph=True, backend=backend)
+
+
+def _assert_equal(a, b, what):
+    if a is None or b is None:
+        assert a is None and b is None, what
+        return
+    assert a.dtype == b.dtype and a.shape == b.shape, what
+    assert torch.equal(a, b), f"{what}: max abs diff {(a.float() - b.float()).abs().max().item()}"
+
+
+def _assert_same_state(m, mc, recipe, tag):
+    _assert_equal(m.weight.grad, mc.weight.grad, f"{tag} weight grad")
+    if m.bias is not None:
+        _assert_equal(m.bias.grad, mc.bias.grad, f"{tag} bias grad")
+    if isinstance(recipe, R.DelayedScaling):
+        for name in DELAYED_BUFFERS:
+            _assert_equal(getattr(m.gemm, name), getattr(mc.gemm, name), f"{tag} {name}")
+
+
+def _step(m, cm, recipe, x, g, input_rg, tag, **kw):
+    xe, xc = x.clone().requires_grad_(input_rg), x.clone().requires_grad_(input_rg)
+    with recipe_ctx(recipe):
+        ye = m(xe, **kw)
+        yc = cm(xc, **kw)
+    _assert_equal(ye, yc, f"{tag} output")
+    assert ye.requires_grad == yc.requires_grad
+    if ye.requires_grad:
+        ye.backward(g)
+        yc.backward(g)
+    _assert_equal(xe.grad, xc.grad, f"{tag} input grad")
+    return ye
+
+
+# ---- hypothesis: shapes x dtype x recipe x bias x requires-grad, aot_eager bitwise -------------
+@st.composite
+def linear_cases(draw):
+    tokens = draw(st.sampled_from([32, 64]))
+    lead = (tokens,) if draw(st.booleans()) else (draw(st.integers(1, 2)), tokens)
+    return dict(
+        lead=lead,
+        in_features=draw(st.sampled_from([32, 64, 96, 128])),
+        out_features=draw(st.sampled_from([32, 64, 96, 128])),
+        dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
+        rid=draw(st.sampled_from(RECIPE_IDS)),
+        bias=draw(st.booleans()),
+        input_rg=draw(st.booleans()),
+        weight_rg=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@settings(max_examples=12)
+@given(case=linear_cases())
+def test_compiled_matches_eager_bitwise(case):
+    recipe, dtype = RECIPES[case["rid"]], case["dtype"]
+    fresh_dynamo()
+    torch.manual_seed(case["seed"])
+    m = Linear(case["in_features"], case["out_features"], bias=case["bias"], params_dtype=dtype)
+    m.weight.requires_grad_(case["weight_rg"])
+    mc, cm = _compiled_twin(m)
+    for step in range(2):
+        x = torch.randn(*case["lead"], case["in_features"], dtype=dtype)
+        g = torch.randn(*case["lead"], case["out_features"], dtype=dtype)
+        _step(m, cm, recipe, x, g, case["input_rg"], f"{case} step {step}")
+        _assert_same_state(m, mc, recipe, f"{case} step {step}")
+    assert graph_breaks() == 0
+    assert unique_graphs() == 1, f"recompiled across steps with the same shapes: {unique_graphs()} graphs"
+
+
+# ---- inductor ---------------------------------------------------------------------------------
+INDUCTOR_TOL = dict(rtol=1.3e-6, atol=1e-5)  # torch's float32 defaults; measured: bitwise (diff 0)
+
+
+@pytest.mark.parametrize("rid", RECIPE_IDS)
+def test_inductor_matches_eager(rid):
+    recipe = RECIPES[rid]
+    fresh_dynamo()
+    torch.manual_seed(0)
+    m = Linear(64, 32)
+    mc, cm = _compiled_twin(m, backend="inductor")
+    worst = 0.0
+    for step in range(2):
+        x = torch.randn(2, 32, 64)
+        g = torch.randn(2, 32, 32)
+        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with recipe_ctx(recipe):
+            ye, yc = m(xe), cm(xc)
+        ye.backward(g)
+        yc.backward(g)
+        pairs = [(ye, yc), (xe.grad, xc.grad), (m.weight.grad, mc.weight.grad), (m.bias.grad, mc.bias.grad)]
+        if isinstance(recipe, R.DelayedScaling):
+            pairs += [(getattr(m.gemm, n), getattr(mc.gemm, n)) for n in DELAYED_BUFFERS]
+        for e, c in pairs:
+            torch.testing.assert_close(c, e, **INDUCTOR_TOL)
+            worst = max(worst, (c - e).abs().max().item())
+    assert graph_breaks() == 0
+    assert unique_graphs() == 1
+    print(f"inductor vs eager [{rid}]: max abs diff {worst}")
+
+
+# ---- dynamic batch dimension ----------------------------------------------------------------------
+@pytest.mark.parametrize("rid", RECIPE_IDS)
+def test_dynamic_batch_compiles_once(rid):
+    """mark_dynamic on the batch dim: one frame, one graph for two batch sizes (bitwise to eager).
+
+    Fails for every quantized recipe as of this writing: `Quantizer.alloc_tensors`
+    (tensor/quantizer.py) does `tuple(int(s) for s in shape)`, and the fake impl of linear_fwd
+    allocates the saved columnwise input (M = batch*32 rows) through it, so `int()` specializes
+    the symbolic batch size -> ConstraintViolationError."""
+    recipe = RECIPES[rid]
+    fresh_dynamo()
+    torch.manual_seed(0)
+    m = Linear(64, 32)
+    mc = copy.deepcopy(m)
+    cnt = CompileCounterWithBackend("aot_eager")
+    cm = torch.compile(mc, fullgraph=True, backend=cnt)
+    for batch in (2, 3):
+        x = torch.randn(batch, 32, 64)
+        g = torch.randn(batch, 32, 32)
+        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+        torch._dynamo.mark_dynamic(xc, 0)
+        with recipe_ctx(recipe):
+            ye, yc = m(xe), cm(xc)
+        _assert_equal(ye, yc, f"batch {batch} output")
+        ye.backward(g)
+        yc.backward(g)
+        _assert_equal(xe.grad, xc.grad, f"batch {batch} input grad")
+        _assert_same_state(m, mc, recipe, f"batch {batch}")
+    assert cnt.frame_count == 1, f"{cnt.frame_count} frames compiled for two batch sizes"
+    assert unique_graphs() == 1
+    assert graph_breaks() == 0
+
+
+# ---- weight cache (is_first_microbatch) ---------------------------------------------------------------
+@pytest.mark.parametrize("rid", QUANTIZED_IDS)
+def test_is_first_microbatch_matches_eager(rid):
+    """True fills the quantized-weight cache, False reuses it (even if the weight changed since,
+    as in TE); compiled == eager bitwise, one graph per flag value. The cache is allocated eagerly,
+    so (as the library asks) one micro-batch runs eagerly on both modules before compiling."""
+    recipe = RECIPES[rid]
+    fresh_dynamo()
+    torch.manual_seed(0)
+    m = Linear(64, 32)
+    mc = copy.deepcopy(m)
+    with autocast(recipe=recipe):
+        x, g = torch.randn(32, 64), torch.randn(32, 32)
+        for mod in (m, mc):  # eager warm-up micro-batch, identical on both
+            mod(x.clone().requires_grad_(), is_first_microbatch=True).backward(g)
+    cm = torch.compile(mc, fullgraph=True, backend="aot_eager")
+    with autocast(recipe=recipe):
+        for i, first in enumerate([True, False, False, True, False]):
+            x, g = torch.randn(32, 64), torch.randn(32, 32)
+            _step(m, cm, recipe, x, g, True, f"microbatch {i}", is_first_microbatch=first)
+            _assert_same_state(m, mc, recipe, f"microbatch {i}")
+            assert m.gemm._cache_names, "no weight cache allocated"
+            for name in m.gemm._cache_names:
+                _assert_equal(getattr(m.gemm, name), getattr(mc.gemm, name), f"microbatch {i} {name}")
+            if first:  # an optimizer step between microbatches: cached (stale) weight must be used
+                with torch.no_grad():
+                    m.weight.add_(0.01)
+                    mc.weight.add_(0.01)
+    assert graph_breaks() == 0
+    assert unique_graphs() == 2  # is_first_microbatch True / False
+
+
+def test_deepcopied_module_is_prepared_by_autocast():
+    """A deepcopy (EMA/teacher copies, `copy.deepcopy(model)` before compiling) must be prepared on
+    autocast entry like the original: here, DelayedScaling(amax_history_len=2000) must grow the
+    copy's history buffers too.
+
+    Fails as of this writing: TransformerEngineBaseModule registers itself with FP8GlobalState in
+    __init__ only, which deepcopy (and unpickling) skip, so autocast never prepares the copy, and
+    the compiled call raises 'amax_history_len=2000 exceeds the allocated history (1024)'.
+    (The same gap leaves a copy's quantized-weight cache unallocated for a new recipe.)"""
+    fresh_dynamo()
+    torch.manual_seed(0)
+    m = Linear(64, 32)
+    mc = copy.deepcopy(m)
+    recipe = R.DelayedScaling(amax_history_len=2000)
+    cm = torch.compile(mc, fullgraph=True, backend="aot_eager")
+    with autocast(recipe=recipe):
+        assert m.gemm.amax_history.shape == (2000, 2)
+        assert mc.gemm.amax_history.shape == (2000, 2), "deepcopy of a TE module was not prepared by autocast"
+        for step in range(2):
+            _step(m, cm, recipe, torch.randn(32, 64), torch.randn(32, 32), True, f"step {step}")
+            _assert_same_state(m, mc, recipe, f"step {step}")
+
+
+# ---- fused wgrad accumulation, save_original_input, inference -----------------------------------
+@pytest.mark.parametrize("rid", RECIPE_IDS)
+def test_fuse_wgrad_accumulation_matches_eager(rid):
+    recipe = RECIPES[rid]
+    fresh_dynamo()
+    torch.manual_seed(0)
+    m = Linear(64, 32, fuse_wgrad_accumulation=True)
+    mc, cm = _compiled_twin(m)
+    m.weight.main_grad = torch.zeros(32, 64, dtype=torch.float32)
+    mc.weight.main_grad = torch.zeros(32, 64, dtype=torch.float32)
+    for step in range(2):
+        _step(m, cm, recipe, torch.randn(32, 64), torch.randn(32, 32), True, f"step {step}")
+        _assert_same_state(m, mc, recipe, f"step {step}")
+        _assert_equal(m.weight.main_grad, mc.weight.main_grad, f"step {step} main_grad")
+        assert m.weight.grad is None and mc.weight.grad is None  # accumulated into main_grad instead
+    assert m.weight.main_grad.abs().sum() > 0
+    assert graph_breaks() == 0
+    assert unique_graphs() == 1
+
+
+@pytest.mark.parametrize("rid", RECIPE_IDS)
+def test_save_original_input_matches_eager(rid):
+    recipe = RECIPES[rid]
+    fresh_dynamo()
+    torch.manual_seed(0)
+    m = Linear(64, 32, save_original_input=True)
+    mc, cm = _compiled_twin(m)
+    for step in range(2):
+        _step(m, cm, recipe, torch.randn(2, 32, 64), torch.randn(2, 32, 32), True, f"step {step}")
+        _assert_same_state(m, mc, recipe, f"step {step}")
+    assert graph_breaks() == 0
+    assert unique_graphs() == 1
+
+
+@pytest.mark.parametrize("rid", RECIPE_IDS)
+def test_no_grad_inference_matches_eager(rid):
+    recipe = RECIPES[rid]
+    fresh_dynamo()
+    torch.manual_seed(0)
+    m = Linear(64, 32)
+    mc, cm = _compiled_twin(m)
+    for step in range(2):
+        x = torch.randn(32, 64)
+        with torch.no_grad(), recipe_ctx(recipe):
+            ye, yc = m(x), cm(x)
+        assert not yc.requires_grad
+        _assert_equal(ye, yc, f"step {step} output")
+        _assert_same_state(m, mc, recipe, f"step {step}")
+    assert graph_breaks() == 0
+    assert unique_graphs() == 1
+
+
+# ---- recipe objects ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("make", [lambda: None, lambda: R.Float8CurrentScaling()], ids=["default", "current"])
+def test_equal_fresh_recipe_each_step_does_not_recompile(make):
+    """`with autocast():` / `with autocast(recipe=Float8CurrentScaling()):` inside the training loop
+    makes a new (equal, frozen) recipe object every step. Recipes compare by value, so the graph
+    must be reused (regression: when dynamo guarded the recipe object by identity, every step
+    recompiled and step 9 raised FailOnRecompileLimitHit under fullgraph=True; compiled code now
+    reads the recipe's key string from the autocast state)."""
+    fresh_dynamo()
+    m = Linear(64, 32)
+    cm = torch.compile(m, fullgraph=True, backend="aot_eager")
+    for step in range(3):
+        x = torch.randn(32, 64, requires_grad=True)
+        with autocast(recipe=make()):
+            cm(x).sum().backward()
+    assert unique_graphs() == 1, f"{unique_graphs()} graphs for 3 steps with equal recipes"
