@@ -14,6 +14,7 @@ from torch import nn
 
 from .. import recipe as R
 from ..autocast import get_fp8_recipe, get_fp8_recipe_key
+from ..debug import debug_gemm as _debug_gemm  # precision debug tools (issue 5)
 from ..ops import linear_ops
 from ..ops.recipe_registry import quantizers_from_key, recipe_key
 from ..tensor import TensorProto
@@ -34,7 +35,7 @@ def _update_from_history(scale, amax_history, recipe: R.DelayedScaling, fp8_max:
     is 0 or non-finite; then roll the history so slot 0 is free for this step's amax."""
     history = amax_history[: recipe.amax_history_len]
     amax = history.amax(0) if recipe.amax_compute_algo == "max" else history[0]
-    new = fp8_max / amax / (2.0 ** recipe.margin)
+    new = torch.full_like(amax, fp8_max) / amax / (2.0 ** recipe.margin)  # a true fp32 division, as TE
     keep = (amax <= 0) | ~torch.isfinite(amax) | ~torch.isfinite(new)
     scale.copy_(torch.where(keep, scale, new))
     history.copy_(torch.roll(history, -1, 0))
@@ -55,6 +56,7 @@ class QuantizedGemm(nn.Module):
         self._cache_names = []
         self._cache_for = None  # (recipe key, weight shape, dtype) the cache was allocated for
         self.uses_weight_cache = False  # set by the first is_first_microbatch call (eager)
+        self._debug_uid = _debug_gemm.state.new_uid()  # precision debug tools (issue 5): name registry key
 
     # ---- eager preparation ----------------------------------------------------------------
     def prepare_for_recipe(self, recipe: R.Recipe, weight: torch.Tensor) -> None:
@@ -125,7 +127,10 @@ class QuantizedGemm(nn.Module):
             main_grad = getattr(weight, "main_grad", None)
             if main_grad is None:
                 raise RuntimeError("fuse_wgrad_accumulation=True needs weight.main_grad (an fp32 buffer) to be set")
-        out, amaxes, new_cache = linear_ops.linear(
+        # ---- precision debug tools (issue 5): a layer with an active debug feature takes the debug GEMM path
+        linear = _debug_gemm.linear_for(self, recipe is not None) or linear_ops.linear
+        # ---- end debug
+        out, amaxes, new_cache = linear(
             inp, weight, bias, key=key,
             fp8_scales=self.fp8_scale if delayed else None,
             grad_scale=self.grad_fp8_scale if delayed else None,

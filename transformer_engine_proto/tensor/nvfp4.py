@@ -59,7 +59,7 @@ class NVFP4TensorStorage(QuantizedTensorStorage):
                 f"blocks run along the other dim); quantize with {what} usage instead"
             )
         if m % BLOCK:
-            raise ValueError(
+            raise RuntimeError(
                 f"NVFP4: cannot derive {what} data for shape {tuple(self._shape)}: the leading dims "
                 f"product {m} is not a multiple of the block size {BLOCK}"
             )
@@ -83,9 +83,12 @@ class NVFP4TensorStorage(QuantizedTensorStorage):
             self._columnwise_data = self._columnwise_scale_inv = self._amax_columnwise = None
 
     def _transpose_buffers(self):
-        """Without the RHT, the columnwise buffers of x are the rowwise buffers of x^T and vice
-        versa (same blocks, same global amax), so a 2D transpose swaps them."""
-        if not (self.has_rowwise() and self.has_columnwise()) or len(self._shape) != 2 or self.with_rht:
+        """With 16x16 tiles the columnwise buffers of x are the rowwise buffers of x^T and vice
+        versa (same tiles, same values), so a 2D transpose swaps them. With 1D blocks the two
+        usages round differently, so a swap would change the values: no native transpose."""
+        if not (self.has_rowwise() and self.has_columnwise()) or len(self._shape) != 2:
+            return None
+        if not self.with_2d_quantization:
             return None
         return {
             "_rowwise_data": self._columnwise_data, "_rowwise_scale_inv": self._columnwise_scale_inv,
@@ -110,7 +113,7 @@ class NVFP4Quantizer(Quantizer):
 
     def __post_init__(self):
         if self.with_2d_quantization and self.with_rht:
-            raise ValueError("NVFP4Quantizer: with_rht cannot be combined with with_2d_quantization")
+            raise ValueError("NVFP4Quantizer: with_rht cannot be combined with with_2d_quantization (2D 16x16 blocks)")
         if not isinstance(self.rht_seed, int):
             raise TypeError(f"NVFP4Quantizer.rht_seed must be an int, got {type(self.rht_seed).__name__}")
 

@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import register_kernel
-from .common import FP4_E2M1_MAX, FP8_MAX, saturating_cast, scale_from_amax, transpose_2d
+from .common import FLOAT32_MAX, FP4_E2M1_MAX, FP8_MAX, saturating_cast, transpose_2d, device_constant
 
 __all__ = [
     "BLOCK", "E2M1_VALUES", "fp4_encode", "fp4_decode", "pack_fp4", "unpack_fp4_codes", "unpack_fp4",
@@ -35,7 +35,7 @@ _E4M3_MAX = FP8_MAX[torch.float8_e4m3fn]
 
 # ---- E2M1 codes ---------------------------------------------------------------------------
 def _table(device) -> torch.Tensor:
-    return torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+    return device_constant(E2M1_VALUES, device)
 
 
 def fp4_encode(v: torch.Tensor, rand: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -93,8 +93,14 @@ def unpack_fp4(data: torch.Tensor) -> torch.Tensor:
 
 # ---- scales and the Hadamard transform --------------------------------------------------------
 def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
-    """S_enc = 448 * 6 / amax; float32 max if that overflows; 1 for amax 0, NaN or Inf."""
-    return scale_from_amax(amax, _E4M3_MAX * FP4_E2M1_MAX)
+    """S_enc = 448 * 6 / amax; float32 max if that overflows; 1 for amax 0, NaN or Inf.
+
+    A correctly rounded tensor / tensor division: `scalar / tensor` in torch is computed as
+    reciprocal-then-multiply, which differs in the last bit for about a quarter of inputs."""
+    amax = amax.float()
+    s = torch.full_like(amax, _E4M3_MAX * FP4_E2M1_MAX) / amax
+    s = torch.where(torch.isinf(s) & (amax > 0), torch.full_like(s, FLOAT32_MAX), s)
+    return torch.where((amax == 0) | ~torch.isfinite(amax), torch.ones_like(s), s)
 
 
 _RHT_CACHE = {}
@@ -116,16 +122,33 @@ def _rht_values(seed: int) -> Tuple[Tuple[float, ...], ...]:
 
 def rht_matrix(seed: int, device=None) -> torch.Tensor:
     """The orthonormal 16x16 RHT matrix H = Had16 @ diag(signs) / 4, signs fixed by `seed`."""
-    return torch.tensor(_rht_values(int(seed)), dtype=torch.float32, device=device)
+    return device_constant(_rht_values(int(seed)), device)
+
+
+@torch.compiler.assume_constant_result
+def _rht_signs(seed: int) -> Tuple[float, ...]:
+    return tuple(_rht_values(seed)[0][j] * 4.0 for j in range(BLOCK))  # row 0 of Had16 is all ones
 
 
 def _apply_rht(x2d: torch.Tensor, seed: int, inverse: bool = False) -> torch.Tensor:
-    """Multiply each run of 16 along the last dim by H (or by H^T = H^-1 with `inverse`)."""
+    """Multiply each run of 16 along the last dim by H (or by H^T = H^-1 with `inverse`).
+
+    A fast Walsh-Hadamard butterfly (4 stages of a+b, a-b) rather than a matmul: the additions
+    happen in one fixed order, so the result is bitwise the same on every device and backend.
+    """
     r, c = x2d.shape
-    h = rht_matrix(seed, x2d.device)
-    runs = x2d.float().reshape(r, c // BLOCK, BLOCK)
-    # row-vector form: (H v)^T = v^T H^T, (H^T v)^T = v^T H
-    return (runs @ (h if inverse else h.t())).reshape(r, c)
+    signs = device_constant(_rht_signs(int(seed)), x2d.device)
+    y = x2d.float().reshape(-1, BLOCK)
+    if not inverse:
+        y = y * signs  # H v = Had16 (signs * v) / 4
+    for h in (1, 2, 4, 8):
+        pairs = y.reshape(-1, BLOCK // (2 * h), 2, h)
+        a, b = pairs[:, :, 0], pairs[:, :, 1]
+        y = torch.stack((a + b, a - b), dim=2).reshape(-1, BLOCK)
+    y = y * 0.25
+    if inverse:
+        y = y * signs  # H^T v = signs * (Had16 v) / 4
+    return y.reshape(r, c)
 
 
 # ---- block quantization ---------------------------------------------------------------------------
@@ -153,7 +176,8 @@ def quantize_blocks(x2d: torch.Tensor, amax: torch.Tensor, two_d: bool = False,
     # structure, which inductor's CPU backend needs to fuse them (torch 2.13 asserts otherwise).
     r, c = x2d.shape
     s_enc = global_encode_scale(amax)
-    s_dec = saturating_cast(_block_amax(x2d, two_d) / FP4_E2M1_MAX * s_enc, torch.float8_e4m3fn)
+    six = s_enc.new_full((1,), FP4_E2M1_MAX)  # a tensor: CUDA divides by a scalar via its reciprocal
+    s_dec = saturating_cast(_block_amax(x2d, two_d) / six * s_enc, torch.float8_e4m3fn)
     s_dec_f = s_dec.float().unsqueeze(-1)
     enc = torch.where(s_dec_f == 0, torch.zeros_like(s_dec_f), s_enc / s_dec_f)
     blocks = x2d.reshape(-1, BLOCK)
@@ -201,6 +225,7 @@ def nvfp4_quantize(x: torch.Tensor, rowwise: bool, columnwise: bool, two_d: bool
     m, k = x.numel() // x.shape[-1], x.shape[-1]
     x2d = x.reshape(m, k).float()
     rand = rand.reshape(m, k) if rand is not None else None
+    rand_columnwise = rand_columnwise.reshape(k, m) if rand_columnwise is not None else None
     if stochastic and rand is None and (rowwise or two_d):
         rand = torch.rand((m, k), device=x.device)
     rand_row = rand if stochastic else None
