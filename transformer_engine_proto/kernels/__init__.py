@@ -2,7 +2,9 @@
 optional fast backends (Triton on CUDA) registered under the same name.
 
 Quantizers call `kernel("name")(...)` with plain tensors; the dispatcher picks the backend by the
-input's device. Set `TE_PROTO_KERNELS=reference` to force the reference everywhere.
+input's device. `TE_PROTO_KERNELS` selects: `reference` (the default for now: the Triton kernels
+have not yet been checked bitwise against the reference on a GPU, see tests/test_triton_kernels.py)
+or `triton` (Triton on CUDA tensors, the reference elsewhere).
 """
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ import torch
 __all__ = ["register_kernel", "kernel", "available_backends"]
 
 _KERNELS: Dict[Tuple[str, str], Callable] = {}
-# Backends tried first on each device type, best first; "reference" is always the fallback.
+# Backends tried first on each device type when TE_PROTO_KERNELS=triton; "reference" is the fallback.
 _PREFERENCE = {"cuda": ("triton",)}
+DEFAULT_BACKEND = "reference"
 
 
 def register_kernel(name: str, backend: str = "reference"):
@@ -33,7 +36,10 @@ def available_backends(name: str):
 def kernel(name: str, device=None) -> Callable:
     """The implementation of `name` for tensors on `device`."""
     _load_reference()
-    if os.environ.get("TE_PROTO_KERNELS", "") != "reference" and device is not None:
+    mode = os.environ.get("TE_PROTO_KERNELS", DEFAULT_BACKEND)
+    if mode not in ("reference", "triton"):
+        raise ValueError(f"TE_PROTO_KERNELS must be 'reference' or 'triton', got {mode!r}")
+    if mode == "triton" and device is not None:
         for backend in _PREFERENCE.get(torch.device(device).type, ()):
             fn = _KERNELS.get((name, backend))
             if fn is not None:
@@ -52,3 +58,7 @@ def _load_reference():
     if not _loaded:
         _loaded = True
         from .reference import blockwise, float8, mxfp8, nvfp4  # noqa: F401  (registers kernels)
+        try:
+            from . import triton as _triton_backend  # noqa: F401  (registers "triton" kernels)
+        except ImportError:
+            pass
