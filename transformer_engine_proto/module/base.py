@@ -8,11 +8,16 @@ import torch
 from torch import nn
 
 from ..autocast import FP8GlobalState, get_fp8_recipe, get_fp8_recipe_key
+from ..debug import state as _debug_state  # precision debug tools (issue 5)
 from ..tensor.quantizer import HIGH_PRECISION_DTYPES
 
 __all__ = ["TransformerEngineBaseModule"]
 
 _counter = itertools.count()
+# ---- precision debug tools (issue 5): TE-style default layer names (`layernorm_linear_3`, ...)
+_DEFAULT_NAMES = {"LayerNormLinear": "layernorm_linear", "LayerNormMLP": "layernorm_mlp",
+                  "TransformerLayer": "transformer_layer", "RMSNorm": "rmsnorm", "LayerNorm": "layernorm"}
+# ---- end debug
 
 
 class TransformerEngineBaseModule(nn.Module):
@@ -20,7 +25,8 @@ class TransformerEngineBaseModule(nn.Module):
 
     def __init__(self, name: Optional[str] = None):
         super().__init__()
-        self.name = name if name is not None else f"{type(self).__name__.lower()}_{next(_counter)}"
+        prefix = _DEFAULT_NAMES.get(type(self).__name__, type(self).__name__.lower())
+        self.name = name if name is not None else f"{prefix}_{next(_counter)}"
         FP8GlobalState.register_module(self)
 
     def __setstate__(self, state):
@@ -45,6 +51,10 @@ class TransformerEngineBaseModule(nn.Module):
             raise ValueError(f"{self.name}: {what} last dim must be {features}, got shape {tuple(inp.shape)}")
         if get_fp8_recipe() is not None:
             self._check_recipe_shapes()
+        # ---- precision debug tools (issue 5): name this module's GEMMs for TE's debug API calls
+        if _debug_state.SESSION.active:
+            _debug_state.begin_forward(self)
+        # ---- end debug
 
     def _check_recipe_shapes(self) -> None:
         """Fail early, naming the module, when a recipe's blocks do not divide a weight."""

@@ -1,0 +1,246 @@
+"""Validation of debug config files (YAML path or dict) with errors naming the config entry.
+
+Checks the `transformer_engine` features this package provides: unknown features and keys, value
+types, tensor/gemm/stat names and `start_end_list` windows (pairs, in order, non-overlapping).
+Features of other namespaces and custom features registered in nvdlfw_inspect are left to their
+owners. Runs from `transformer_engine_proto.debug.initialize` (before nvdlfw_inspect loads the
+file) and, for sessions started with `debug_api.initialize`, at the first routing call.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+from . import stats
+
+__all__ = ["DebugConfigError", "validate_config", "check_session_config", "FEATURE_KEYS"]
+
+GEMMS = ("fprop", "dgrad", "wgrad")
+ALL_TENSORS = ("activation", "gradient", "weight", "output", "wgrad", "dgrad")
+IN_TENSORS = ("activation", "gradient", "weight")
+_WINDOW = ("freq", "start_step", "end_step", "start_end_list")
+_DUMP = ("dump_hp", "dump_quant", "dump_quantized_internals", "high_precision_tensor", "quantized_tensor")
+_DISABLE_GEMM = {"structure": "gemms", "tensors": None, "params": ()}
+_DISABLE_LAYER = {"structure": None, "tensors": None, "params": ()}
+# feature -> gemm/tensor structure, allowed tensor names, per-entry parameters
+FEATURE_KEYS: Dict[str, Dict[str, Any]] = {
+    "LogTensorStats": {"structure": "tensors", "tensors": ALL_TENSORS, "params": ("stats",) + _WINDOW},
+    "LogFp8TensorStats": {"structure": "tensors", "tensors": IN_TENSORS, "params": ("stats",) + _WINDOW},
+    "DumpTensors": {"structure": "tensors", "tensors": ALL_TENSORS, "params": _DUMP + _WINDOW},
+    "DisableFp8Gemm": _DISABLE_GEMM, "DisableFP8GEMM": _DISABLE_GEMM, "DisableQuantizationGEMM": _DISABLE_GEMM,
+    "DisableFp8Layer": _DISABLE_LAYER, "DisableFP8Layer": _DISABLE_LAYER, "DisableQuantizationLayer": _DISABLE_LAYER,
+    "PerTensorScaling": {"structure": "both", "tensors": IN_TENSORS, "params": ("margin",)},
+    "FakeQuant": {"structure": "both", "tensors": ALL_TENSORS, "params": ("quant_format", "margin")},
+}
+_LAYER_KEYS = ("layer_numbers", "layer_types", "exact_layer_names", "layer_name_regex_pattern")
+_QUANT_FORMATS = ("FP8E4M3", "FP8E5M2", "MXFP8E4M3", "MXFP8E5M2")
+
+
+class DebugConfigError(ValueError):
+    """A debug config entry is wrong; the message names it (section > namespace > feature > key)."""
+
+
+def _fail(where: List[str], msg: str):
+    raise DebugConfigError(f"debug config: {' > '.join(where)}: {msg}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _str_list(where, v, allowed, what):
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        _fail(where, f"must be a list of {what} names, got {v!r}")
+    bad = [s for s in v if allowed is not None and s not in allowed]
+    if bad:
+        _fail(where, f"unknown {what} {bad}; expected some of {list(allowed)}")
+
+
+def _check_windows(where, cfg):
+    if "freq" in cfg and (not _is_int(cfg["freq"]) or cfg["freq"] < 1):
+        _fail(where + ["freq"], f"must be a positive int, got {cfg['freq']!r}")
+    for key in ("start_step", "end_step"):
+        if key in cfg and cfg[key] is not None and (not _is_int(cfg[key]) or cfg[key] < -1):
+            _fail(where + [key], f"must be an int >= 0 (end_step: or -1 for no end), got {cfg[key]!r}")
+    start, end = cfg.get("start_step"), cfg.get("end_step")
+    if _is_int(start) and _is_int(end) and end != -1 and end < start:
+        _fail(where, f"end_step {end} is before start_step {start}")
+    if "start_end_list" in cfg and cfg["start_end_list"] is not None:
+        sel, w = cfg["start_end_list"], where + ["start_end_list"]
+        if not isinstance(sel, list) or not all(isinstance(p, (list, tuple)) and len(p) == 2 and
+                                                all(_is_int(x) for x in p) for p in sel):
+            _fail(w, f"must be a list of [start, end] int pairs, got {sel!r}")
+        prev = None
+        for s, e in sel:
+            if s < 0 or (e != -1 and e < s):
+                _fail(w, f"bad window [{s}, {e}]: need 0 <= start <= end (or end -1 for no end)")
+            if prev is not None:
+                if prev[1] == -1 or s <= prev[1]:
+                    _fail(w, f"windows [{prev[0]}, {prev[1]}] and [{s}, {e}] overlap or are out of order "
+                             "(they must be non-overlapping and increasing)")
+            prev = (s, e)
+
+
+def _check_params(where, feature, cfg, spec, tensor=None):
+    if "stats" in cfg:
+        st = cfg["stats"]
+        if not isinstance(st, list) or not all(isinstance(s, str) for s in st):
+            _fail(where + ["stats"], f"must be a list of stat names, got {st!r}")
+        if feature == "LogTensorStats":
+            bad = [s for s in st if s not in stats.HP_STATS]
+            if bad:
+                _fail(where + ["stats"], f"unsupported stats {bad}; supported: {list(stats.HP_STATS)}")
+        else:
+            for s in st:
+                try:
+                    stats.parse_fp8_stat(s, "current")
+                except ValueError as e:
+                    _fail(where + ["stats"], str(e))
+    for key in _DUMP:
+        if key in cfg and not isinstance(cfg[key], bool):
+            _fail(where + [key], f"must be true or false, got {cfg[key]!r}")
+    if "margin" in cfg and not _is_int(cfg["margin"]):
+        _fail(where + ["margin"], f"must be an int, got {cfg['margin']!r}")
+    if "quant_format" in cfg and cfg["quant_format"] not in _QUANT_FORMATS:
+        _fail(where + ["quant_format"], f"{cfg['quant_format']!r} is not one of {list(_QUANT_FORMATS)}")
+    _check_windows(where, cfg)
+
+
+def _check_tensors(where, feature, cfg, spec, inherited):
+    allowed = set(spec["params"]) | {"tensors", "tensors_struct"}
+    if "tensors" in cfg and "tensors_struct" in cfg:
+        _fail(where, "give either `tensors` or `tensors_struct`, not both")
+    if "tensors" in cfg:
+        _str_list(where + ["tensors"], cfg["tensors"], spec["tensors"], "tensor")
+    elif "tensors_struct" in cfg:
+        ts = cfg["tensors_struct"]
+        if not isinstance(ts, list) or not all(isinstance(t, dict) for t in ts):
+            _fail(where + ["tensors_struct"], f"must be a list of mappings with a `tensor` key, got {ts!r}")
+        for i, item in enumerate(ts):
+            w = where + [f"tensors_struct[{i}]"]
+            if "tensor" not in item:
+                _fail(w, "missing `tensor`")
+            _str_list(w + ["tensor"], [item["tensor"]], spec["tensors"], "tensor")
+            extra = set(item) - set(spec["params"]) - {"tensor"}
+            if extra:
+                _fail(w, f"unknown keys {sorted(extra)}; allowed: {['tensor', *spec['params']]}")
+            _check_params(w, feature, {**inherited, **item}, spec)
+    else:
+        _fail(where, "missing `tensors` or `tensors_struct`")
+    return allowed
+
+
+def _has_key(cfg, key) -> bool:
+    if isinstance(cfg, dict):
+        return key in cfg or any(_has_key(v, key) for v in cfg.values())
+    return isinstance(cfg, list) and any(_has_key(v, key) for v in cfg)
+
+
+def _check_feature(where, feature, cfg):
+    spec = FEATURE_KEYS[feature]
+    if not isinstance(cfg, dict):
+        _fail(where, f"must be a mapping, got {cfg!r}")
+    if "enabled" not in cfg:
+        _fail(where, "missing `enabled`")
+    if not isinstance(cfg["enabled"], bool):
+        _fail(where + ["enabled"], f"must be true or false, got {cfg['enabled']!r}")
+    body = {k: v for k, v in cfg.items() if k != "enabled"}
+    allowed = set(spec["params"])
+    structure = spec["structure"]
+    if structure == "tensors":
+        allowed |= _check_tensors(where, feature, body, spec, body)
+    elif structure in ("gemms", "both"):
+        allowed |= {"gemms", "gemms_struct"}
+        if "gemms" in body and "gemms_struct" in body:
+            _fail(where, "give either `gemms` or `gemms_struct`, not both")
+        if "gemms" in body:
+            _str_list(where + ["gemms"], body["gemms"], GEMMS, "gemm")
+            if structure == "both":
+                allowed |= _check_tensors(where, feature, body, spec, body)
+        elif "gemms_struct" in body:
+            gs = body["gemms_struct"]
+            if not isinstance(gs, list) or not all(isinstance(g, dict) for g in gs):
+                _fail(where + ["gemms_struct"], f"must be a list of mappings with a `gemm` key, got {gs!r}")
+            for i, item in enumerate(gs):
+                w = where + [f"gemms_struct[{i}]"]
+                if "gemm" not in item:
+                    _fail(w, "missing `gemm`")
+                _str_list(w + ["gemm"], [item["gemm"]], GEMMS, "gemm")
+                inner = {k: v for k, v in item.items() if k != "gemm"}
+                ok = set(spec["params"])
+                if structure == "both":
+                    ok |= _check_tensors(w, feature, inner, spec, {**body, **inner})
+                extra = set(inner) - ok
+                if extra:
+                    _fail(w, f"unknown keys {sorted(extra)}; allowed: {sorted(ok | {'gemm'})}")
+        else:
+            _fail(where, "missing `gemms` or `gemms_struct`")
+    extra = set(body) - allowed
+    if extra:
+        _fail(where, f"unknown keys {sorted(extra)}; allowed: {sorted(allowed | {'enabled'})}")
+    if feature == "FakeQuant" and not _has_key(cfg, "quant_format"):
+        _fail(where, "missing `quant_format` (one of " + ", ".join(_QUANT_FORMATS) + ")")
+    _check_params(where, feature, body, spec)
+
+
+def _registered(namespace: str):
+    try:
+        from nvdlfw_inspect.registry import Registry
+    except ImportError:  # pragma: no cover
+        return set()
+    data = Registry.data.get(namespace)
+    return set(data.features) if data is not None else set()
+
+
+def validate_config(config) -> None:
+    """Raise DebugConfigError for the first wrong entry of `config` (a YAML path or a dict)."""
+    if not isinstance(config, dict):
+        import yaml
+
+        with open(config) as f:
+            config = yaml.safe_load(f) or {}
+    if not isinstance(config, dict):
+        _fail(["<top level>"], "must be a mapping of section names to sections")
+    custom = _registered("transformer_engine") - set(FEATURE_KEYS)
+    for section, sec in config.items():
+        where = [f"section {section!r}"]
+        if not isinstance(sec, dict):
+            _fail(where, f"must be a mapping, got {sec!r}")
+        if "enabled" not in sec or not isinstance(sec["enabled"], bool):
+            _fail(where + ["enabled"], "required, true or false")
+        if sec["enabled"] and "layers" not in sec:
+            _fail(where, "missing `layers`")
+        layers = sec.get("layers")
+        if layers is not None:
+            if not isinstance(layers, dict) or not layers:
+                _fail(where + ["layers"], f"must be a mapping with one of {_LAYER_KEYS}, got {layers!r}")
+            extra = set(layers) - set(_LAYER_KEYS)
+            if extra:
+                _fail(where + ["layers"], f"unknown keys {sorted(extra)}; expected some of {list(_LAYER_KEYS)}")
+        te = sec.get("transformer_engine")
+        if te is None:
+            continue
+        if not isinstance(te, dict):
+            _fail(where + ["transformer_engine"], f"must be a mapping of feature names, got {te!r}")
+        for feature, cfg in te.items():
+            w = where + ["transformer_engine", feature]
+            if feature in FEATURE_KEYS:
+                _check_feature(w, feature, cfg)
+            elif feature not in custom:
+                _fail(w, f"unknown feature; known: {sorted(FEATURE_KEYS)}"
+                         + (f" and custom {sorted(custom)}" if custom else ""))
+
+
+def check_session_config() -> None:
+    """Validate the config of the running nvdlfw_inspect session."""
+    from .state import debug_manager
+
+    m = debug_manager()
+    cfg = getattr(m, "config_file", None)
+    if not cfg:
+        return
+    if isinstance(cfg, str):
+        import os
+
+        if not os.path.exists(cfg):
+            return
+    validate_config(cfg)

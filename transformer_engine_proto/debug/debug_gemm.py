@@ -1,0 +1,285 @@
+"""The debug GEMM path: a Linear whose three GEMMs make TE's GEMM calls.
+
+For every input tensor (activation, weight in forward; gradient in backward) and each GEMM that
+uses it, the layer's plan (from the routing calls) says: `modify_tensor()` (a feature returns the
+operand), FP8 quantization (the recipe's quantizer) or high precision. Then `inspect_tensor` sees
+the high-precision tensor with the quantized one, and `inspect_tensor_postquantize` each processed
+operand. Outputs (output, dgrad, wgrad) may be modified and inspected after their GEMM. The call
+order and arguments follow TE's DebugQuantizer.
+
+Forward and backward are custom ops (`te_proto_debug::linear_fwd/bwd`) whose bodies run in eager
+Python at run time, also inside a torch.compile'd graph: features (stats, dumps, user features)
+run unchanged and see the current iteration, with no graph break. The forward keeps the operands
+that backward's GEMMs need (whatever the features returned) in a side table, keyed by an int64
+token tensor that autograd saves; the entry is dropped when the token dies. The ops carry the
+`cudagraph_unsafe` tag: their Python side effects must not be frozen into a CUDA graph.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import weakref
+from typing import Dict, List, Optional
+
+import torch
+
+from ..gemm import gemm
+from ..ops.recipe_registry import HIGH_PRECISION_KEY, quantizers_from_key
+from ..tensor import Float8Quantizer, QuantizedTensor
+from . import state
+from .state import HIGH, MODIFY, QUANTIZE, TENSOR_GEMMS
+
+__all__ = ["linear_for", "debug_linear", "clear_saved"]
+
+_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+_SAVED: Dict[int, dict] = {}
+_tokens = itertools.count()
+
+
+def clear_saved() -> None:
+    _SAVED.clear()
+
+
+def linear_for(gemm_module, recipe_on: bool):
+    """The debug linear for `gemm_module` if its layer takes the debug path now, else None."""
+    name = state.route(gemm_module, recipe_on)
+    return None if name is None else functools.partial(debug_linear, layer_name=name)
+
+
+def _bind(q, scale, amax):
+    return dataclasses.replace(q, scale=scale, amax=amax) if isinstance(q, Float8Quantizer) else q
+
+
+def _operand(t, rowwise: bool):
+    """`t` holding just the usage a GEMM reads (deriving it where the format allows)."""
+    if not isinstance(t, QuantizedTensor):
+        return t
+    has = t.has_rowwise() if rowwise else t.has_columnwise()
+    other = t.has_columnwise() if rowwise else t.has_rowwise()
+    if has and not other:
+        return t
+    return t.detach().update_usage(rowwise_usage=rowwise, columnwise_usage=not rowwise)
+
+
+class _Calls:
+    """The GEMM calls of one layer in one op invocation."""
+
+    def __init__(self, layer: str, key: str, plan=None):
+        self.layer = layer
+        self.recipe_on = key != HIGH_PRECISION_KEY
+        self.live = state.SESSION.active and state.debug_manager() is not None
+        self.iteration = state.current_iteration()
+        if plan is None:
+            plan = (state.layer_plan(layer, self.recipe_on) if self.live
+                    else state.LayerPlan.default(layer, self.recipe_on, self.iteration))
+        self.plan = plan
+
+    def _modify(self, tensor_name, gemm_name, x, quantizer):
+        out = state.te_api().modify_tensor(layer_name=self.layer, gemm=gemm_name, tensor_name=tensor_name, tensor=x,
+                                           default_quantizer=quantizer, iteration=self.iteration, out=None,
+                                           dtype=x.dtype)
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(x.shape):
+            raise TypeError(f"{self.layer}: modify_tensor(tensor_name={tensor_name!r}, gemm={gemm_name!r}) must return "
+                            f"a tensor of shape {tuple(x.shape)}, got {type(out).__name__} "
+                            f"{tuple(getattr(out, 'shape', ()))}")
+        return out
+
+    def input_tensor(self, name: str, x: torch.Tensor, quantizer, need_row: bool, need_col: bool,
+                     amax_slot=None) -> Dict[str, torch.Tensor]:
+        """Operands for the GEMMs that need `x` (name -> tensor or QuantizedTensor)."""
+        row_g, col_g = TENSOR_GEMMS[name]
+        tp = self.plan.tensor(name)
+        plans = {g: tp.plan(g) for g, need in ((row_g, need_row), (col_g, need_col)) if need}
+        if quantizer is None:  # no recipe: the plan cannot quantize
+            plans = {g: (HIGH if p == QUANTIZE else p) for g, p in plans.items()}
+        quantized = None
+        if QUANTIZE in plans.values():
+            quantized = quantizer.with_usage(rowwise=plans.get(row_g) == QUANTIZE,
+                                             columnwise=plans.get(col_g) == QUANTIZE).quantize(x)
+        elif amax_slot is not None:  # delayed scaling keeps recording the amax of unquantized tensors
+            amaxes, i = amax_slot
+            amaxes[i] = torch.maximum(amaxes[i], x.detach().abs().amax().float())
+        ops = {}
+        for g in (col_g, row_g):
+            if plans.get(g) == MODIFY:
+                ops[g] = self._modify(name, g, x, quantizer)
+        for g, p in plans.items():
+            if p != MODIFY:
+                ops[g] = quantized if p == QUANTIZE else x
+        if not self.live:
+            return ops
+        if tp.inspect:
+            # the processed operands (quantized or modify_tensor() results); None where high precision
+            row_q = ops.get(row_g) if plans.get(row_g) in (MODIFY, QUANTIZE) else None
+            col_q = ops.get(col_g) if plans.get(col_g) in (MODIFY, QUANTIZE) else None
+            stats_q = None if quantizer is None else _bind(quantizer, getattr(quantizer, "scale", None),
+                                                           torch.zeros(1, device=x.device))
+            state.te_api().inspect_tensor(layer_name=self.layer, tensor_name=name, tensor=x, iteration=self.iteration,
+                                          tp_group=None, rowwise_quantized_tensor=row_q if row_q is not None else col_q,
+                                          columnwise_quantized_tensor=col_q if col_q is not None else row_q,
+                                          quantizer=stats_q)
+        for g, p in plans.items():
+            if p in (MODIFY, QUANTIZE) and tp.post(g):
+                state.te_api().inspect_tensor_postquantize(layer_name=self.layer, tensor_name=name, gemm=g,
+                                                           tensor=ops[g], rowwise=g == row_g,
+                                                           iteration=self.iteration, tp_group=None)
+        return ops
+
+    def output_tensor(self, name: str, y: torch.Tensor) -> torch.Tensor:
+        if not self.live:
+            return y
+        tp = self.plan.tensor(name)
+        gemm_name = TENSOR_GEMMS[name][0]
+        if tp.plan(gemm_name) == MODIFY:
+            y2 = self._modify(name, gemm_name, y, None)
+            y = y2.dequantize(dtype=y.dtype) if isinstance(y2, QuantizedTensor) else y2.to(y.dtype)
+        if tp.inspect:
+            state.te_api().inspect_tensor(layer_name=self.layer, tensor_name=name, tensor=y, iteration=self.iteration,
+                                          tp_group=None, rowwise_quantized_tensor=None,
+                                          columnwise_quantized_tensor=None, quantizer=None)
+        return y
+
+
+def _fresh(t: torch.Tensor, inputs) -> torch.Tensor:
+    """Custom ops must not return their inputs' storage (a feature may hand one back)."""
+    ptr = t.untyped_storage().data_ptr()
+    if any(i is not None and i.untyped_storage().data_ptr() == ptr for i in inputs):
+        return t.clone()
+    return t
+
+
+# ---- forward ----------------------------------------------------------------------------------------
+@torch.library.custom_op("te_proto_debug::linear_fwd", mutates_args=(), tags=_TAGS)
+def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+               fp8_scales: Optional[torch.Tensor], grad_scale: Optional[torch.Tensor],
+               grad_amax_history: Optional[torch.Tensor], main_grad: Optional[torch.Tensor], layer_name: str, key: str,
+               input_requires_grad: bool, weight_requires_grad: bool, fuse_wgrad_accumulation: bool
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    calls = _Calls(layer_name, key)
+    q = quantizers_from_key(key)
+    delayed = isinstance(q.input, Float8Quantizer)
+    amaxes = torch.zeros(2 if delayed else 0, dtype=torch.float32, device=inp.device)
+    iq = _bind(q.input, fp8_scales[0:1], amaxes[0:1]) if delayed else q.input
+    wq = _bind(q.weight, fp8_scales[1:2], amaxes[1:2]) if delayed else q.weight
+    x2d = inp.reshape(-1, inp.shape[-1])
+    xs = calls.input_tensor("activation", x2d, iq, True, weight_requires_grad, (amaxes, 0) if delayed else None)
+    ws = calls.input_tensor("weight", weight, wq, True, input_requires_grad, (amaxes, 1) if delayed else None)
+    out = gemm(_operand(xs["fprop"], True), _operand(ws["fprop"], True), trans_b=True, bias=bias, out_dtype=inp.dtype)
+    out = calls.output_tensor("output", out).reshape(tuple(inp.shape[:-1]) + (weight.shape[0],))
+    i = next(_tokens)
+    token = torch.tensor([i], dtype=torch.int64)
+    if input_requires_grad or weight_requires_grad:
+        _SAVED[i] = {"x": _operand(xs["wgrad"], False) if weight_requires_grad else None,
+                     "w": _operand(ws["dgrad"], False) if input_requires_grad else None, "plan": calls.plan}
+        weakref.finalize(token, _SAVED.pop, i, None)
+    return _fresh(out, (inp, weight, bias)), amaxes, token
+
+
+@linear_fwd.register_fake
+def _linear_fwd_fake(inp, weight, bias, fp8_scales, grad_scale, grad_amax_history, main_grad, layer_name, key,
+                     input_requires_grad, weight_requires_grad, fuse_wgrad_accumulation):
+    delayed = isinstance(quantizers_from_key(key).input, Float8Quantizer)
+    return (inp.new_empty(tuple(inp.shape[:-1]) + (weight.shape[0],)),
+            inp.new_empty(2 if delayed else 0, dtype=torch.float32), torch.empty(1, dtype=torch.int64, device="cpu"))
+
+
+# ---- backward ---------------------------------------------------------------------------------------
+@torch.library.custom_op("te_proto_debug::linear_bwd", mutates_args=(), tags=_TAGS)
+def linear_bwd(grad_out: torch.Tensor, token: torch.Tensor, grad_scale: Optional[torch.Tensor], layer_name: str,
+               key: str, in_shape: List[int], weight_shape: List[int], weight_dtype: torch.dtype,
+               input_requires_grad: bool, weight_requires_grad: bool, bias_requires_grad: bool,
+               fuse_wgrad_accumulation: bool) -> List[torch.Tensor]:
+    """[dgrad] [wgrad] [dbias] [grad amax (delayed scaling)]."""
+    saved = _SAVED.get(int(token.reshape(-1)[0]))
+    if saved is None and (input_requires_grad or weight_requires_grad):
+        raise RuntimeError(f"{layer_name}: the debug GEMM path lost the operands saved by forward "
+                           "(was the debug session re-initialised between forward and backward?)")
+    calls = _Calls(layer_name, key, plan=saved["plan"] if saved else None)
+    q = quantizers_from_key(key)
+    delayed = isinstance(q.input, Float8Quantizer)
+    grad_amax = torch.zeros(1, dtype=torch.float32, device=grad_out.device)
+    dy = grad_out.reshape(-1, grad_out.shape[-1])
+    grads = []
+    if input_requires_grad or weight_requires_grad:
+        gq = _bind(q.grad_output, grad_scale, grad_amax) if delayed else q.grad_output
+        gs = calls.input_tensor("gradient", dy, gq, input_requires_grad, weight_requires_grad,
+                                (grad_amax, 0) if delayed else None)
+        if input_requires_grad:
+            dgrad = gemm(_operand(gs["dgrad"], True), saved["w"], out_dtype=grad_out.dtype)
+            grads.append(_fresh(calls.output_tensor("dgrad", dgrad).reshape(tuple(in_shape)), (grad_out,)))
+        if weight_requires_grad:
+            wdtype = torch.float32 if fuse_wgrad_accumulation else weight_dtype
+            wgrad = gemm(_operand(gs["wgrad"], False), saved["x"], trans_a=True, out_dtype=wdtype)
+            grads.append(_fresh(calls.output_tensor("wgrad", wgrad), (grad_out,)))
+    if bias_requires_grad:
+        grads.append(dy.float().sum(0).to(weight_dtype))
+    if delayed:
+        grads.append(grad_amax)
+    return grads
+
+
+@linear_bwd.register_fake
+def _linear_bwd_fake(grad_out, token, grad_scale, layer_name, key, in_shape, weight_shape, weight_dtype,
+                     input_requires_grad, weight_requires_grad, bias_requires_grad, fuse_wgrad_accumulation):
+    grads = []
+    if input_requires_grad:
+        grads.append(grad_out.new_empty(tuple(in_shape)))
+    if weight_requires_grad:
+        grads.append(grad_out.new_empty(tuple(weight_shape),
+                                        dtype=torch.float32 if fuse_wgrad_accumulation else weight_dtype))
+    if bias_requires_grad:
+        grads.append(grad_out.new_empty((weight_shape[0],), dtype=weight_dtype))
+    if isinstance(quantizers_from_key(key).input, Float8Quantizer):
+        grads.append(grad_out.new_empty((1,), dtype=torch.float32))
+    return grads
+
+
+_FWD_ARGS = ("inp", "weight", "bias", "fp8_scales", "grad_scale", "grad_amax_history", "main_grad", "layer_name",
+             "key", "input_requires_grad", "weight_requires_grad", "fuse_wgrad_accumulation")
+
+
+def _setup_context(ctx, inputs, output):
+    a = dict(zip(_FWD_ARGS, inputs))
+    state_tensors = (a["grad_scale"], a["grad_amax_history"], a["main_grad"])
+    ctx.has = tuple(t is not None for t in state_tensors)
+    ctx.save_for_backward(output[2], *[t for t in state_tensors if t is not None])
+    ctx.args = dict(layer_name=a["layer_name"], key=a["key"], in_shape=list(a["inp"].shape),
+                    weight_shape=list(a["weight"].shape), weight_dtype=a["weight"].dtype,
+                    input_requires_grad=a["input_requires_grad"], weight_requires_grad=a["weight_requires_grad"],
+                    bias_requires_grad=a["bias"] is not None and a["bias"].requires_grad,
+                    fuse_wgrad_accumulation=a["fuse_wgrad_accumulation"])
+
+
+def _backward(ctx, grad_out, _grad_amaxes, _grad_token):
+    token, *rest = ctx.saved_tensors
+    it = iter(rest)
+    grad_scale, grad_history, main_grad = (next(it) if h else None for h in ctx.has)
+    args = ctx.args
+    grads = iter(linear_bwd(grad_out.contiguous(), token, grad_scale, **args))
+    dgrad = next(grads) if args["input_requires_grad"] else None
+    wgrad = next(grads) if args["weight_requires_grad"] else None
+    dbias = next(grads) if args["bias_requires_grad"] else None
+    if grad_history is not None:
+        grad_history[0].copy_(torch.maximum(grad_history[0], next(grads)))
+    if args["fuse_wgrad_accumulation"] and wgrad is not None:
+        main_grad.add_(wgrad)
+        wgrad = None
+    return (dgrad, wgrad, dbias) + (None,) * (len(_FWD_ARGS) - 3)
+
+
+linear_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def debug_linear(inp, weight, bias=None, *, layer_name: str, key: str, fp8_scales=None, grad_scale=None,
+                 grad_amax_history=None, weight_cache=(), main_grad=None, cache_mode: int = 0,
+                 save_original_input: bool = False, fuse_wgrad_accumulation: bool = False):
+    """`ops.linear.linear`'s signature and results (y, amaxes, new weight cache) on the debug path.
+    The quantized-weight cache is neither read nor filled: the weight is quantized every call."""
+    grad_on = torch.is_grad_enabled()
+    input_requires_grad = grad_on and inp.requires_grad
+    weight_requires_grad = grad_on and weight.requires_grad
+    out, amaxes, _ = linear_fwd(inp, weight, bias, fp8_scales, grad_scale, grad_amax_history, main_grad, layer_name,
+                                key, input_requires_grad, weight_requires_grad,
+                                fuse_wgrad_accumulation and weight_requires_grad)
+    return out, amaxes, []

@@ -1,0 +1,81 @@
+"""LogTensorStats: statistics of high-precision tensors."""
+from typing import Dict
+
+from nvdlfw_inspect.registry import Registry, api_method
+
+from transformer_engine_proto.debug import schedule, state, stats
+from transformer_engine_proto.debug.features import loaded_by_nvdlfw
+from transformer_engine_proto.debug.features.api import TEConfigAPIMapper
+
+
+class LogTensorStats(TEConfigAPIMapper):
+    """
+    Logs statistics of high-precision tensors.
+
+    Stats are computed in every micro-batch (as device tensors, no host sync) and logged at
+    `debug_api.step()`, reduced across ranks in a distributed run. With several forward/backward
+    passes per step, stats of all tensors except weights are accumulated over the micro-batches.
+    If no feature is active for a layer in a step, the layer runs its normal fast path.
+
+    Parameters
+    ----------
+    stats: List[str]
+        min, max, mean, std, l1_norm, l2_norm, cur_amax (max |x|),
+        dynamic_range (log2(amax) - log2(smallest non-zero |x|))
+    tensors/tensors_struct: List[str]
+        activation, gradient, weight, output, wgrad, dgrad
+    freq: Optional[int], default = 1
+    start_step, end_step: Optional[int]
+        inclusive window (end_step -1 or absent: no end)
+    start_end_list: Optional[List[[int, int]]]
+        non-overlapping inclusive windows in increasing order; start_step/end_step are then ignored
+
+    Example
+    -------
+    .. code-block:: yaml
+
+        example_tensor_stat_collection:
+            enabled: True
+            layers:
+                layer_name_regex_pattern: .*(fc1|self_attention).*
+            transformer_engine:
+                LogTensorStats:
+                    enabled: True
+                    tensors_struct:
+                        - tensor: activation
+                          stats: [mean]
+                          freq: 10
+                          start_step: 5
+                          end_step: 100
+                        - tensor: gradient
+                          stats: [mean, max, min]
+                          freq: 2
+                          start_end_list: [[0, 20], [80, 100]]
+                        - tensor: weight
+                          stats: [dynamic_range]
+    """
+
+    def _get_supported_stats_list(self):
+        return set(stats.HP_STATS)
+
+    @api_method
+    def inspect_tensor_enabled(self, config: Dict, layer_name: str, tensor_name: str, iteration: int):
+        return schedule.enabled_at(config, iteration)
+
+    @api_method
+    def inspect_tensor(self, config: Dict, layer_name: str, tensor_name: str, iteration: int, tensor=None,
+                       tp_group=None, **kwargs):
+        requested = config.get("stats", [])
+        bad = [s for s in requested if s not in stats.HP_STATS]
+        if bad:
+            raise ValueError(f"LogTensorStats ({layer_name}, {tensor_name}): unsupported stats {bad}; "
+                             f"supported: {list(stats.HP_STATS)}")
+        if tensor is None:
+            return None
+        stats.feed_tensor(layer_name, tensor_name, requested, tensor, iteration)
+        state.log_message(f"Feature={self.__class__.__name__}, API=inspect_tensor: {tensor_name}", layer_name)
+        return None
+
+
+if loaded_by_nvdlfw(__name__):
+    Registry.register_feature(namespace="transformer_engine")(LogTensorStats)

@@ -1,0 +1,206 @@
+"""Statistics buffers of LogTensorStats / LogFp8TensorStats.
+
+Each inspect call computes a few helper values of its tensor (count, sum, centred sum of squares,
+min, max, ...) as one float64 row on the tensor's device -- no host sync. Rows of micro-batches
+are combined in place (weights: the first micro-batch only, as TE). At `debug_api.step()` the rows
+are gathered across ranks (the debug reduction group; weights stay per rank), combined and turned
+into the requested stats, logged through nvdlfw_inspect's MetricLogger as
+`{layer}_{tensor}_{stat}` with the iteration they were fed in.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import quant_view
+
+__all__ = ["BUFFERS", "HP_STATS", "FP8_BASE_STATS", "parse_fp8_stat", "tensor_row", "fp8_row", "Buffer"]
+
+HP_STATS = ("min", "max", "mean", "std", "l1_norm", "l2_norm", "cur_amax", "dynamic_range")
+FP8_BASE_STATS = ("underflows%", "overflows%", "scale_inv_min", "scale_inv_max", "mse")
+
+# helper values of a row: base part, then 5 per quantized variant
+_BASE = ("n", "sum", "m2", "min", "max", "l1", "sumsq", "amax", "nz_amin")
+_VAR = ("under", "over", "sqerr", "si_min", "si_max")
+_ADD, _MIN, _MAX = {"n", "sum", "l1", "sumsq", "under", "over", "sqerr"}, {"min", "nz_amin", "si_min"}, \
+    {"max", "amax", "si_max"}
+
+
+def parse_fp8_stat(stat: str, current: str) -> Tuple[str, str, bool]:
+    """'mxfp8_underflows%_columnwise' -> ('mxfp8', 'underflows%', True); a stat without a recipe
+    prefix is for the current recipe. Raises ValueError for unknown stats or recipes."""
+    if not isinstance(stat, str):
+        raise ValueError(f"stat {stat!r} is not a string")
+    columnwise = stat.endswith("_columnwise")
+    body = stat[: -len("_columnwise")] if columnwise else stat
+    recipe = next((r for r in quant_view.RECIPE_NAMES if body.startswith(r + "_")), "")
+    base = body[len(recipe) + 1:] if recipe else body
+    if base not in FP8_BASE_STATS:
+        raise ValueError(f"unsupported stat {stat!r}: expected [<recipe>_]<stat>[_columnwise] with <stat> in "
+                         f"{FP8_BASE_STATS} and <recipe> in {quant_view.RECIPE_NAMES}")
+    recipe = recipe or current
+    if not recipe:
+        raise ValueError(f"stat {stat!r} names no recipe and the layer runs without a low-precision recipe; "
+                         f"prefix it with one of {quant_view.RECIPE_NAMES}")
+    return recipe, base, columnwise
+
+
+# ---- rows -----------------------------------------------------------------------------------------
+def tensor_row(x: torch.Tensor) -> torch.Tensor:
+    x = x.detach().double().reshape(-1)
+    n = x.numel()
+    a = x.abs()
+    s = x.sum()
+    inf = torch.full((), math.inf, dtype=torch.float64, device=x.device)
+    vals = [torch.full((), float(n), dtype=torch.float64, device=x.device), s, ((x - s / n) ** 2).sum(), x.min(),
+            x.max(), a.sum(), (x * x).sum(), a.max(), torch.where(x != 0, a, inf).min()]
+    return torch.stack(vals)
+
+
+def fp8_row(x: torch.Tensor, q, columnwise: bool) -> torch.Tensor:
+    v = quant_view.usage_view(q, x, columnwise)
+    xd, dq = v.x.double(), v.dq.double()
+    under = ((xd != 0) & (dq == 0)).sum()
+    # clipped: the code saturated and x lies beyond the largest value (a few ulps of slack absorb the
+    # rounding of scale_inv, e.g. the amax element of current scaling lands exactly on the max)
+    over = (v.saturated & (xd.abs() > dq.abs() * (1 + 2.0 ** -18))).sum()
+    return torch.stack([under.double(), over.double(), ((xd - dq) ** 2).sum(), v.scale_inv.double().min(),
+                        v.scale_inv.double().max()])
+
+
+def _idx(nvariants: int) -> Dict[str, List[int]]:
+    names = list(_BASE) + [f for _ in range(nvariants) for f in _VAR]
+    return {kind: [i for i, f in enumerate(names) if f in fields] for kind, fields in
+            (("add", _ADD), ("min", _MIN), ("max", _MAX))}
+
+
+def combine(a: torch.Tensor, b: torch.Tensor, nvariants: int) -> torch.Tensor:
+    """Combined helper values of two rows (Chan et al. for the centred sum of squares)."""
+    idx = _idx(nvariants)
+    out = a.clone()
+    na, nb = a[0], b[0]
+    n = na + nb
+    delta = b[1] / nb - a[1] / na
+    out[2] = a[2] + b[2] + delta * delta * na * nb / n
+    out[idx["add"]] = a[idx["add"]] + b[idx["add"]]
+    out[idx["min"]] = torch.minimum(a[idx["min"]], b[idx["min"]])
+    out[idx["max"]] = torch.maximum(a[idx["max"]], b[idx["max"]])
+    return out
+
+
+def _value(row: torch.Tensor, stat: str, variant: Optional[int]) -> float:
+    v = {f: float(row[i]) for i, f in enumerate(_BASE)}
+    n = v["n"]
+    if variant is not None:
+        base = len(_BASE) + 5 * variant
+        q = {f: float(row[base + i]) for i, f in enumerate(_VAR)}
+        return {"underflows%": 100.0 * q["under"] / n, "overflows%": 100.0 * q["over"] / n, "mse": q["sqerr"] / n,
+                "scale_inv_min": q["si_min"], "scale_inv_max": q["si_max"]}[stat]
+    if stat == "dynamic_range":
+        if v["amax"] == 0 or math.isinf(v["nz_amin"]):
+            return 0.0
+        return math.log2(v["amax"]) - math.log2(v["nz_amin"])
+    return {"min": v["min"], "max": v["max"], "mean": v["sum"] / n,
+            "std": math.sqrt(max(v["m2"], 0.0) / (n - 1)) if n > 1 else float("nan"),
+            "l1_norm": v["l1"], "l2_norm": math.sqrt(v["sumsq"]), "cur_amax": v["amax"]}[stat]
+
+
+# ---- buffers ------------------------------------------------------------------------------------
+class Buffer:
+    """Stats of one (layer, tensor, feature); `stats` are (logged name, base stat, variant index or None)."""
+
+    def __init__(self, layer: str, tensor: str, stats: Sequence[Tuple[str, str, Optional[int]]], nvariants: int):
+        self.layer, self.tensor, self.stats, self.nvariants = layer, tensor, tuple(stats), nvariants
+        self.reduce_within_microbatch = tensor != "weight"
+        self.row: Optional[torch.Tensor] = None
+        self.iteration = 0
+
+    def feed(self, row: torch.Tensor, iteration: int) -> None:
+        if self.row is not None and self.iteration != iteration:
+            self.row = None  # a step() was skipped: start over rather than mix iterations
+        self.iteration = iteration
+        if self.row is None:
+            self.row = row
+        elif self.reduce_within_microbatch:
+            self.row = combine(self.row, row, self.nvariants)
+
+    def _gathered(self) -> Optional[torch.Tensor]:
+        dist = torch.distributed
+        if self.tensor == "weight" or not (dist.is_available() and dist.is_initialized()):
+            return None if self.row is None else self.row.unsqueeze(0)
+        import nvdlfw_inspect.api as debug_api
+
+        group = debug_api.get_tensor_reduction_group()
+        width = len(_BASE) + 5 * self.nvariants
+        mine = torch.zeros(width + 1, dtype=torch.float64, device=self.row.device if self.row is not None else
+                           ("cuda" if dist.get_backend(group) == "nccl" else "cpu"))
+        if self.row is not None:
+            mine[0], mine[1:] = 1, self.row
+        rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(rows, mine, group=group)
+        fed = [r[1:] for r in rows if r[0] > 0]
+        return torch.stack(fed) if fed else None
+
+    def log(self) -> Dict[str, float]:
+        rows = self._gathered()
+        out = {}
+        if rows is not None:
+            from nvdlfw_inspect.logging import MetricLogger
+
+            row = rows[0]
+            for other in rows[1:]:
+                row = combine(row, other, self.nvariants)
+            for name, stat, variant in self.stats:
+                value = _value(row, stat, variant)
+                full = f"{self.layer}_{self.tensor}_{name}"
+                MetricLogger.log_scalar(full, value, self.iteration)
+                out[full] = value
+        self.row = None
+        return out
+
+
+class Buffers:
+    def __init__(self):
+        self.buffers: Dict[Tuple[str, str, str], Buffer] = {}
+        self.last: Dict[str, float] = {}  # the values logged at the last step (for tests and users)
+
+    def reset(self) -> None:
+        self.buffers.clear()
+
+    def get(self, layer: str, tensor: str, kind: str, stats, nvariants: int) -> Buffer:
+        key = (layer, tensor, kind)
+        buf = self.buffers.get(key)
+        if buf is None or buf.stats != tuple(stats) or buf.nvariants != nvariants:
+            buf = self.buffers[key] = Buffer(layer, tensor, stats, nvariants)
+        return buf
+
+    def log_all(self) -> Dict[str, float]:
+        """Called by debug_api.step(): every rank must hold the same buffers (same config)."""
+        out = {}
+        for key in sorted(self.buffers):
+            buf = self.buffers[key]
+            if buf.row is not None or torch.distributed.is_initialized():
+                out.update(buf.log())
+        self.last = out
+        return out
+
+
+BUFFERS = Buffers()
+
+
+def feed_tensor(layer: str, tensor_name: str, stats: Sequence[str], x: torch.Tensor, iteration: int) -> None:
+    if x.numel() == 0:
+        return
+    buf = BUFFERS.get(layer, tensor_name, "hp", [(s, s, None) for s in stats], 0)
+    buf.feed(tensor_row(x), iteration)
+
+
+def feed_quantized(layer: str, tensor_name: str, stats: Sequence[Tuple[str, str, int]],
+                   x: torch.Tensor, variants: Sequence[Tuple[object, bool]], iteration: int) -> None:
+    """`stats`: (logged name, base stat, variant index); `variants`: (quantized tensor, columnwise)."""
+    if x.numel() == 0:
+        return
+    row = torch.cat([tensor_row(x)] + [fp8_row(x, q, col) for q, col in variants])
+    BUFFERS.get(layer, tensor_name, "quantized", stats, len(variants)).feed(row, iteration)
