@@ -156,7 +156,7 @@ def _expected_scale(history, algo, fp8_max, margin, previous):
     amax = max(history) if algo == "max" else history[-1]
     if amax <= 0:
         return previous
-    return (fp8_max / torch.tensor([amax], dtype=torch.float32) / (2.0 ** margin)).item()
+    return (torch.tensor([fp8_max]) / torch.tensor([amax], dtype=torch.float32) / (2.0 ** margin)).item()  # TE: a true fp32 division
 
 
 def _fp8_quantizer(scale, dtype):

@@ -94,7 +94,7 @@ def fwd_args(recipe, *, bias, input_rg, weight_rg, cache_mode=L.CACHE_OFF, save_
     fuse = fuse_wgrad_accumulation and weight_rg
     main_grad = torch.zeros(OUT, IN, dtype=torch.float32) if fuse else None
     return (x, w, b, fp8_scales, grad_scale, grad_history, cache, main_grad, key,
-            input_rg, weight_rg, cache_mode, save_original_input, fuse)
+            input_rg, weight_rg, cache_mode, save_original_input, fuse, [])
 
 
 GRAD_COMBOS = list(itertools.product([False, True], repeat=3))  # (bias, input_rg, weight_rg)
@@ -172,7 +172,7 @@ def bwd_args(recipe, *, bias, input_rg, weight_rg, cache_mode=L.CACHE_OFF, save_
     """Run linear_fwd for real, then assemble linear_bwd's argument list as `_backward` does."""
     a = fwd_args(recipe, bias=bias, input_rg=input_rg, weight_rg=weight_rg, cache_mode=cache_mode,
                  save_original_input=save_original_input, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
-    (x, w, b, scales, grad_scale, grad_history, cache, main_grad, key, irg, wrg, mode, soi, fuse) = a
+    (x, w, b, scales, grad_scale, grad_history, cache, main_grad, key, irg, wrg, mode, soi, fuse, _prequantized) = a
     with torch.no_grad():
         _, _, saved, _ = torch.ops.te_proto.linear_fwd(*a)
     plan = L._plan(key, x, w, irg, wrg, mode, soi)
@@ -204,3 +204,21 @@ BWD_CASES = [
 @pytest.mark.parametrize("rid,kw", BWD_CASES)
 def test_opcheck_linear_bwd(fp8_harness, rid, kw):
     _opcheck(torch.ops.te_proto.linear_bwd.default, bwd_args(RECIPES[rid], **kw))
+
+
+@pytest.mark.parametrize("rid", ["current", "mxfp8", "block", "nvfp4"])
+def test_norm_quantize_and_prequantized_linear_opcheck(fp8_harness, rid):
+    """The fused norm + quantize op, and linear_fwd fed its buffers (`inp_quantized`)."""
+    recipe = RECIPES[rid]
+    from transformer_engine_proto.ops.linear import linear_fwd
+    from transformer_engine_proto.ops.norm import norm_quantize_fwd
+    from transformer_engine_proto.ops.recipe_registry import recipe_key
+
+    key = recipe_key(recipe)
+    x = torch.randn(32, 64, requires_grad=True)
+    g, b = torch.randn(64, requires_grad=True), torch.randn(64, requires_grad=True)
+    torch.library.opcheck(norm_quantize_fwd, (x, g, b, 1e-5, "LayerNorm", False, key, True))
+    ln, _, _, bufs = norm_quantize_fwd(x.detach(), g.detach(), b.detach(), 1e-5, "LayerNorm", False, key, True)
+    w = torch.randn(32, 64, requires_grad=True)
+    args = (ln.requires_grad_(), w, None, None, None, None, [], None, key, True, True, 0, False, False, bufs)
+    torch.library.opcheck(linear_fwd, args)

@@ -141,3 +141,34 @@ def test_bad_module_arguments():
     with te.autocast(recipe=R.MXFP8BlockScaling()):
         with pytest.raises(ValueError, match="32"):
             m(torch.randn(32, 48))
+
+
+FUSABLE = [R.Float8CurrentScaling(), R.MXFP8BlockScaling(), R.Float8BlockScaling(),
+           R.NVFP4BlockScaling(disable_stochastic_rounding=True)]
+
+
+@pytest.mark.parametrize("recipe", FUSABLE, ids=lambda r: type(r).__name__)
+@pytest.mark.parametrize("weight_grad", [True, False])
+def test_fused_norm_quantize_equals_norm_then_linear(recipe, weight_grad):
+    """LayerNormLinear quantizes inside the norm op (te_proto::norm_quantize_fwd) and hands the
+    buffers to the linear op; the result is bitwise the unfused LayerNorm -> Linear."""
+    torch.manual_seed(0)
+    fused = te.LayerNormLinear(64, 32)
+    norm, lin = te.LayerNorm(64), te.Linear(64, 32)
+    with torch.no_grad():
+        lin.weight.copy_(fused.weight)
+        lin.bias.copy_(fused.bias)
+    fused.weight.requires_grad_(weight_grad)
+    lin.weight.requires_grad_(weight_grad)
+    x = torch.randn(32, 64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    with te.autocast(recipe=recipe):
+        y = fused(x)
+        y2 = lin(norm(x2))
+    assert torch.equal(y, y2)
+    y.square().sum().backward()
+    y2.square().sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+    assert torch.equal(fused.layer_norm_weight.grad, norm.weight.grad)
+    if weight_grad:
+        assert torch.equal(fused.weight.grad, lin.weight.grad)

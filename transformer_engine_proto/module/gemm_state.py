@@ -94,9 +94,19 @@ class QuantizedGemm(nn.Module):
         _update_from_history(self.grad_fp8_scale, self.grad_amax_history, recipe, bwd_max)
 
     # ---- the call ---------------------------------------------------------------------------
+    @staticmethod
+    def wants_quantized_input(weight: torch.Tensor, save_original_input: bool = False):
+        """None, or the `columnwise` flag for a fused norm + quantize of this GEMM's input: only
+        stateless recipes (delayed scaling's input scale lives in this module's buffers)."""
+        recipe = get_fp8_recipe()
+        if recipe is None or isinstance(recipe, R.DelayedScaling):
+            return None
+        return torch.is_grad_enabled() and weight.requires_grad and not save_original_input
+
     def forward(self, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                 is_first_microbatch: Optional[bool] = None, save_original_input: bool = False,
-                fuse_wgrad_accumulation: bool = False) -> torch.Tensor:
+                fuse_wgrad_accumulation: bool = False, inp_quantized=()) -> torch.Tensor:
+        """`inp_quantized`: the input's buffers from a fused norm + quantize (`wants_quantized_input`)."""
         recipe = get_fp8_recipe()
         key = get_fp8_recipe_key()
         delayed = isinstance(recipe, R.DelayedScaling)
@@ -128,8 +138,10 @@ class QuantizedGemm(nn.Module):
             if main_grad is None:
                 raise RuntimeError("fuse_wgrad_accumulation=True needs weight.main_grad (an fp32 buffer) to be set")
         # ---- precision debug tools (issue 5): a layer with an active debug feature takes the debug GEMM path
-        linear = _debug_gemm.linear_for(self, recipe is not None) or linear_ops.linear
+        debug_linear = _debug_gemm.linear_for(self, recipe is not None)
         # ---- end debug
+        linear = debug_linear or linear_ops.linear
+        extra = {"inp_quantized": inp_quantized} if inp_quantized and debug_linear is None else {}
         out, amaxes, new_cache = linear(
             inp, weight, bias, key=key,
             fp8_scales=self.fp8_scale if delayed else None,
@@ -137,6 +149,7 @@ class QuantizedGemm(nn.Module):
             grad_amax_history=self.grad_amax_history if delayed else None,
             weight_cache=cache, main_grad=main_grad, cache_mode=cache_mode,
             save_original_input=save_original_input, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+            **extra,
         )
         if delayed:
             slot = self.amax_history[0]

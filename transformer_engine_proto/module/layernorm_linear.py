@@ -35,8 +35,8 @@ class LayerNormLinear(NormFusedModule):
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         self._check_input(inp, self.in_features)
-        ln_out = self.norm(inp)
+        ln_out, ln_q = self.norm.forward_quantized(inp, self.gemm.wants_quantized_input(self.weight))
         bias = None if self.return_bias else self.bias
         out = self.gemm(ln_out, self.weight, bias, is_first_microbatch=is_first_microbatch,
-                        fuse_wgrad_accumulation=self.fuse_wgrad_accumulation)
+                        fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, inp_quantized=ln_q)
         return self._pack_outputs(out, self.bias, ln_out)

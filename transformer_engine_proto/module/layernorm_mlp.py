@@ -67,9 +67,9 @@ class LayerNormMLP(NormFusedModule):
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         self._check_input(inp, self.hidden_size)
-        ln_out = self.norm(inp)
+        ln_out, ln_q = self.norm.forward_quantized(inp, self.fc1.wants_quantized_input(self.fc1_weight))
         kw = dict(is_first_microbatch=is_first_microbatch, fuse_wgrad_accumulation=self.fuse_wgrad_accumulation)
-        h = self.fc1(ln_out, self.fc1_weight, self.fc1_bias, **kw)
+        h = self.fc1(ln_out, self.fc1_weight, self.fc1_bias, inp_quantized=ln_q, **kw)
         h = ACTIVATIONS[self.activation][0](h)
         fc2_bias = None if self.return_bias else self.fc2_bias
         out = self.fc2(h, self.fc2_weight, fc2_bias, **kw)

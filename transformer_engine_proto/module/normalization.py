@@ -6,7 +6,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..ops.norm import NORMALIZATIONS, norm
+from ..autocast import get_fp8_recipe_key
+from ..ops.norm import NORMALIZATIONS, norm, norm_quantize
 from .base import TransformerEngineBaseModule
 
 __all__ = ["LayerNorm", "RMSNorm", "NormParams", "NormFusedModule"]
@@ -28,6 +29,14 @@ class NormParams(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return norm(x, self.weight, self.bias, self.eps, self.normalization, self.zero_centered_gamma)
+
+    def forward_quantized(self, x: torch.Tensor, columnwise: Optional[bool]):
+        """(norm output, its quantized buffers for the next GEMM), or no buffers when
+        `columnwise` is None (no stateless recipe active)."""
+        if columnwise is None:
+            return self(x), ()
+        return norm_quantize(x, self.weight, self.bias, self.eps, self.normalization,
+                             self.zero_centered_gamma, get_fp8_recipe_key(), columnwise)
 
 
 class NormFusedModule(TransformerEngineBaseModule):

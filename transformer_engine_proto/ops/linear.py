@@ -38,6 +38,7 @@ class LinearPlan:
     weight_requires_grad: bool
     cache_mode: int
     save_original_input: bool
+    prequantized: bool = False  # the input arrives already quantized (a fused norm + quantize)
 
     @property
     def quantizers(self):
@@ -79,7 +80,19 @@ class LinearPlan:
         return None
 
     def saved_protos(self) -> List[TensorProto]:
+        """What backward receives, in order: the columnwise input, then the columnwise weight."""
         return [p for p in (self.saved_input(), self.saved_weight()) if p is not None]
+
+    def output_saved_protos(self) -> List[TensorProto]:
+        """The part of `saved_protos` the forward op returns (a prequantized input is saved from
+        the op's inputs instead: returning an input would alias it)."""
+        return [p for p in (None if self.prequantized else self.saved_input(), self.saved_weight())
+                if p is not None]
+
+    def prequantized_input(self) -> TensorProto:
+        """The layout a fused norm + quantize produces for this call's input."""
+        return self._proto("input", (self.m, self.in_shape[-1]), self.act_dtype, True,
+                           self.saved_input() is not None)
 
     # ---- what the autograd context keeps from the op's inputs (never op outputs) ----------
     def saves_raw_input(self) -> bool:
@@ -116,9 +129,11 @@ def _bind_delayed(q, scales, amaxes, slot: int):
     return dataclasses.replace(q, scale=scales[slot:slot + 1], amax=amaxes[slot:slot + 1])
 
 
-def _plan(key, inp, weight, input_requires_grad, weight_requires_grad, cache_mode, save_original_input):
+def _plan(key, inp, weight, input_requires_grad, weight_requires_grad, cache_mode, save_original_input,
+          prequantized=False):
     return LinearPlan(key, tuple(inp.shape), tuple(weight.shape), inp.dtype, weight.dtype,
-                      input_requires_grad, weight_requires_grad, cache_mode, save_original_input)
+                      input_requires_grad, weight_requires_grad, cache_mode, save_original_input,
+                      bool(prequantized))
 
 
 # ---- forward ----------------------------------------------------------------------------------
@@ -128,9 +143,11 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
                grad_amax_history: Optional[torch.Tensor], weight_cache: List[torch.Tensor],
                main_grad: Optional[torch.Tensor], key: str,
                input_requires_grad: bool, weight_requires_grad: bool, cache_mode: int,
-               save_original_input: bool, fuse_wgrad_accumulation: bool
+               save_original_input: bool, fuse_wgrad_accumulation: bool,
+               inp_quantized: List[torch.Tensor]
                ) -> tuple[torch.Tensor, torch.Tensor, List[torch.Tensor], List[torch.Tensor]]:
-    plan = _plan(key, inp, weight, input_requires_grad, weight_requires_grad, cache_mode, save_original_input)
+    plan = _plan(key, inp, weight, input_requires_grad, weight_requires_grad, cache_mode, save_original_input,
+                 inp_quantized)
     x2d = inp.reshape(-1, inp.shape[-1])
     out_shape = tuple(inp.shape[:-1]) + (weight.shape[0],)
     if not plan.quantized:
@@ -138,10 +155,13 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         return out.view(out_shape), inp.new_empty(0, dtype=torch.float32), [], []
     q = plan.quantizers
     amaxes = torch.zeros(2 if plan.delayed else 0, dtype=torch.float32, device=inp.device)
-    iq = q.input.with_usage(rowwise=True, columnwise=plan.saved_input() is not None)
-    if plan.delayed:
-        iq = _bind_delayed(iq, fp8_scales, amaxes, 0)
-    xq = iq.quantize(x2d)
+    if plan.prequantized:
+        xq = rebuild(plan.prequantized_input(), inp_quantized)
+    else:
+        iq = q.input.with_usage(rowwise=True, columnwise=plan.saved_input() is not None)
+        if plan.delayed:
+            iq = _bind_delayed(iq, fp8_scales, amaxes, 0)
+        xq = iq.quantize(x2d)
     if cache_mode == CACHE_USE:
         wq = rebuild(plan.cached_weight(), weight_cache)
     else:
@@ -152,7 +172,7 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     out = gemm(only_usage(xq, True), only_usage(wq, True), trans_b=True, bias=bias, out_dtype=inp.dtype)
     cache = list(wq.get_buffers().values()) if cache_mode == CACHE_FILL else []
     saved = []
-    if plan.saved_input() is not None:
+    if plan.saved_input() is not None and not plan.prequantized:
         saved += list(only_usage(xq, False).get_buffers().values())
     if plan.saved_weight() is not None:
         saved += [b.clone() if cache else b for b in only_usage(wq, False).get_buffers().values()]
@@ -162,12 +182,13 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 @linear_fwd.register_fake
 def _linear_fwd_fake(inp, weight, bias, fp8_scales, grad_scale, grad_amax_history, weight_cache, main_grad, key,
                      input_requires_grad, weight_requires_grad, cache_mode, save_original_input,
-                     fuse_wgrad_accumulation):
-    plan = _plan(key, inp, weight, input_requires_grad, weight_requires_grad, cache_mode, save_original_input)
+                     fuse_wgrad_accumulation, inp_quantized):
+    plan = _plan(key, inp, weight, input_requires_grad, weight_requires_grad, cache_mode, save_original_input,
+                 inp_quantized)
     out = inp.new_empty(tuple(inp.shape[:-1]) + (weight.shape[0],))
     amaxes = inp.new_empty(2 if plan.quantized and plan.delayed else 0, dtype=torch.float32)
     saved = []
-    for p in plan.saved_protos():
+    for p in plan.output_saved_protos():
         p.device = inp.device
         saved += list(p.create_buffers().values())
     cache = []
@@ -254,18 +275,22 @@ def _linear_bwd_fake(grad_out, saved, inp, weight, weight_cache, fp8_scales, gra
 _FWD_ARGS = ("inp", "weight", "bias", "fp8_scales", "grad_scale", "grad_amax_history", "weight_cache",
              "main_grad", "key",
              "input_requires_grad", "weight_requires_grad", "cache_mode", "save_original_input",
-             "fuse_wgrad_accumulation")
+             "fuse_wgrad_accumulation", "inp_quantized")
 
 
 def _setup_context(ctx, inputs, output):
     a = dict(zip(_FWD_ARGS, inputs))
     _, _, saved, _ = output
     plan = _plan(a["key"], a["inp"], a["weight"], a["input_requires_grad"], a["weight_requires_grad"],
-                 a["cache_mode"], a["save_original_input"])
+                 a["cache_mode"], a["save_original_input"], a["inp_quantized"])
+    if plan.prequantized and plan.saved_input() is not None:  # its columnwise buffers, by name
+        named = dict(zip(plan.prequantized_input().inner_names(), a["inp_quantized"]))
+        saved = [named[n] for n in plan.saved_input().inner_names()] + list(saved)
     raw_inp = a["inp"] if plan.saves_raw_input() else None
     raw_w = a["weight"] if plan.saves_raw_weight() else None
     cache = list(a["weight_cache"]) if a["cache_mode"] == CACHE_USE and a["input_requires_grad"] else []
     ctx.n_saved, ctx.n_cache, ctx.n_cache_in = len(saved), len(cache), len(a["weight_cache"])
+    ctx.n_prequantized = len(a["inp_quantized"])
     # Scales are snapshotted (the next call's delayed-scaling update rewrites them in place);
     # the buffers backward writes into (grad amax history, main_grad) are kept by reference, not
     # saved, so a module applied twice before its backwards does not trip autograd's version check.
@@ -302,7 +327,8 @@ def _backward(ctx, grad_out, _grad_amaxes, _grad_saved, _grad_cache):
         main_grad.add_(wgrad)
         wgrad = None
     # one grad per input: None for the state tensors, a list of Nones for the weight-cache list
-    return (dgrad, wgrad, dbias, None, None, None, [None] * ctx.n_cache_in) + (None,) * (len(_FWD_ARGS) - 7)
+    return ((dgrad, wgrad, dbias, None, None, None, [None] * ctx.n_cache_in) + (None,) * (len(_FWD_ARGS) - 8)
+            + ([None] * ctx.n_prequantized,))
 
 
 linear_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -311,7 +337,7 @@ linear_fwd.register_autograd(_backward, setup_context=_setup_context)
 def linear(inp, weight, bias=None, *, key: str, fp8_scales=None, grad_scale=None, grad_amax_history=None,
            weight_cache=(),
            main_grad=None, cache_mode: int = CACHE_OFF, save_original_input: bool = False,
-           fuse_wgrad_accumulation: bool = False):
+           fuse_wgrad_accumulation: bool = False, inp_quantized=()):
     """y = inp @ weight.T + bias through the custom ops. Returns (y, amaxes, new_weight_cache)."""
     grad_on = torch.is_grad_enabled()
     input_requires_grad = grad_on and inp.requires_grad
@@ -319,5 +345,5 @@ def linear(inp, weight, bias=None, *, key: str, fp8_scales=None, grad_scale=None
     out, amaxes, _, cache = linear_fwd(
         inp, weight, bias, fp8_scales, grad_scale, grad_amax_history, list(weight_cache), main_grad, key,
         input_requires_grad, weight_requires_grad, cache_mode, save_original_input,
-        fuse_wgrad_accumulation and weight_requires_grad)
+        fuse_wgrad_accumulation and weight_requires_grad, list(inp_quantized))
     return out, amaxes, cache

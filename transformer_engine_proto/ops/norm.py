@@ -101,3 +101,55 @@ def norm(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], 
         raise ValueError("RMSNorm has no bias")
     out, _, _ = norm_fwd(inp, weight, bias, float(eps), kind, zero_centered_gamma)
     return out
+
+
+# ---- norm fused with the quantization of its output ---------------------------------------------
+@torch.library.custom_op("te_proto::norm_quantize_fwd", mutates_args=())
+def norm_quantize_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
+                      kind: str, zero_centered_gamma: bool, key: str, columnwise: bool
+                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, List[torch.Tensor]]:
+    """The norm plus its output quantized for the following GEMM (rowwise, and columnwise for
+    wgrad): the buffers `te_proto::linear_fwd` takes as `inp_quantized`. One op, so a fused kernel
+    can write both from one read of the input."""
+    out, mu, rsigma = norm_fwd(inp, weight, bias, eps, kind, zero_centered_gamma)
+    q = _input_quantizer(key, columnwise)
+    return out, mu, rsigma, list(q.quantize(out.reshape(-1, out.shape[-1])).get_buffers().values())
+
+
+def _input_quantizer(key: str, columnwise: bool):
+    from .recipe_registry import quantizers_from_key
+
+    q = quantizers_from_key(key).input
+    if q is None or q.__class__.__name__ == "Float8Quantizer":
+        raise ValueError("norm_quantize_fwd needs a recipe whose input quantizer is stateless "
+                         "(not high precision, not DelayedScaling)")
+    return q.with_usage(rowwise=True, columnwise=columnwise)
+
+
+@norm_quantize_fwd.register_fake
+def _norm_quantize_fwd_fake(inp, weight, bias, eps, kind, zero_centered_gamma, key, columnwise):
+    from ..tensor import TensorProto
+
+    out, mu, rsigma = _norm_fwd_fake(inp, weight, bias, eps, kind, zero_centered_gamma)
+    m = inp.numel() // inp.shape[-1]
+    proto = TensorProto((m, inp.shape[-1]), inp.dtype, _input_quantizer(key, columnwise), device=inp.device)
+    return out, mu, rsigma, list(proto.create_buffers().values())
+
+
+def _setup_quantize_context(ctx, inputs, output):
+    _setup_context(ctx, inputs[:6], output[:3])
+
+
+def _quantize_backward(ctx, grad_out, grad_mu, grad_rsigma, _grad_buffers):
+    return _backward(ctx, grad_out, grad_mu, grad_rsigma) + (None, None)
+
+
+norm_quantize_fwd.register_autograd(_quantize_backward, setup_context=_setup_quantize_context)
+
+
+def norm_quantize(inp, weight, bias, eps: float, kind: str, zero_centered_gamma: bool, key: str,
+                  columnwise: bool):
+    """(normalized output, its quantized buffers) -- see `norm_quantize_fwd`."""
+    out, _, _, buffers = norm_quantize_fwd(inp, weight, bias, float(eps), kind, zero_centered_gamma, key,
+                                           columnwise)
+    return out, buffers
