@@ -541,3 +541,26 @@ def test_inspect_only_debug_path_matches_fast_path(tmp_path, rid):
         assert torch.equal(a, b), name
     for a, b in zip(fast.parameters(), dbg.parameters()):
         assert torch.equal(a.grad, b.grad)
+
+
+def test_debug_path_fused_wgrad_accumulation(tmp_path):
+    import copy
+
+    torch.manual_seed(10)
+    fast = te.Linear(64, 32, name="lin", fuse_wgrad_accumulation=True)
+    dbg = copy.deepcopy(fast)
+    for m in (fast, dbg):
+        m.weight.main_grad = torch.zeros(32, 64)
+    x = torch.randn(16, 64)
+
+    def run(m):
+        with te.autocast(recipe=R.Float8CurrentScaling()):
+            m(x).sum().backward()
+
+    run(fast)
+    with debug_session(tmp_path, max_stats_config("lin")):
+        run(dbg)
+        debug_api.step()
+        assert list(last_logged_stats()) == ["lin_activation_max"]
+    assert dbg.weight.grad is None and torch.equal(fast.weight.main_grad, dbg.weight.main_grad)
+    assert fast.weight.main_grad.abs().sum() > 0

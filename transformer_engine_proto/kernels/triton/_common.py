@@ -1,0 +1,138 @@
+"""Device helpers shared by the Triton quantize kernels, and host-side launch helpers.
+
+Numerics follow `kernels/reference/common.py` bit for bit:
+- `fp8_bits`: saturating round-to-nearest-even fp32 -> fp8 cast, returned as the fp8 byte
+  (uint8). NaN gives 0x7F | sign (what torch's `Float8_e4m3fn` / `Float8_e5m2` conversion
+  gives). On the GPU the cast is the hardware `cvt.rn.satfinite.{e4m3,e5m2}x2.f32` (RNE). Under
+  `TRITON_INTERPRET=1` Triton's emulated fp8 cast is wrong at a mantissa carry (it rounds
+  127.4 to 64 instead of 128), so there the kernels use `SOFT_CAST`: an exact RNE done with
+  fp32 adds and bit ops (also usable on the GPU, for cross-checks).
+- `scale_from_amax`: `fp8_max / amax` as a correctly rounded fp32 division (`div_rn`), times
+  2**-margin (exact), the edge rules of the reference, optional power-of-two floor by masking
+  the mantissa.
+"""
+from __future__ import annotations
+
+import os
+import struct
+
+import torch
+import triton
+import triton.language as tl
+
+from ..reference.common import fp8_max
+
+FLOAT32_MAX = 3.4028234663852886e38
+INT32_LIMIT = 2**31
+
+
+def interpreting() -> bool:
+    """True when Triton runs in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def soft_cast() -> bool:
+    """Use the exact software fp8 rounding (interpreter, or TE_PROTO_TRITON_SOFT_CAST=1)."""
+    return interpreting() or os.environ.get("TE_PROTO_TRITON_SOFT_CAST", "0") == "1"
+
+
+def fp8_params(fp8_dtype: torch.dtype):
+    """(fmt_max, is_e4m3) for the kernels' constexpr arguments."""
+    m = fp8_max(fp8_dtype)  # raises TypeError for other dtypes, like the reference
+    return m, fp8_dtype == torch.float8_e4m3fn
+
+
+def float_bits(v: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", v))[0]
+
+
+@triton.jit
+def fp8_bits(v, FMAX: tl.constexpr, E4M3: tl.constexpr, SOFT: tl.constexpr):
+    """uint8 fp8 bytes of fp32 `v`: clamp to +-FMAX, round to nearest even; NaN -> 0x7F|sign."""
+    c = tl.minimum(tl.maximum(v, -FMAX), FMAX)  # NaN is patched below whatever this gives
+    vb = v.to(tl.int32, bitcast=True)
+    sign = (vb >> 24) & 0x80
+    if SOFT:
+        if E4M3:
+            MANT: tl.constexpr = 3
+            BIAS: tl.constexpr = 7
+        else:
+            MANT: tl.constexpr = 2
+            BIAS: tl.constexpr = 15
+        a = tl.where(c != c, 0.0, tl.abs(c))  # NaN is patched below
+        ab = a.to(tl.int32, bitcast=True)
+        e = ((ab >> 23) & 0xFF) - 127
+        e = tl.maximum(e, 1 - BIAS)  # subnormal fp8 values share the min-normal quantum
+        # adding 2**(e - MANT + 23) puts the fp8 quantum at the fp32 ulp: one RNE add
+        magic = ((e - MANT + 23 + 127) << 23).to(tl.float32, bitcast=True)
+        r = (a + magic) - magic
+        rb = r.to(tl.int32, bitcast=True)
+        re = ((rb >> 23) & 0xFF) - 127
+        normal = (((re + BIAS) << MANT) | ((rb >> (23 - MANT)) & ((1 << MANT) - 1)))
+        INV_SUB_Q: tl.constexpr = 2.0 ** (BIAS + MANT - 1)  # 1 / (subnormal quantum)
+        subnormal = (r * INV_SUB_Q).to(tl.int32)  # exact: r is a multiple of the quantum
+        q = tl.where(re >= 1 - BIAS, normal, subnormal) | sign
+        q = q.to(tl.uint8)
+    else:
+        if E4M3:
+            q = c.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            q = c.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    return tl.where(v != v, (sign | 0x7F).to(tl.uint8), q)
+
+
+@triton.jit
+def to_f32(x, BF16_BITS: tl.constexpr):
+    """fp32 value of a loaded input; bf16 arrives as its int16 bits (see `as_kernel_input`)."""
+    if BF16_BITS:
+        return (x.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+def as_kernel_input(x: torch.Tensor):
+    """(tensor to pass, BF16_BITS): bf16 goes in as int16 bits and is widened by a shift, which
+    is what the GPU does anyway and is exact for subnormals also in the interpreter (whose own
+    bf16 -> fp32 conversion mangles them)."""
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16), True
+    return x, False
+
+
+@triton.jit
+def abs_bits(x):
+    """int32 bits of |x| (fp32): their integer order is the float order, NaN above Inf."""
+    return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def scale_from_amax(amax, FMAX: tl.constexpr, MARGIN_MUL: tl.constexpr, POW2: tl.constexpr,
+                    EPS: tl.constexpr):
+    """`reference.common.scale_from_amax` elementwise on fp32 `amax` (>= 0, Inf or NaN)."""
+    if EPS > 0.0:
+        amax = tl.where(amax < EPS, EPS, amax)  # torch.clamp(min=eps): NaN stays NaN
+    scale = tl.math.div_rn(tl.zeros_like(amax) + FMAX, amax)
+    if MARGIN_MUL != 1.0:
+        scale = scale * MARGIN_MUL  # exact power of two, as torch's tensor / python scalar
+    ab = amax.to(tl.int32, bitcast=True)
+    sb = scale.to(tl.int32, bitcast=True)
+    scale_inf = (sb & 0x7FFFFFFF) == 0x7F800000
+    scale = tl.where(scale_inf & (amax > 0), 3.4028234663852886e38, scale)
+    amax_not_finite = (ab & 0x7F800000) == 0x7F800000
+    scale = tl.where((amax == 0) | amax_not_finite, 1.0, scale)
+    if POW2:
+        scale = (scale.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    return scale
+
+
+@triton.jit
+def reciprocal(s):
+    """Correctly rounded 1 / s (torch's `reciprocal`)."""
+    return tl.math.div_rn(tl.zeros_like(s) + 1.0, s)
+
+
+def flat_2d(x: torch.Tensor):
+    """(M, K) of x seen as a matrix over its last dim (M = 1 for a 1-D x)."""
+    k = x.shape[-1] if x.dim() > 0 else 1
+    m = x.numel() // k if k else 0
+    return m, k

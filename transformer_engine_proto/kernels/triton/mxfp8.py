@@ -1,0 +1,145 @@
+"""MXFP8 quantize in Triton: rowwise and columnwise in ONE pass over x, bit for bit as
+`kernels/reference/mxfp8.py`.
+
+A program loads a (MB*32) x (NB*32) tile as a 4-D block [MB, 32, NB, 32] (row block, row in
+block, column block, column in block): the rowwise block amax is the max over axis 3, the
+columnwise one the max over axis 1, both from the same registers and without any reshape.
+
+The block exponent is computed exactly from the amax bits: with amax = s * 2**E (s in [1, 2))
+and fmt_max = s_max * 2**E_max, the smallest e with amax <= fmt_max * 2**e is
+E - E_max + (s > s_max); clamped to [-127, 127]; zero or fp32-subnormal amax -> -127, Inf -> 127
+(NaN is ignored in the amax). The data is x * 2**-e (exact); 2**-127 is fp32-subnormal, so for
+e == 127 the multiply is split into 2**-64 * 2**-63 (same result, no subnormal operand).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import register_kernel
+from ..reference import mxfp8 as _ref
+from ._common import (INT32_LIMIT, abs_bits, as_kernel_input, flat_2d, float_bits, fp8_bits,
+                      fp8_params, soft_cast, to_f32)
+
+BLOCK = 32
+
+CONFIG = {
+    # (MB, NB, num_warps) by (rowwise, columnwise): tile (MB*32) x (NB*32)
+    (True, True): dict(MB=2, NB=4, num_warps=8),
+    (True, False): dict(MB=2, NB=4, num_warps=8),
+    (False, True): dict(MB=2, NB=4, num_warps=8),
+}
+
+
+@triton.jit
+def _block_exponent(amax_bits, FMAX_EXP: tl.constexpr, FMAX_MANT: tl.constexpr):
+    """int32 e = ceil(log2(amax / fmt_max)) clamped to [-127, 127], from int32 bits of amax."""
+    biased = amax_bits >> 23
+    mant = amax_bits & 0x7FFFFF
+    e = biased - 127 - FMAX_EXP + (mant > FMAX_MANT).to(tl.int32)
+    e = tl.minimum(tl.maximum(e, -127), 127)
+    e = tl.where(biased == 0, -127, e)  # zero or subnormal amax
+    return tl.where(amax_bits == 0x7F800000, 127, e)  # Inf
+
+
+@triton.jit
+def _pow2_neg(e):
+    """(s1, s2), normal fp32 powers of two with s1 * s2 == 2**-e, for int32 e in [-127, 127]."""
+    big = e == 127
+    ne = tl.where(big, -64, -e)
+    s1 = ((ne + 127) << 23).to(tl.float32, bitcast=True)
+    s2 = tl.where(big, 1.0842021724855044e-19, 1.0)  # 2**-63
+    return s1, s2
+
+
+@triton.jit
+def _mxfp8_kernel(x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, M, K, n_k,
+                  FMAX: tl.constexpr, FMAX_EXP: tl.constexpr, FMAX_MANT: tl.constexpr,
+                  E4M3: tl.constexpr, SOFT: tl.constexpr,
+                  ROWWISE: tl.constexpr, COLWISE: tl.constexpr, BF16_BITS: tl.constexpr,
+                  MB: tl.constexpr, NB: tl.constexpr):
+    pid = tl.program_id(0)
+    pid_m = pid // n_k
+    pid_k = pid % n_k
+    m0 = pid_m * (MB * 32)
+    k0 = pid_k * (NB * 32)
+    ib = tl.arange(0, MB)
+    i = tl.arange(0, 32)
+    jb = tl.arange(0, NB)
+    j = tl.arange(0, 32)
+    # tile-local row / column index, 4-D [MB, 32, NB, 32]
+    r4 = ib[:, None, None, None] * 32 + i[None, :, None, None]
+    c4 = jb[None, None, :, None] * 32 + j[None, None, None, :]
+    mask = ((m0 + r4) < M) & ((k0 + c4) < K)
+    base = m0.to(tl.int64) * K + k0
+    offs = r4 * K + c4
+    x = to_f32(tl.load(x_ptr + base + offs, mask=mask, other=0), BF16_BITS)
+    bits = abs_bits(x)
+    bits = tl.where(bits > 0x7F800000, 0, bits)  # NaN ignored in the block amax
+    if ROWWISE:
+        e = _block_exponent(tl.max(bits, axis=3), FMAX_EXP, FMAX_MANT)  # [MB, 32, NB]
+        s1, s2 = _pow2_neg(e)
+        q = fp8_bits((x * s1[:, :, :, None]) * s2[:, :, :, None], FMAX, E4M3, SOFT)
+        tl.store(row_ptr + base + offs, q, mask=mask)
+        # scale (M, K/32): element (m0 + r, k0/32 + jb)
+        r3 = ib[:, None, None] * 32 + i[None, :, None]
+        jb3 = jb[None, None, :]
+        s_mask = ((m0 + r3) < M) & ((k0 // 32 + jb3) < K // 32)
+        s_base = m0.to(tl.int64) * (K // 32) + k0 // 32
+        tl.store(row_s_ptr + s_base + r3 * (K // 32) + jb3, (e + 127).to(tl.uint8), mask=s_mask)
+    if COLWISE:
+        e = _block_exponent(tl.max(bits, axis=1), FMAX_EXP, FMAX_MANT)  # [MB, NB, 32]
+        s1, s2 = _pow2_neg(e)
+        q = fp8_bits((x * s1[:, None, :, :]) * s2[:, None, :, :], FMAX, E4M3, SOFT)
+        tl.store(col_ptr + base + offs, q, mask=mask)
+        # scale (M/32, K): element (m0/32 + ib, k0 + c)
+        ib3 = ib[:, None, None]
+        c3 = jb[None, :, None] * 32 + j[None, None, :]
+        s_mask = ((m0 // 32 + ib3) < M // 32) & ((k0 + c3) < K)
+        s_base = (m0 // 32).to(tl.int64) * K + k0
+        tl.store(col_s_ptr + s_base + ib3 * K + c3, (e + 127).to(tl.uint8), mask=s_mask)
+
+
+@register_kernel("mxfp8_quantize", backend="triton")
+def mxfp8_quantize(x: torch.Tensor, fp8_dtype, rowwise: bool, columnwise: bool
+                   ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor],
+                              Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(rowwise data, rowwise scale_inv (M, K/32), columnwise data, columnwise scale_inv (M/32, K));
+    data buffers have x's shape, absent usages are None."""
+    m, k = flat_2d(x)
+    usable = (x.dim() > 0 and m > 0 and k > 0 and (rowwise or columnwise)
+              and (not rowwise or k % BLOCK == 0) and (not columnwise or m % BLOCK == 0))
+    cfg = CONFIG.get((bool(rowwise), bool(columnwise)))
+    if not usable or cfg is None or cfg["MB"] * 32 * k >= INT32_LIMIT:
+        # the reference raises the same errors for shapes the blocks do not divide
+        return _ref.mxfp8_quantize(x, fp8_dtype, rowwise, columnwise)
+    fmax, e4m3 = fp8_params(fp8_dtype)
+    fb = float_bits(fmax)
+    dev = x.device
+    x2d = x.contiguous().reshape(m, k)
+    row_data = row_scale = col_data = col_scale = None
+    if rowwise:
+        row_data = torch.empty(x.shape, dtype=fp8_dtype, device=dev)
+        row_scale = torch.empty((m, k // BLOCK), dtype=torch.uint8, device=dev)
+    if columnwise:
+        col_data = torch.empty(x.shape, dtype=fp8_dtype, device=dev)
+        col_scale = torch.empty((m // BLOCK, k), dtype=torch.uint8, device=dev)
+    dummy = row_scale if rowwise else col_scale
+    mb, nb = cfg["MB"], cfg["NB"]
+    n_m, n_k = triton.cdiv(m, mb * 32), triton.cdiv(k, nb * 32)
+    xk, bf16_bits = as_kernel_input(x2d)
+    _mxfp8_kernel[(n_m * n_k,)](
+        xk,
+        row_data.view(torch.uint8) if rowwise else dummy, row_scale if rowwise else dummy,
+        col_data.view(torch.uint8) if columnwise else dummy, col_scale if columnwise else dummy,
+        m, k, n_k,
+        FMAX=fmax, FMAX_EXP=((fb >> 23) & 0xFF) - 127, FMAX_MANT=fb & 0x7FFFFF,
+        E4M3=e4m3, SOFT=soft_cast(), ROWWISE=bool(rowwise), COLWISE=bool(columnwise),
+        BF16_BITS=bf16_bits, MB=mb, NB=nb, num_warps=cfg["num_warps"],
+    )
+    e8m0 = torch.float8_e8m0fnu
+    return (row_data, row_scale.view(e8m0) if rowwise else None,
+            col_data, col_scale.view(e8m0) if columnwise else None)
