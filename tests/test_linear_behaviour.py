@@ -415,8 +415,9 @@ def test_unknown_recipe_object_raises_type_error(bad):
 
 
 def test_unsupported_constructor_argument_raises_type_error():
-    with pytest.raises(TypeError, match="tp_size"):
-        Linear(64, 32, tp_size=2)
+    # tp_size / tp_group / parallel_mode / sequence_parallel are supported now (test_tensor_parallel.py)
+    with pytest.raises(TypeError, match="ub_overlap_rs"):
+        Linear(64, 32, ub_overlap_rs=True)
     with pytest.raises(ValueError):
         Linear(0, 32)
 

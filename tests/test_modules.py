@@ -136,7 +136,7 @@ def test_bad_module_arguments():
     with pytest.raises(ValueError, match="normalization"):
         te.LayerNormLinear(64, 64, normalization="BatchNorm")
     with pytest.raises(TypeError, match="unsupported"):
-        te.Linear(64, 64, tp_size=2)
+        te.Linear(64, 64, ub_overlap_ag=True)  # tp_size etc. are supported (test_tensor_parallel.py)
     m = te.LayerNormMLP(48, 64)
     with te.autocast(recipe=R.MXFP8BlockScaling()):
         with pytest.raises(ValueError, match="32"):

@@ -7,6 +7,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from ..distributed import tp as _tp
 from .base import TransformerEngineBaseModule
 from .gemm_state import QuantizedGemm
 
@@ -21,39 +22,82 @@ def _init_weight(weight: torch.Tensor, init_method: Optional[Callable]) -> None:
 
 
 class Linear(TransformerEngineBaseModule):
-    """Drop-in for `transformer_engine.pytorch.Linear` (single GPU arguments)."""
+    """Drop-in for `transformer_engine.pytorch.Linear`.
+
+    Tensor parallelism (TE's arguments): `parallel_mode="column"` keeps the [out/tp_size, in] weight
+    shard and returns the local output shard; `"row"` keeps the [out, in/tp_size] shard, takes the
+    local shard of the input's last dim and all-reduces (sums) the output over `tp_group`, adding
+    the bias once after the reduction. `sequence_parallel=True` additionally shards dim 0 of the
+    column-parallel input (all-gathered) and of the row-parallel output (reduce-scattered).
+    `in_features` / `out_features` are the full sizes."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  params_dtype: Optional[torch.dtype] = None, device=None, init_method=None,
                  fuse_wgrad_accumulation: bool = False, save_original_input: bool = False,
-                 return_bias: bool = False, name: Optional[str] = None, **unsupported):
+                 return_bias: bool = False, name: Optional[str] = None,
+                 tp_group=None, tp_size: Optional[int] = None, parallel_mode: Optional[str] = None,
+                 sequence_parallel: bool = False, **unsupported):
         super().__init__(name)
         if unsupported:
             raise TypeError(f"Linear: unsupported arguments {sorted(unsupported)}")
         if in_features <= 0 or out_features <= 0:
             raise ValueError(f"Linear: features must be positive, got ({in_features}, {out_features})")
         self.in_features, self.out_features = in_features, out_features
+        self.tp_size, self._tp_group_name = _tp.resolve_tp(
+            self.name, in_features, out_features, tp_group, tp_size, parallel_mode,
+            sequence_parallel)
+        self.parallel_mode = parallel_mode
+        self.sequence_parallel = bool(sequence_parallel) and self.tp_size > 1
+        local_out = out_features // self.tp_size if parallel_mode == "column" else out_features
+        local_in = in_features // self.tp_size if parallel_mode == "row" else in_features
+        self._local_in = local_in
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.save_original_input = save_original_input
         self.return_bias = return_bias
         dtype = params_dtype or torch.get_default_dtype()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
+        self.weight = nn.Parameter(torch.empty(local_out, local_in, dtype=dtype, device=device))
         _init_weight(self.weight, init_method)
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+        self.bias = nn.Parameter(torch.zeros(local_out, dtype=dtype, device=device)) if bias else None
+        if self.bias is not None and self.sequence_parallel and parallel_mode == "row":
+            # as TE / Megatron: added to this rank's tokens only, so its grad is partial and the
+            # training loop all-reduces the grads of parameters marked `sequence_parallel`
+            self.bias.sequence_parallel = True
         self.gemm = QuantizedGemm(device)
+
+    @property
+    def tp_group(self):
+        """The tensor-parallel process group (kept by name, so the module deep-copies / pickles)."""
+        return None if self._tp_group_name is None else _tp._group(self._tp_group_name)
 
     def _gemms(self):
         return [(self.gemm, self.weight)]
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
-        self._check_input(inp, self.in_features)
-        bias = None if self.return_bias else self.bias
+        self._check_input(inp, self._local_in)
+        # None: no communication (tp_size 1 or no parallel_mode)
+        group = self._tp_group_name if self.parallel_mode is not None and self.tp_size > 1 else None
+        row = self.parallel_mode == "row" and group is not None
+        if group is not None and self.parallel_mode == "column":
+            if self.sequence_parallel:
+                inp = _tp.all_gather_first_dim(inp, group, self.tp_size)
+            else:
+                inp = _tp.copy_to_tp_region(inp, group)
+        bias = None if (self.return_bias or row) else self.bias
         out = self.gemm(inp, self.weight, bias, is_first_microbatch=is_first_microbatch,
                         save_original_input=self.save_original_input,
                         fuse_wgrad_accumulation=self.fuse_wgrad_accumulation)
+        if row:
+            if self.sequence_parallel:
+                out = _tp.reduce_scatter_first_dim(out, group, self.tp_size)
+            else:
+                out = _tp.all_reduce_sum(out, group)
+            if self.bias is not None and not self.return_bias:
+                out = out + self.bias
         if self.return_bias:
             return out, self.bias
         return out
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, name={self.name!r}"
+        tp = f", parallel_mode={self.parallel_mode!r}, tp_size={self.tp_size}" if self.parallel_mode else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"name={self.name!r}{tp}")

@@ -1,0 +1,244 @@
+"""Tensor-parallel Linear (column / row, optional sequence parallel) on 2 CPU processes (gloo).
+
+One spawn runs every case; each rank compares its result with two single-process references
+built from the same weights:
+  * "same": the per-rank sub-Linears composed in one process (each shard quantized the way the
+    rank quantizes it; the cross-rank sums done in the same order) -- must match to fp32 rounding;
+  * "full": the full Linear -- exact up to the reduction order in high precision; with a quantized
+    recipe per-shard quantization differs (per-tensor current scaling takes the amax of a shard
+    of the row-parallel input / column-parallel weight and gradient), so a relative-error bound
+    measured on these inputs is used (see FULL_TOL).
+Eager and torch.compile(backend="aot_eager", fullgraph=True) both run; graph breaks are counted.
+"""
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import transformer_engine_proto as te
+from transformer_engine_proto import recipe as R
+
+WORLD, TOKENS, IN, OUT = 2, 32, 64, 64
+RECIPES = {"high_precision": None, "current": R.Float8CurrentScaling(), "mxfp8": R.MXFP8BlockScaling()}
+MODES = ["column", "row", "column_sp", "row_sp"]
+SAME_TOL = 1e-6  # max abs error vs the same-quantization reference (measured: 0.0, bitwise)
+# relative (Frobenius) error vs the full Linear, measured max over all modes / tensors / ranks:
+# high precision 1.4e-7 (reduction order); MXFP8 6.5e-9 (32-aligned shards quantize exactly as
+# the full tensor); current scaling 0.074 (per-shard amax of the column-parallel grad_output and
+# the row-parallel input: dW 0.074, dx 0.058, y 0.023)
+FULL_TOL = {"high_precision": 1e-6, "current": 0.1, "mxfp8": 1e-6}
+
+
+def _ctx(recipe):
+    return contextlib.nullcontext() if recipe is None else te.autocast(recipe=recipe)
+
+
+def _data():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(OUT, IN, generator=gen) * 0.1
+    b = torch.randn(OUT, generator=gen)
+    x = torch.randn(TOKENS, IN, generator=gen)
+    g = torch.randn(TOKENS, OUT, generator=gen)
+    return w, b, x, g
+
+
+def _linear(w, b, **kw):
+    m = te.Linear(w.shape[1] * (kw.get("tp_size", 1) if kw.get("parallel_mode") == "row" else 1),
+                  w.shape[0] * (kw.get("tp_size", 1) if kw.get("parallel_mode") == "column" else 1),
+                  bias=b is not None, **kw)
+    with torch.no_grad():
+        m.weight.copy_(w)
+        if b is not None:
+            m.bias.copy_(b)
+    return m
+
+
+def _run(m, x, g, recipe):
+    x = x.clone().requires_grad_()
+    with _ctx(recipe):
+        y = m(x)
+    (y * g).sum().backward()
+    return {"y": y.detach(), "dx": x.grad, "dw": m.weight.grad,
+            "db": None if m.bias is None else m.bias.grad}
+
+
+def _shard(t, dim, r):
+    return t.chunk(WORLD, dim)[r].contiguous()
+
+
+def _references(mode, recipe, rank):
+    """(expected 'same' results, expected 'full' results) for this rank's outputs and grads."""
+    w, b, x, g = _data()
+    full = _run(_linear(w, b), x, g, recipe)
+    col = mode.startswith("column")
+    sp = mode.endswith("_sp")
+    if col:
+        subs = [_run(_linear(_shard(w, 0, r), _shard(b, 0, r)), x, _shard(g, 1, r), recipe) for r in range(WORLD)]
+        dx = subs[0]["dx"] + subs[1]["dx"]  # the backward all-reduce (2 ranks: order-free)
+        same = {"y": subs[rank]["y"], "dx": _shard(dx, 0, rank) if sp else dx, "dw": subs[rank]["dw"],
+                "db": subs[rank]["db"]}
+        fullr = {"y": _shard(full["y"], 1, rank), "dx": _shard(full["dx"], 0, rank) if sp else full["dx"],
+                 "dw": _shard(full["dw"], 0, rank), "db": _shard(full["db"], 0, rank)}
+    else:
+        xs = [_shard(x, 1, r).requires_grad_() for r in range(WORLD)]
+        mods = [_linear(_shard(w, 1, r), None) for r in range(WORLD)]
+        bias = b.clone().requires_grad_()
+        with _ctx(recipe):
+            parts = [m(xi) for m, xi in zip(mods, xs)]
+        y = parts[0] + parts[1] + bias
+        (y * g).sum().backward()
+        same = {"y": _shard(y.detach(), 0, rank) if sp else y.detach(), "dx": xs[rank].grad,
+                "dw": mods[rank].weight.grad, "db": bias.grad}
+        fullr = {"y": _shard(full["y"], 0, rank) if sp else full["y"], "dx": _shard(full["dx"], 1, rank),
+                 "dw": _shard(full["dw"], 1, rank), "db": full["db"]}
+        if sp:  # the bias is added to this rank's tokens only: its grad is partial (bias.sequence_parallel)
+            same["db"] = fullr["db"] = _shard(g, 0, rank).sum(0)
+    return same, fullr
+
+
+def _tp_case(mode, recipe, rank, group, compiled):
+    from torch._dynamo.utils import counters
+
+    w, b, x, g = _data()
+    col = mode.startswith("column")
+    sp = mode.endswith("_sp")
+    kw = dict(tp_group=group, tp_size=WORLD, parallel_mode="column" if col else "row", sequence_parallel=sp)
+    if col:
+        m = _linear(_shard(w, 0, rank), _shard(b, 0, rank), **kw)
+        xin, gin = (_shard(x, 0, rank) if sp else x), _shard(g, 1, rank)
+    else:
+        m = _linear(_shard(w, 1, rank), b, **kw)
+        xin, gin = _shard(x, 1, rank), (_shard(g, 0, rank) if sp else g)
+    breaks = 0
+    if compiled:
+        torch._dynamo.reset()
+        counters.clear()
+        with _ctx(recipe):  # enter autocast outside the compiled region (prepares recipe state)
+            pass
+        cm = torch.compile(m, backend="aot_eager", fullgraph=True)
+        got = _run(cm, xin, gin, recipe)
+        got["dw"], got["db"] = m.weight.grad, m.bias.grad
+        breaks = sum(counters["graph_break"].values())
+    else:
+        got = _run(m, xin, gin, recipe)
+    return got, breaks
+
+
+def _worker(rank, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        group = dist.new_group(list(range(WORLD)))
+        results = {}
+        for rid, recipe in RECIPES.items():
+            for mode in MODES:
+                same, full = _references(mode, recipe, rank)
+                for compiled in (False, True):
+                    got, breaks = _tp_case(mode, recipe, rank, group, compiled)
+                    metrics = {"breaks": breaks}
+                    for k in ("y", "dx", "dw", "db"):
+                        assert got[k].shape == same[k].shape == full[k].shape, (rid, mode, k, got[k].shape)
+                        metrics[f"same_{k}"] = (got[k] - same[k]).abs().max().item()
+                        metrics[f"full_{k}"] = ((got[k] - full[k]).norm() / full[k].norm()).item()
+                    results[(rid, mode, compiled)] = metrics
+        torch.save(results, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def tp_results(tmp_path_factory):
+    if not dist.is_available():
+        pytest.skip("torch.distributed not available")
+    d = tmp_path_factory.mktemp("tp")
+    mp.start_processes(_worker, args=(str(d / "init"), str(d)), nprocs=WORLD, join=True, start_method="spawn")
+    return [torch.load(d / f"rank{r}.pt") for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("rid", list(RECIPES))
+def test_tp_linear_matches_single_process(tp_results, rid, mode, compiled):
+    for rank, res in enumerate(tp_results):
+        m = res[(rid, mode, compiled)]
+        for k in ("y", "dx", "dw", "db"):
+            assert m[f"same_{k}"] <= SAME_TOL, (rank, k, m)
+            assert m[f"full_{k}"] <= FULL_TOL[rid], (rank, k, m)
+        assert m["breaks"] == 0
+
+
+# ---- argument checks (in process) -----------------------------------------------------------------------
+def test_unknown_parallel_mode():
+    with pytest.raises(ValueError, match="parallel_mode"):
+        te.Linear(64, 64, parallel_mode="columns", tp_size=2)
+
+
+@pytest.mark.parametrize("mode,inf,outf", [("column", 64, 30), ("row", 30, 64)])
+def test_tp_size_must_divide_features(mode, inf, outf):
+    with pytest.raises(ValueError, match=r"features=30.*tp_size=4"):
+        te.Linear(inf, outf, parallel_mode=mode, tp_size=4)
+
+
+def test_bad_tp_size():
+    with pytest.raises(ValueError, match="tp_size"):
+        te.Linear(64, 64, parallel_mode="row", tp_size=0)
+
+
+def test_unknown_kwarg_still_rejected():
+    with pytest.raises(TypeError, match="unsupported"):
+        te.Linear(64, 64, tensor_parallel=True)
+
+
+def test_no_tp_arguments_unchanged():
+    m = te.Linear(64, 32)
+    assert m.weight.shape == (32, 64) and m.tp_size == 1 and m.parallel_mode is None
+    assert m._tp_group_name is None
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed and no group already initialized")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_group_size_mismatch(one_rank_group):
+    with pytest.raises(ValueError, match=r"tp_size=2.*tp_group \(1\)"):
+        te.Linear(64, 64, parallel_mode="column", tp_group=one_rank_group, tp_size=2)
+
+
+def test_one_rank_group_is_plain_linear(one_rank_group):
+    torch.manual_seed(0)
+    tp = te.Linear(64, 32, parallel_mode="row", tp_group=one_rank_group)
+    ref = te.Linear(64, 32)
+    with torch.no_grad():
+        ref.weight.copy_(tp.weight)
+    x = torch.randn(8, 64)
+    torch.testing.assert_close(tp(x), ref(x), rtol=0, atol=0)
+
+
+def test_comm_ops_opcheck_and_autograd(one_rank_group):
+    from transformer_engine_proto.distributed import tp
+
+    name = one_rank_group.group_name
+    x = torch.randn(4, 8, requires_grad=True)
+    for op, args in [(tp.all_reduce_sum, (name,)), (tp.copy_to_tp_region, (name,)),
+                     (tp.all_gather_first_dim, (name, 1)), (tp.reduce_scatter_first_dim, (name, 1))]:
+        torch.library.opcheck(op, (x,) + args)
+        y = op(x, *args)
+        torch.testing.assert_close(y, x)
+        (gx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+        torch.testing.assert_close(gx, torch.ones_like(x))
+
+
+def test_tp_module_deepcopies(one_rank_group):
+    import copy
+
+    m = te.Linear(64, 32, parallel_mode="column", tp_group=one_rank_group)
+    m2 = copy.deepcopy(m)
+    assert m2.tp_group is not None and m2._tp_group_name == m._tp_group_name
