@@ -4,9 +4,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..distributed import tp as _tp
 from .gemm_state import QuantizedGemm
 from .linear import _init_weight
 from .normalization import NormFusedModule, NormParams
@@ -38,12 +40,29 @@ ACTIVATIONS = {
 
 
 class LayerNormMLP(NormFusedModule):
+    """Drop-in for `transformer_engine.pytorch.LayerNormMLP`.
+
+    Tensor parallelism: with `tp_size > 1` (or a `tp_group` of size > 1) fc1 is column parallel
+    and fc2 row parallel (TE's `set_parallel_mode=True`, implied). Each rank holds
+    fc1 [ffn/tp_size * m, hidden] and fc2 [hidden, ffn/tp_size]; the norm runs on the full hidden
+    size, fc2's output is all-reduced and its bias added once after. With `sequence_parallel`,
+    the input is this rank's dim-0 (sequence) shard: norm on the shard -> all-gather -> fc1 ->
+    activation -> fc2 -> reduce-scatter (the norm's and fc2's bias grads are then partial:
+    marked `sequence_parallel`, all-reduced by the training loop as in Megatron / TE).
+
+    Gated activations (swiglu, geglu, reglu): the activation splits fc1's local output into two
+    halves, so each rank's fc1 shard must hold the matching rank-th chunk of *each* half of the
+    full fc1 weight, i.e. `cat([W[:ffn].chunk(tp)[r], W[ffn:].chunk(tp)[r]])` (and likewise the
+    bias), not a contiguous chunk of the full [2*ffn, hidden] weight (see `shard_fc1`)."""
+
     def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5, bias: bool = True, *,
                  normalization: str = "LayerNorm", activation: str = "gelu",
                  return_layernorm_output: bool = False, zero_centered_gamma: bool = False,
                  params_dtype: Optional[torch.dtype] = None, device=None, init_method=None,
                  output_layer_init_method=None, fuse_wgrad_accumulation: bool = False,
-                 return_bias: bool = False, name: Optional[str] = None):
+                 return_bias: bool = False, name: Optional[str] = None,
+                 tp_group=None, tp_size: Optional[int] = None, set_parallel_mode: Optional[bool] = None,
+                 sequence_parallel: bool = False):
         super().__init__(name)
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
@@ -51,26 +70,67 @@ class LayerNormMLP(NormFusedModule):
         self.hidden_size, self.ffn_hidden_size, self.activation = hidden_size, ffn_hidden_size, activation
         self.return_layernorm_output, self.return_bias = return_layernorm_output, return_bias
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
-        fc1_out = ffn_hidden_size * ACTIVATIONS[activation][1]
+        want = dist.get_world_size(tp_group) if tp_group is not None else tp_size
+        if set_parallel_mode is False and isinstance(want, int) and want > 1:
+            raise ValueError(f"{self.name}: set_parallel_mode=False with tp_size > 1 is not supported "
+                             "(fc1 is always column parallel and fc2 row parallel)")
+        if isinstance(want, int) and want > 1 and ffn_hidden_size % want:
+            raise ValueError(f"{self.name}: ffn_hidden_size={ffn_hidden_size} is not divisible by tp_size={want}")
+        # fc2 (row) is the check that matters: the ffn size is fc2's in_features
+        self.tp_size, self._tp_group_name = _tp.resolve_tp(
+            self.name, ffn_hidden_size, hidden_size, tp_group, tp_size, "row", sequence_parallel)
+        if self.tp_size == 1:
+            self._tp_group_name = None
+        self.sequence_parallel = bool(sequence_parallel) and self.tp_size > 1
+        ffn_local = ffn_hidden_size // self.tp_size
+        fc1_out = ffn_local * ACTIVATIONS[activation][1]
         self.norm = NormParams(hidden_size, normalization, eps, zero_centered_gamma, dtype, device)
         self.fc1_weight = nn.Parameter(torch.empty(fc1_out, hidden_size, dtype=dtype, device=device))
-        self.fc2_weight = nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, dtype=dtype, device=device))
+        self.fc2_weight = nn.Parameter(torch.empty(hidden_size, ffn_local, dtype=dtype, device=device))
         _init_weight(self.fc1_weight, init_method)
         _init_weight(self.fc2_weight, output_layer_init_method or init_method)
         self.fc1_bias = nn.Parameter(torch.zeros(fc1_out, dtype=dtype, device=device)) if bias else None
         self.fc2_bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device)) if bias else None
+        if self.sequence_parallel:
+            for p in list(self.norm.parameters()) + ([self.fc2_bias] if bias else []):
+                p.sequence_parallel = True
         self.fc1 = QuantizedGemm(device)
         self.fc2 = QuantizedGemm(device)
+
+    @property
+    def tp_group(self):
+        return None if self._tp_group_name is None else _tp._group(self._tp_group_name)
+
+    @staticmethod
+    def shard_fc1(full: torch.Tensor, activation: str, tp_size: int, rank: int) -> torch.Tensor:
+        """This rank's fc1 weight (or bias) shard of the full one, gated halves sharded separately."""
+        parts = full.chunk(ACTIVATIONS[activation][1], 0)
+        return torch.cat([p.chunk(tp_size, 0)[rank] for p in parts], 0).contiguous()
 
     def _gemms(self):
         return [(self.fc1, self.fc1_weight), (self.fc2, self.fc2_weight)]
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         self._check_input(inp, self.hidden_size)
-        ln_out, ln_q = self.norm.forward_quantized(inp, self.fc1.wants_quantized_input(self.fc1_weight))
+        group = self._tp_group_name if self.tp_size > 1 else None
+        if group is not None and self.sequence_parallel:
+            # norm -> all-gather -> fc1: the fused quantized input would be of the local shard only
+            ln_out, ln_q = self.norm(inp), ()
+            fc1_in = _tp.all_gather_first_dim(ln_out, group, self.tp_size)
+        else:
+            ln_out, ln_q = self.norm.forward_quantized(inp, self.fc1.wants_quantized_input(self.fc1_weight))
+            # identity forward (quantized buffers stay valid); backward all-reduces fc1's dgrad
+            fc1_in = ln_out if group is None else _tp.copy_to_tp_region(ln_out, group)
         kw = dict(is_first_microbatch=is_first_microbatch, fuse_wgrad_accumulation=self.fuse_wgrad_accumulation)
-        h = self.fc1(ln_out, self.fc1_weight, self.fc1_bias, inp_quantized=ln_q, **kw)
+        h = self.fc1(fc1_in, self.fc1_weight, self.fc1_bias, inp_quantized=ln_q, **kw)
         h = ACTIVATIONS[self.activation][0](h)
-        fc2_bias = None if self.return_bias else self.fc2_bias
+        fc2_bias = None if (self.return_bias or group is not None) else self.fc2_bias
         out = self.fc2(h, self.fc2_weight, fc2_bias, **kw)
+        if group is not None:
+            if self.sequence_parallel:
+                out = _tp.reduce_scatter_first_dim(out, group, self.tp_size)
+            else:
+                out = _tp.all_reduce_sum(out, group)
+            if self.fc2_bias is not None and not self.return_bias:
+                out = out + self.fc2_bias
         return self._pack_outputs(out, self.fc2_bias, ln_out)
