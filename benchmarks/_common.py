@@ -269,6 +269,19 @@ def try_pyplot():
         return None
 
 
+def add_run_args(p, name: str, warmup_ms: float, rep_ms: float) -> None:
+    """The device, timing, budget and output options every benchmark script takes."""
+    p.add_argument("--device", default=None, help="default: cuda if available else cpu")
+    p.add_argument("--warmup-ms", type=float, default=warmup_ms, help="do_bench warm-up (CUDA)")
+    p.add_argument("--rep-ms", type=float, default=rep_ms, help="do_bench measuring time (CUDA)")
+    p.add_argument("--cpu-warmup", type=int, default=1)
+    p.add_argument("--cpu-reps", type=int, default=5)
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="soft budget: variants not started by then are reported as skipped")
+    p.add_argument("--out", default=None, help="directory for <name>.json and <name>.png")
+    p.add_argument("--name", default=name, help="file stem of the outputs in --out")
+
+
 def device_from_arg(arg: Optional[str]) -> torch.device:
     if arg:
         return torch.device(arg)

@@ -147,15 +147,7 @@ def main(argv=None):
                    help=f"comma-separated subset of {DEFAULT_VARIANTS + OPTIONAL_VARIANTS}")
     p.add_argument("--modes", default="default", help="comma-separated torch.compile modes: default,reduce-overhead")
     p.add_argument("--bias", action="store_true", help="Linear with bias (default: no bias)")
-    p.add_argument("--device", default=None, help="default: cuda if available else cpu")
-    p.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warm-up (CUDA)")
-    p.add_argument("--rep-ms", type=float, default=100.0, help="do_bench measuring time (CUDA)")
-    p.add_argument("--cpu-warmup", type=int, default=1)
-    p.add_argument("--cpu-reps", type=int, default=5)
-    p.add_argument("--max-minutes", type=float, default=None,
-                   help="soft budget: variants not started by then are reported as skipped")
-    p.add_argument("--out", default=None, help="directory for <name>.json and <name>.png")
-    p.add_argument("--name", default="bench_linear", help="file stem of the outputs in --out")
+    C.add_run_args(p, "bench_linear", warmup_ms=25.0, rep_ms=100.0)
     p.add_argument("--smoke", action="store_true", help="tiny shapes, 2 reps, mode default (CPU check)")
     args = p.parse_args(argv)
 

@@ -137,15 +137,7 @@ def main(argv=None):
                    help="torch.compile the whole stack (default) or each layer")
     p.add_argument("--autocast-once", action="store_true",
                    help="enter te.autocast once around the measurement instead of every step")
-    p.add_argument("--device", default=None, help="default: cuda if available else cpu")
-    p.add_argument("--warmup-ms", type=float, default=100.0, help="do_bench warm-up (CUDA)")
-    p.add_argument("--rep-ms", type=float, default=500.0, help="do_bench measuring time (CUDA)")
-    p.add_argument("--cpu-warmup", type=int, default=1)
-    p.add_argument("--cpu-reps", type=int, default=5)
-    p.add_argument("--max-minutes", type=float, default=None,
-                   help="soft budget: variants not started by then are reported as skipped")
-    p.add_argument("--out", default=None, help="directory for <name>.json and <name>.png")
-    p.add_argument("--name", default="bench_transformer", help="file stem of the outputs in --out")
+    C.add_run_args(p, "bench_transformer", warmup_ms=100.0, rep_ms=500.0)
     p.add_argument("--smoke", action="store_true",
                    help="2 tiny layers (hidden 128, 128 tokens), eager + compile default, 2 reps (CPU check)")
     args = p.parse_args(argv)

@@ -143,6 +143,17 @@ def _(x, group_name, world):
 reduce_scatter_first_dim.register_autograd(
     lambda ctx, g: (_all_gather(g, ctx.group_name, ctx.world), None, None), setup_context=_ws_setup)
 
+def reduce_row_parallel_output(out: torch.Tensor, group_name: str, world: int, sequence_parallel: bool,
+                               bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """A row-parallel GEMM's partial sums: summed over the group (reduce-scattered along dim 0
+    with sequence parallelism), then the bias added once."""
+    if sequence_parallel:
+        out = reduce_scatter_first_dim(out, group_name, world)
+    else:
+        out = all_reduce_sum(out, group_name)
+    return out if bias is None else out + bias
+
+
 # Megatron / TE names
 reduce_from_tp_region = all_reduce_sum
 gather_from_sequence_parallel_region = all_gather_first_dim

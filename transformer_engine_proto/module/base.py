@@ -29,6 +29,17 @@ class TransformerEngineBaseModule(nn.Module):
         self.name = name if name is not None else f"{prefix}_{next(_counter)}"
         FP8GlobalState.register_module(self)
 
+    _tp_group_name = None  # tensor-parallel modules set it (the group is kept by name)
+
+    @property
+    def tp_group(self):
+        """The tensor-parallel process group (kept by name, so the module deep-copies / pickles)."""
+        if self._tp_group_name is None:
+            return None
+        from ..distributed import tp
+
+        return tp._group(self._tp_group_name)
+
     def __setstate__(self, state):
         # deepcopy / unpickling skip __init__: register the copy so autocast prepares it too
         super().__setstate__(state)

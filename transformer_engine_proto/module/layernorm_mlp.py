@@ -97,9 +97,6 @@ class LayerNormMLP(NormFusedModule):
         self.fc1 = QuantizedGemm(device)
         self.fc2 = QuantizedGemm(device)
 
-    @property
-    def tp_group(self):
-        return None if self._tp_group_name is None else _tp._group(self._tp_group_name)
 
     @staticmethod
     def shard_fc1(full: torch.Tensor, activation: str, tp_size: int, rank: int) -> torch.Tensor:
@@ -113,24 +110,13 @@ class LayerNormMLP(NormFusedModule):
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         self._check_input(inp, self.hidden_size)
         group = self._tp_group_name if self.tp_size > 1 else None
-        if group is not None and self.sequence_parallel:
-            # norm -> all-gather -> fc1: the fused quantized input would be of the local shard only
-            ln_out, ln_q = self.norm(inp), ()
-            fc1_in = _tp.all_gather_first_dim(ln_out, group, self.tp_size)
-        else:
-            ln_out, ln_q = self.norm.forward_quantized(inp, self.fc1.wants_quantized_input(self.fc1_weight))
-            # identity forward (quantized buffers stay valid); backward all-reduces fc1's dgrad
-            fc1_in = ln_out if group is None else _tp.copy_to_tp_region(ln_out, group)
+        ln_out, fc1_in, ln_q = self._norm_into_gemm(inp, self.fc1, self.fc1_weight, group)
         kw = dict(is_first_microbatch=is_first_microbatch, fuse_wgrad_accumulation=self.fuse_wgrad_accumulation)
         h = self.fc1(fc1_in, self.fc1_weight, self.fc1_bias, inp_quantized=ln_q, **kw)
         h = ACTIVATIONS[self.activation][0](h)
         fc2_bias = None if (self.return_bias or group is not None) else self.fc2_bias
         out = self.fc2(h, self.fc2_weight, fc2_bias, **kw)
         if group is not None:
-            if self.sequence_parallel:
-                out = _tp.reduce_scatter_first_dim(out, group, self.tp_size)
-            else:
-                out = _tp.all_reduce_sum(out, group)
-            if self.fc2_bias is not None and not self.return_bias:
-                out = out + self.fc2_bias
+            out = _tp.reduce_row_parallel_output(out, group, self.tp_size, self.sequence_parallel,
+                                                 None if self.return_bias else self.fc2_bias)
         return self._pack_outputs(out, self.fc2_bias, ln_out)

@@ -21,6 +21,25 @@ def _init_weight(weight: torch.Tensor, init_method: Optional[Callable]) -> None:
         nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
 
 
+def init_parallel_linear(module, in_features, out_features, bias, tp_group, tp_size, parallel_mode,
+                         sequence_parallel, dtype, device, init_method) -> None:
+    """Validate the TP arguments and create this rank's weight/bias shards on `module` (sets
+    tp_size, _tp_group_name, parallel_mode, sequence_parallel, _local_in, weight, bias)."""
+    module.tp_size, module._tp_group_name = _tp.resolve_tp(
+        module.name, in_features, out_features, tp_group, tp_size, parallel_mode, sequence_parallel)
+    module.parallel_mode = parallel_mode
+    module.sequence_parallel = bool(sequence_parallel) and module.tp_size > 1
+    local_out = out_features // module.tp_size if parallel_mode == "column" else out_features
+    module._local_in = in_features // module.tp_size if parallel_mode == "row" else in_features
+    module.weight = nn.Parameter(torch.empty(local_out, module._local_in, dtype=dtype, device=device))
+    _init_weight(module.weight, init_method)
+    module.bias = nn.Parameter(torch.zeros(local_out, dtype=dtype, device=device)) if bias else None
+    if module.bias is not None and module.sequence_parallel and parallel_mode == "row":
+        # as TE / Megatron: added to this rank's tokens only, so its grad is partial and the
+        # training loop all-reduces the grads of parameters marked `sequence_parallel`
+        module.bias.sequence_parallel = True
+
+
 class Linear(TransformerEngineBaseModule):
     """Drop-in for `transformer_engine.pytorch.Linear`.
 
@@ -43,31 +62,13 @@ class Linear(TransformerEngineBaseModule):
         if in_features <= 0 or out_features <= 0:
             raise ValueError(f"Linear: features must be positive, got ({in_features}, {out_features})")
         self.in_features, self.out_features = in_features, out_features
-        self.tp_size, self._tp_group_name = _tp.resolve_tp(
-            self.name, in_features, out_features, tp_group, tp_size, parallel_mode,
-            sequence_parallel)
-        self.parallel_mode = parallel_mode
-        self.sequence_parallel = bool(sequence_parallel) and self.tp_size > 1
-        local_out = out_features // self.tp_size if parallel_mode == "column" else out_features
-        local_in = in_features // self.tp_size if parallel_mode == "row" else in_features
-        self._local_in = local_in
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.save_original_input = save_original_input
         self.return_bias = return_bias
-        dtype = params_dtype or torch.get_default_dtype()
-        self.weight = nn.Parameter(torch.empty(local_out, local_in, dtype=dtype, device=device))
-        _init_weight(self.weight, init_method)
-        self.bias = nn.Parameter(torch.zeros(local_out, dtype=dtype, device=device)) if bias else None
-        if self.bias is not None and self.sequence_parallel and parallel_mode == "row":
-            # as TE / Megatron: added to this rank's tokens only, so its grad is partial and the
-            # training loop all-reduces the grads of parameters marked `sequence_parallel`
-            self.bias.sequence_parallel = True
+        init_parallel_linear(self, in_features, out_features, bias, tp_group, tp_size, parallel_mode,
+                             sequence_parallel, params_dtype or torch.get_default_dtype(), device, init_method)
         self.gemm = QuantizedGemm(device)
 
-    @property
-    def tp_group(self):
-        """The tensor-parallel process group (kept by name, so the module deep-copies / pickles)."""
-        return None if self._tp_group_name is None else _tp._group(self._tp_group_name)
 
     def _gemms(self):
         return [(self.gemm, self.weight)]
@@ -87,12 +88,8 @@ class Linear(TransformerEngineBaseModule):
                         save_original_input=self.save_original_input,
                         fuse_wgrad_accumulation=self.fuse_wgrad_accumulation)
         if row:
-            if self.sequence_parallel:
-                out = _tp.reduce_scatter_first_dim(out, group, self.tp_size)
-            else:
-                out = _tp.all_reduce_sum(out, group)
-            if self.bias is not None and not self.return_bias:
-                out = out + self.bias
+            out = _tp.reduce_row_parallel_output(out, group, self.tp_size, self.sequence_parallel,
+                                                 None if self.return_bias else self.bias)
         if self.return_bias:
             return out, self.bias
         return out

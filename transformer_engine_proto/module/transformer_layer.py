@@ -19,7 +19,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from .base import TransformerEngineBaseModule
 from .layernorm_linear import LayerNormLinear
