@@ -55,19 +55,3 @@ def transpose_2d(x2d: torch.Tensor) -> torch.Tensor:
     where `.t().contiguous()` would keep the old strides and break layout equality)."""
     out = torch.empty((x2d.shape[1], x2d.shape[0]), dtype=x2d.dtype, device=x2d.device)
     return out.copy_(x2d.t())
-
-
-_CONSTANTS = {}
-
-
-def device_constant(values, device) -> torch.Tensor:
-    """A small fp32 constant tensor, created once per device and reused: a host-to-device copy
-    is illegal while a CUDA graph is being captured, and the warm-up runs before capture fill the
-    cache. (Inside torch.compile tracing the tensor is simply rebuilt, never cached.)"""
-    if torch.compiler.is_compiling():
-        return torch.tensor(values, dtype=torch.float32, device=device)
-    key = (values, str(torch.device(device) if device is not None else "cpu"))
-    t = _CONSTANTS.get(key)
-    if t is None:
-        t = _CONSTANTS[key] = torch.tensor(values, dtype=torch.float32, device=device)
-    return t

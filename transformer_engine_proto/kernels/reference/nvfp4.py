@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import register_kernel
-from .common import FLOAT32_MAX, FP4_E2M1_MAX, FP8_MAX, saturating_cast, transpose_2d, device_constant
+from .common import FLOAT32_MAX, FP4_E2M1_MAX, FP8_MAX, saturating_cast, transpose_2d
 
 __all__ = [
     "BLOCK", "E2M1_VALUES", "fp4_encode", "fp4_decode", "pack_fp4", "unpack_fp4_codes", "unpack_fp4",
@@ -34,8 +34,13 @@ _E4M3_MAX = FP8_MAX[torch.float8_e4m3fn]
 
 
 # ---- E2M1 codes ---------------------------------------------------------------------------
-def _table(device) -> torch.Tensor:
-    return device_constant(E2M1_VALUES, device)
+def _magnitude(code: torch.Tensor) -> torch.Tensor:
+    """fp32 E2M1 magnitude of codes 0..7, computed rather than looked up: a table would be a
+    host-to-device copy (illegal during CUDA-graph capture) or a cached tensor (which would live
+    in the graph pool, untracked). Code = exponent (2 bits) then mantissa (1 bit), bias 1."""
+    e = (code >> 1).float()
+    m = (code & 1).float()
+    return torch.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * torch.exp2(e - 1.0))
 
 
 def fp4_encode(v: torch.Tensor, rand: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -55,9 +60,8 @@ def fp4_encode(v: torch.Tensor, rand: Optional[torch.Tensor] = None) -> torch.Te
         lo_code = torch.zeros(v.shape, dtype=torch.int32, device=v.device)
         for val in E2M1_VALUES[1:]:
             lo_code = lo_code + (a >= val).to(torch.int32)
-        table = _table(v.device)
         hi_code = (lo_code + 1).clamp(max=7)
-        lo, hi = table[lo_code], table[hi_code]
+        lo, hi = _magnitude(lo_code), _magnitude(hi_code)
         gap = hi - lo
         p = torch.where(gap > 0, (a - lo) / torch.where(gap > 0, gap, torch.ones_like(gap)), torch.zeros_like(a))
         code = torch.where(rand.to(v.device).float() < p, hi_code, lo_code)
@@ -69,8 +73,8 @@ def fp4_encode(v: torch.Tensor, rand: Optional[torch.Tensor] = None) -> torch.Te
 
 def fp4_decode(codes: torch.Tensor) -> torch.Tensor:
     """fp32 values of E2M1 codes (uint8, low 4 bits used); code 8 is -0.0."""
-    c = codes.to(torch.int64)
-    mag = _table(codes.device)[c & 7]
+    c = codes.to(torch.int32)
+    mag = _magnitude(c & 7)
     return torch.where((c & 8) != 0, -mag, mag)
 
 
@@ -122,12 +126,20 @@ def _rht_values(seed: int) -> Tuple[Tuple[float, ...], ...]:
 
 def rht_matrix(seed: int, device=None) -> torch.Tensor:
     """The orthonormal 16x16 RHT matrix H = Had16 @ diag(signs) / 4, signs fixed by `seed`."""
-    return device_constant(_rht_values(int(seed)), device)
+    return torch.tensor(_rht_values(int(seed)), dtype=torch.float32, device=device)
 
 
 @torch.compiler.assume_constant_result
-def _rht_signs(seed: int) -> Tuple[float, ...]:
-    return tuple(_rht_values(seed)[0][j] * 4.0 for j in range(BLOCK))  # row 0 of Had16 is all ones
+def _rht_negative_mask(seed: int) -> int:
+    """Bit j set where sign j is -1 (row 0 of Had16 is all ones, so row 0 of H is signs / 4)."""
+    return sum(1 << j for j in range(BLOCK) if _rht_values(seed)[0][j] < 0)
+
+
+def _rht_signs(seed: int, device) -> torch.Tensor:
+    """The 16 signs as an fp32 tensor built on the device from an integer mask (no host-to-device
+    copy, nothing cached: both would break CUDA-graph capture)."""
+    bits = (_rht_negative_mask(int(seed)) >> torch.arange(BLOCK, device=device)) & 1
+    return 1.0 - 2.0 * bits.float()
 
 
 def _apply_rht(x2d: torch.Tensor, seed: int, inverse: bool = False) -> torch.Tensor:
@@ -137,7 +149,7 @@ def _apply_rht(x2d: torch.Tensor, seed: int, inverse: bool = False) -> torch.Ten
     happen in one fixed order, so the result is bitwise the same on every device and backend.
     """
     r, c = x2d.shape
-    signs = device_constant(_rht_signs(int(seed)), x2d.device)
+    signs = _rht_signs(seed, x2d.device)
     y = x2d.float().reshape(-1, BLOCK)
     if not inverse:
         y = y * signs  # H v = Had16 (signs * v) / 4
