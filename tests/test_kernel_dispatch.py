@@ -1,23 +1,25 @@
-"""The kernel dispatcher: reference by default, Triton on CUDA only when asked, bad values named."""
+"""The kernel dispatcher: Triton on CUDA by default, the reference elsewhere or when asked, bad
+values named."""
 import pytest
 
 from transformer_engine_proto.kernels import _KERNELS, kernel, register_kernel
 from transformer_engine_proto.kernels.reference import float8 as ref_f8
 
 
-def test_reference_is_the_default_everywhere(monkeypatch):
+def test_reference_is_the_default_on_cpu(monkeypatch):
     monkeypatch.delenv("TE_PROTO_KERNELS", raising=False)
     assert kernel("fp8_quantize_current", "cpu") is ref_f8.fp8_quantize_current
-    assert kernel("fp8_quantize_current", "cuda") is ref_f8.fp8_quantize_current
 
 
-def test_triton_backend_is_opt_in_and_cuda_only(monkeypatch):
+def test_triton_backend_is_the_cuda_default_and_cuda_only(monkeypatch):
     def fake_triton(*args):
         return "triton"
 
     register_kernel("__probe", "reference")(lambda *a: "reference")
     register_kernel("__probe", "triton")(fake_triton)
     try:
+        monkeypatch.delenv("TE_PROTO_KERNELS", raising=False)
+        assert kernel("__probe", "cuda") is fake_triton
         monkeypatch.setenv("TE_PROTO_KERNELS", "triton")
         assert kernel("__probe", "cuda") is fake_triton
         assert kernel("__probe", "cpu")() == "reference"

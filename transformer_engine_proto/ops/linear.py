@@ -9,6 +9,7 @@ writing them); the backward op mutates the delayed-scaling amax history and `mai
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -23,6 +24,22 @@ __all__ = ["linear", "LinearPlan", "CACHE_OFF", "CACHE_FILL", "CACHE_USE"]
 CACHE_OFF, CACHE_FILL, CACHE_USE = 0, 1, 2  # weight quantization cache modes (is_first_microbatch)
 # Delayed scaling state: fp8_scales (2,) for input/weight, used in forward only; grad_scale (1,)
 # and grad_amax_history (H, 1) are saved for backward, which records the grad amax in slot 0.
+
+
+def _memo(method):
+    """Compute a zero-argument plan method once per plan (plans are cached per call signature, so
+    eager calls skip rebuilding protos and quantizers: host time on the hot path). Callers must
+    not mutate what it returns."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def wrapper(self):
+        memo = self.__dict__.setdefault("_memo", {})  # frozen dataclass: write the dict directly
+        if name not in memo:
+            memo[name] = method(self)
+        return memo[name]
+
+    return wrapper
 
 
 @dataclass(frozen=True)
@@ -63,32 +80,38 @@ class LinearPlan:
         q = getattr(self.quantizers, role).with_usage(rowwise=rowwise, columnwise=columnwise)
         return TensorProto(shape, dtype, q)
 
+    @_memo
     def saved_input(self) -> Optional[TensorProto]:
         if self.quantized and self.weight_requires_grad and not self.save_original_input:
             return self._proto("input", (self.m, self.in_shape[-1]), self.act_dtype, False, True)
         return None
 
+    @_memo
     def saved_weight(self) -> Optional[TensorProto]:
         if self.quantized and self.input_requires_grad and self.cache_mode != CACHE_USE:
             return self._proto("weight", self.weight_shape, self.weight_dtype, False, True)
         return None
 
+    @_memo
     def cached_weight(self) -> Optional[TensorProto]:
         """Both usages, as stored in (or refreshed into) the module's weight cache."""
         if self.quantized and self.cache_mode != CACHE_OFF:
             return self._proto("weight", self.weight_shape, self.weight_dtype, True, True)
         return None
 
+    @_memo
     def saved_protos(self) -> List[TensorProto]:
         """What backward receives, in order: the columnwise input, then the columnwise weight."""
         return [p for p in (self.saved_input(), self.saved_weight()) if p is not None]
 
+    @_memo
     def output_saved_protos(self) -> List[TensorProto]:
         """The part of `saved_protos` the forward op returns (a prequantized input is saved from
         the op's inputs instead: returning an input would alias it)."""
         return [p for p in (None if self.prequantized else self.saved_input(), self.saved_weight())
                 if p is not None]
 
+    @_memo
     def prequantized_input(self) -> TensorProto:
         """The layout a fused norm + quantize produces for this call's input."""
         return self._proto("input", (self.m, self.in_shape[-1]), self.act_dtype, True,
@@ -131,9 +154,22 @@ def _bind_delayed(q, scales, amaxes, slot: int):
 
 def _plan(key, inp, weight, input_requires_grad, weight_requires_grad, cache_mode, save_original_input,
           prequantized=False):
-    return LinearPlan(key, tuple(inp.shape), tuple(weight.shape), inp.dtype, weight.dtype,
-                      input_requires_grad, weight_requires_grad, cache_mode, save_original_input,
-                      bool(prequantized))
+    return make_plan(key, tuple(inp.shape), tuple(weight.shape), inp.dtype, weight.dtype,
+                     input_requires_grad, weight_requires_grad, cache_mode, save_original_input,
+                     bool(prequantized))
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_plan(*args) -> LinearPlan:
+    return LinearPlan(*args)
+
+
+def make_plan(key, in_shape, weight_shape, *rest) -> LinearPlan:
+    """One plan per call signature when the shapes are plain ints (eager calls); a fresh one when
+    they are symbolic (tracing), since SymInts cannot be cache keys."""
+    if all(type(d) is int for d in in_shape + weight_shape):
+        return _cached_plan(key, in_shape, weight_shape, *rest)
+    return LinearPlan(key, in_shape, weight_shape, *rest)
 
 
 # ---- forward ----------------------------------------------------------------------------------
@@ -189,12 +225,10 @@ def _linear_fwd_fake(inp, weight, bias, fp8_scales, grad_scale, grad_amax_histor
     amaxes = inp.new_empty(2 if plan.quantized and plan.delayed else 0, dtype=torch.float32)
     saved = []
     for p in plan.output_saved_protos():
-        p.device = inp.device
-        saved += list(p.create_buffers().values())
+        saved += list(dataclasses.replace(p, device=inp.device).create_buffers().values())
     cache = []
     if cache_mode == CACHE_FILL and plan.quantized:
-        p = plan.cached_weight()
-        p.device = inp.device
+        p = dataclasses.replace(plan.cached_weight(), device=inp.device)
         cache = list(p.create_buffers().values())
     return out, amaxes, saved, cache
 
@@ -210,8 +244,8 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
                bias_requires_grad: bool, cache_mode: int, save_original_input: bool,
                fuse_wgrad_accumulation: bool) -> List[torch.Tensor]:
     """[dgrad] [wgrad (fp32 when it is accumulated into main_grad)] [dbias] [grad amax (delayed)]."""
-    plan = LinearPlan(key, tuple(in_shape), tuple(weight_shape), grad_out.dtype, weight_dtype,
-                      input_requires_grad, weight_requires_grad, cache_mode, save_original_input)
+    plan = make_plan(key, tuple(in_shape), tuple(weight_shape), grad_out.dtype, weight_dtype,
+                     input_requires_grad, weight_requires_grad, cache_mode, save_original_input, False)
     dy = grad_out.reshape(-1, grad_out.shape[-1])
     saved_q = iter(_split(saved, plan.saved_protos()))
     x = next(saved_q) if plan.saved_input() is not None else inp.reshape(-1, in_shape[-1]) if plan.weight_requires_grad else None
