@@ -17,8 +17,9 @@
 #   PYTEST_TIMEOUT=0        hard limit for pytest in seconds (0: none)
 #   PYTEST_ARGS="-m cuda"   pytest selection ("" for every test)
 #   TRAIN_TIMEOUT=300       hard limit for the training example
+#   L1_SKIP_TRAIN=0         1: skip the training example
 #   LINEAR_SHAPES=          bench_linear --shapes (default: the script's DESIGN.md shapes)
-#   LINEAR_RO_SHAPES=2048x2048x2048,1024x2048x1024   shapes also run under reduce-overhead ('' skips)
+#   LINEAR_RO_SHAPES=8192x8192x8192,2048x2048x2048,1024x2048x1024   also run under reduce-overhead ('' skips)
 #   TRANSFORMER_SCOPE=layer bench_transformer --compile-scope (layer: 4x less to compile than model)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +32,8 @@ L1_SMOKE="${L1_SMOKE:-0}"
 PYTEST_TIMEOUT="${PYTEST_TIMEOUT:-0}"
 TRAIN_TIMEOUT="${TRAIN_TIMEOUT:-300}"
 LINEAR_SHAPES="${LINEAR_SHAPES:-}"
-LINEAR_RO_SHAPES="${LINEAR_RO_SHAPES-2048x2048x2048,1024x2048x1024}"
+LINEAR_RO_SHAPES="${LINEAR_RO_SHAPES-8192x8192x8192,2048x2048x2048,1024x2048x1024}"
+L1_SKIP_TRAIN="${L1_SKIP_TRAIN:-0}"
 TRANSFORMER_SCOPE="${TRANSFORMER_SCOPE:-layer}"
 PYTHON="${PYTHON:-python}"
 export PYTHONUNBUFFERED=1
@@ -131,8 +133,10 @@ else
 fi
 
 # 3. the training example (fixed cost: runs before the soft-budgeted benchmarks)
-run_step train "$TRAIN_TIMEOUT" "$PYTHON" -m transformer_engine_proto.examples.train --compare \
-    --steps "$TRAIN_STEPS" --quiet --plot "$OUT/loss.png"
+if [ "$L1_SKIP_TRAIN" != "1" ]; then
+    run_step train "$TRAIN_TIMEOUT" "$PYTHON" -m transformer_engine_proto.examples.train --compare \
+        --steps "$TRAIN_STEPS" --quiet --plot "$OUT/loss.png"
+fi
 
 # 4. Linear fwd+bwd vs bf16 and torchao (compile default, all shapes), then reduce-overhead on the
 #    small shapes where launch overhead matters; 5. the TransformerLayer stack
