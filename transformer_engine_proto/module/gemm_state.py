@@ -15,9 +15,11 @@ from torch import nn
 from .. import recipe as R
 from ..autocast import get_fp8_recipe, get_fp8_recipe_key
 from ..debug import debug_gemm as _debug_gemm  # precision debug tools (issue 5)
+from ..distributed import amax_reduction as _amax_reduction
+from ..distributed import fsdp as _fsdp
 from ..ops import linear_ops
 from ..ops.recipe_registry import quantizers_from_key, recipe_key
-from ..tensor import TensorProto
+from ..tensor import QuantizedTensor, TensorProto
 
 __all__ = ["QuantizedGemm", "DEFAULT_HISTORY_LEN"]
 
@@ -57,6 +59,14 @@ class QuantizedGemm(nn.Module):
         self._cache_for = None  # (recipe key, weight shape, dtype) the cache was allocated for
         self.uses_weight_cache = False  # set by the first is_first_microbatch call (eager)
         self._debug_uid = _debug_gemm.state.new_uid()  # precision debug tools (issue 5): name registry key
+        # (TP group name, roles) whose current-scaling amax is all-reduced (distributed/amax_reduction.py)
+        self.tp_amax_reduction = None
+
+    def _op_key(self, key: str) -> str:
+        """The recipe key the Linear op gets (derived when TP amax reduction is on)."""
+        if self.tp_amax_reduction is None:
+            return key
+        return _amax_reduction.tp_amax_key(key, *self.tp_amax_reduction)
 
     # ---- eager preparation ----------------------------------------------------------------
     def prepare_for_recipe(self, recipe: R.Recipe, weight: torch.Tensor) -> None:
@@ -66,7 +76,7 @@ class QuantizedGemm(nn.Module):
             self.grad_amax_history = torch.zeros(recipe.amax_history_len, 1, device=device)
         if self.uses_weight_cache:
             try:
-                self._alloc_weight_cache(recipe_key(recipe), weight)
+                self._alloc_weight_cache(self._op_key(recipe_key(recipe)), weight)
             except ValueError:
                 pass  # a shape the recipe cannot quantize: forward raises the error, naming the module
 
@@ -94,12 +104,14 @@ class QuantizedGemm(nn.Module):
         _update_from_history(self.grad_fp8_scale, self.grad_amax_history, recipe, bwd_max)
 
     # ---- the call ---------------------------------------------------------------------------
-    @staticmethod
-    def wants_quantized_input(weight: torch.Tensor, save_original_input: bool = False):
+    def wants_quantized_input(self, weight: torch.Tensor, save_original_input: bool = False):
         """None, or the `columnwise` flag for a fused norm + quantize of this GEMM's input: only
-        stateless recipes (delayed scaling's input scale lives in this module's buffers)."""
+        stateless recipes (delayed scaling's input scale lives in this module's buffers), and not
+        when the input's amax is TP-reduced (the fused op quantizes with the plain recipe)."""
         recipe = get_fp8_recipe()
         if recipe is None or isinstance(recipe, R.DelayedScaling):
+            return None
+        if self.tp_amax_reduction is not None and "input" in self.tp_amax_reduction[1]:
             return None
         return torch.is_grad_enabled() and weight.requires_grad and not save_original_input
 
@@ -108,10 +120,16 @@ class QuantizedGemm(nn.Module):
                 fuse_wgrad_accumulation: bool = False, inp_quantized=()) -> torch.Tensor:
         """`inp_quantized`: the input's buffers from a fused norm + quantize (`wants_quantized_input`)."""
         recipe = get_fp8_recipe()
-        key = get_fp8_recipe_key()
+        key = self._op_key(get_fp8_recipe_key())
         delayed = isinstance(recipe, R.DelayedScaling)
         cache_mode, cache = linear_ops.CACHE_OFF, []
-        if recipe is not None and is_first_microbatch is not None:
+        # FSDP2 gathered the weight already quantized (distributed/fsdp.py): it enters as the weight
+        # cache; its delayed-scaling update and weight amax were done in the pre-all-gather hook
+        fsdp_quantized = isinstance(weight, QuantizedTensor)
+        if fsdp_quantized:
+            cache_mode, cache = linear_ops.CACHE_USE, _fsdp.gathered_weight_cache(
+                type(self).__name__, weight, key, is_first_microbatch)
+        elif recipe is not None and is_first_microbatch is not None:
             if self._cache_for != (key, tuple(weight.shape), weight.dtype):
                 if torch.compiler.is_compiling():
                     raise RuntimeError(
@@ -140,6 +158,8 @@ class QuantizedGemm(nn.Module):
         # ---- precision debug tools (issue 5): a layer with an active debug feature takes the debug GEMM path
         debug_linear = _debug_gemm.linear_for(self, recipe is not None)
         # ---- end debug
+        if fsdp_quantized and debug_linear is not None:
+            raise NotImplementedError("precision debug features do not support FSDP2 quantized all-gather weights")
         linear = debug_linear or linear_ops.linear
         extra = {"inp_quantized": inp_quantized} if inp_quantized and debug_linear is None else {}
         out, amaxes, new_cache = linear(

@@ -35,4 +35,6 @@ def recipe_from_key(key: str) -> Optional[Recipe]:
 
 @functools.lru_cache(maxsize=None)
 def quantizers_from_key(key: str) -> RoleQuantizers:
-    return quantizers_for_recipe(recipe_from_key(key))
+    recipe = recipe_from_key(key)
+    custom = getattr(recipe, "role_quantizers", None)  # a derived recipe (distributed/amax_reduction.py)
+    return custom() if custom is not None else quantizers_for_recipe(recipe)

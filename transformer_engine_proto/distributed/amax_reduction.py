@@ -1,0 +1,106 @@
+"""Current scaling across tensor-parallel shards: one amax for the whole tensor (TE's `amax_reduction_group`).
+
+A column-parallel GEMM holds a dim-0 shard of the weight and produces a column shard of the
+output (so its grad_output is one too); a row-parallel GEMM holds a dim-1 shard of the weight and
+takes a column shard of the input. Per-tensor current scaling of a shard uses the shard's amax,
+so TP results differ from the unsharded Linear by a few percent. `enable_tp_amax_reduction(model)`
+makes those operands use the amax all-reduced (max) over the module's TP group, so every shard is
+quantized exactly as its slice of the full tensor and TP matches the full Linear up to fp32
+summation order:
+
+  column parallel: weight, grad_output        row parallel: input, weight
+
+(TE reduces only what it all-gathers in FP8 -- the column + SP input, the row + SP grad; here
+sequence-parallel gathers run in high precision and are quantized whole, so need none.)
+
+How it reaches the ops: the GEMM passes a derived recipe key whose recipe builds
+`AmaxReducingQuantizer`s for those roles (the reduction is a collective inside the Linear op,
+so it stays one opaque node under torch.compile). Other recipes are left unchanged.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import recipe as R
+from ..kernels import kernel
+from ..kernels.reference.common import scale_from_amax
+from ..ops.recipe_registry import recipe_from_key, recipe_key
+from ..tensor import Float8CurrentScalingQuantizer
+from ..tensor.recipe_quantizers import quantizers_for_recipe
+from . import tp as _tp
+
+__all__ = ["AmaxReducingQuantizer", "enable_tp_amax_reduction", "tp_amax_key", "TP_REDUCED_ROLES"]
+
+TP_REDUCED_ROLES = {"column": ("weight", "grad_output"), "row": ("input", "weight")}
+
+
+@dataclass(frozen=True)
+class AmaxReducingQuantizer(Float8CurrentScalingQuantizer):
+    """Current scaling with the amax all-reduced (max) over the process group named
+    `amax_reduction_group` before the scale is computed; the same buffers otherwise."""
+
+    amax_reduction_group: str = ""
+
+    def _quantize_buffers(self, x):
+        amax = kernel("amax", x.device)(x)
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=_tp._group(self.amax_reduction_group))
+        scale = scale_from_amax(amax, self.fp8_max, self.margin, self.force_pow_2_scales, self.amax_epsilon)
+        data, transpose, scale_inv = kernel("fp8_quantize_delayed", x.device)(
+            x, scale, torch.zeros_like(amax), self.fp8_dtype, self.rowwise_usage, self.columnwise_usage)
+        return self._pack(data, transpose, scale_inv)
+
+
+@dataclass(frozen=True)
+class _TPReducedCurrentScaling(R.Float8CurrentScaling):
+    """A Float8CurrentScaling whose `reduced_roles` quantizers reduce their amax over a group."""
+
+    amax_reduction_group: str = ""
+    reduced_roles: Tuple[str, ...] = ()
+
+    def role_quantizers(self):
+        """Hook read by `recipe_registry.quantizers_from_key`."""
+        base = quantizers_for_recipe(self)
+        changes = {}
+        for role in self.reduced_roles:
+            q = getattr(base, role)
+            changes[role] = AmaxReducingQuantizer(
+                q.fp8_dtype, force_pow_2_scales=q.force_pow_2_scales, amax_epsilon=q.amax_epsilon,
+                margin=q.margin, amax_reduction_group=self.amax_reduction_group)
+        return dataclasses.replace(base, **changes)
+
+
+@torch._dynamo.assume_constant_result
+def tp_amax_key(key: str, group_name: str, roles: Tuple[str, ...]) -> str:
+    """The recipe key a TP GEMM passes to the Linear op: for current scaling, one whose `roles`
+    reduce their amax over `group_name`; any other recipe's key unchanged. A constant to dynamo."""
+    recipe = recipe_from_key(key)
+    if type(recipe) is not R.Float8CurrentScaling:
+        return key
+    fields = {f.name: getattr(recipe, f.name) for f in dataclasses.fields(recipe)}
+    return recipe_key(_TPReducedCurrentScaling(**fields, amax_reduction_group=group_name, reduced_roles=tuple(roles)))
+
+
+def enable_tp_amax_reduction(model: torch.nn.Module) -> int:
+    """Reduce the current-scaling amax of every TP-sharded GEMM operand in `model` over its module's
+    TP group (see the module docstring). Returns the number of GEMMs changed."""
+    from ..module.base import TransformerEngineBaseModule
+    from ..module.layernorm_mlp import LayerNormMLP
+
+    n = 0
+    for m in model.modules():
+        if not isinstance(m, TransformerEngineBaseModule) or m._tp_group_name is None or m.tp_size < 2:
+            continue
+        if isinstance(m, LayerNormMLP):
+            modes = [(m.fc1, "column"), (m.fc2, "row")]
+        else:
+            modes = [(gemm, m.parallel_mode) for gemm, _ in m._gemms()]
+        for gemm, mode in modes:
+            if mode in TP_REDUCED_ROLES:
+                gemm.tp_amax_reduction = (m._tp_group_name, TP_REDUCED_ROLES[mode])
+                n += 1
+    return n
