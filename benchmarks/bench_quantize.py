@@ -27,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformer_engine_proto.kernels.reference import blockwise as ref_bw  # noqa: E402
 from transformer_engine_proto.kernels.reference import float8 as ref_f8  # noqa: E402
 from transformer_engine_proto.kernels.reference import mxfp8 as ref_mx  # noqa: E402
+from transformer_engine_proto.kernels.reference import nvfp4 as ref_nv  # noqa: E402
+from transformer_engine_proto.kernels.reference import nvfp4_to as ref_nv_to  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 
@@ -62,8 +64,14 @@ def copy_time(total_bytes, device):
     return bench(lambda: dst.copy_(src)), 2 * n
 
 
+def _fn(tri, mod, name):
+    """tri[mod].name, or None without the triton backend."""
+    return getattr(tri[mod], name) if tri and mod in tri else None
+
+
 def cases(x, tri):
-    """(name, reference fn, triton fn or None, extra bytes read by the implementation)."""
+    """(name, reference fn, triton fn or None, extra bytes read by the implementation, bytes of
+    the input when it is not x)."""
     scale = torch.tensor([0.37], device=x.device)
     amax_ref, amax_tri = torch.zeros(1, device=x.device), torch.zeros(1, device=x.device)
     xb = x.numel() * x.element_size()
@@ -97,6 +105,26 @@ def cases(x, tri):
          lambda: ref_mx.mxfp8_quantize(x, E4M3, True, False),
          (lambda: tri["mx"].mxfp8_quantize(x, E4M3, True, False)) if tri else None, 0),
     ]
+    # dequantize (the emulated MXFP8 / NVFP4 GEMM on Hopper): quantized buffers in, bf16 out
+    mx_data, mx_scale = ref_mx.mxfp8_quantize(x, E4M3, True, False)[:2]
+    mx_dq = _fn(tri, "dq", "mxfp8_dequantize")
+    out.append(("mxfp8 dequantize -> bf16", lambda: (ref_mx.mxfp8_dequantize(mx_data, mx_scale, False, torch.bfloat16),),
+                (lambda: (mx_dq(mx_data, mx_scale, False, torch.bfloat16),)) if mx_dq else None, 0,
+                nbytes((mx_data, mx_scale))))
+    # NVFP4: the amax pass is a second read of x (like current scaling)
+    nv_q = _fn(tri, "nv", "nvfp4_quantize")
+    for label, kw in (("nvfp4 rw", dict(rowwise=True, columnwise=False)),
+                      ("nvfp4 rw+cw (RHT cw)", dict(rowwise=True, columnwise=True, rht=True)),
+                      ("nvfp4 2D rw+cw (weight)", dict(rowwise=True, columnwise=True, two_d=True))):
+        out.append((label, (lambda kw=kw: ref_nv.nvfp4_quantize(x, **kw)),
+                    (lambda kw=kw: nv_q(x, **kw)) if nv_q else None, xb))
+    nv = ref_nv.nvfp4_quantize(x, True, False)
+    nv_dq = _fn(tri, "nv", "nvfp4_dequantize_to")
+    nv_args = (nv[0], nv[1], nv[4], None, None, None)
+    out.append(("nvfp4 dequantize -> bf16",
+                lambda: (ref_nv_to.nvfp4_dequantize_to(*nv_args, dtype=torch.bfloat16),),
+                (lambda: (nv_dq(*nv_args, dtype=torch.bfloat16),)) if nv_dq else None, 0,
+                nbytes((nv[0], nv[1], nv[4]))))
     return out
 
 
@@ -172,6 +200,11 @@ def main():
     try:
         from transformer_engine_proto.kernels.triton import blockwise as tbw, float8 as tf8, mxfp8 as tmx
         tri = {"f8": tf8, "bw": tbw, "mx": tmx}
+        try:  # the NVFP4 and dequantize kernels
+            from transformer_engine_proto.kernels.triton import dequant as tdq, nvfp4 as tnv
+            tri.update(dq=tdq, nv=tnv)
+        except ImportError as e:
+            log(f"no NVFP4 / dequantize Triton kernels ({e})")
     except ImportError as e:
         log(f"triton backend unavailable ({e}); timing the reference only")
         tri = None
@@ -189,9 +222,9 @@ def main():
 
     xb = x.numel() * x.element_size()
     rows = []
-    for name, ref_fn, tri_fn, extra_read in cases(x, tri):
+    for name, ref_fn, tri_fn, extra_read, *in_bytes in cases(x, tri):
         ref_out = ref_fn()
-        moved = xb + nbytes(ref_out)
+        moved = (in_bytes[0] if in_bytes else xb) + nbytes(ref_out)
         t_copy, copy_bytes = copy_time(moved, dev)
         copy_bw = copy_bytes / t_copy
         row = dict(name=name, bytes=moved, copy_GBps=copy_bw / 1e9)

@@ -95,3 +95,23 @@ def test_cuda_graph_training_is_bitwise_eager_over_50_steps(recipe):
     assert counters["inductor"]["cudagraph_skips"] == 0
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # no recompile
     assert graphed == eager, (recipe, graphed, eager)
+
+
+@pytest.mark.parametrize("rht", [False, True])
+def test_nvfp4_wgrad_from_stored_columnwise_matches_inverse_path(rht):
+    """The Hopper NVFP4 wgrad reads both columnwise buffers as stored (RHT not undone: the
+    rotations cancel in the product); it must equal the dequantize-everything path to bf16
+    rounding."""
+    from transformer_engine_proto.gemm import _nvfp4_wgrad
+    from transformer_engine_proto.tensor import NVFP4Quantizer
+
+    torch.manual_seed(0)
+    dy = torch.randn(512, 384, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    q = NVFP4Quantizer(with_rht=rht, rht_seed=3, rowwise_usage=False, columnwise_usage=True)
+    dy_q, x_q = q(dy), q(x)
+    fast = _nvfp4_wgrad(dy_q, x_q, True, False, torch.float32, None)
+    assert fast is not None and fast.shape == (384, 256)
+    assert torch.equal(gemm(dy_q, x_q, trans_a=True, out_dtype=torch.float32), fast)
+    ref = emulated_gemm(dy_q, x_q, trans_a=True, out_dtype=torch.float32)
+    assert _rel(fast, ref) < 1e-2

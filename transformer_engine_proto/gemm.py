@@ -10,6 +10,10 @@ ops drop the other usage before calling). Paths, picked by format and device:
   silently mis-reads 128x128 scales unless K/128 is a multiple of 4); 128x128 scales are padded
   to a multiple of 4 blocks along the reduction dim (a copy of a few KB).
 - CUDA otherwise (MXFP8/NVFP4 on Hopper, shapes cuBLAS rejects): dequantize to bf16 and matmul.
+  For the NVFP4 wgrad (both operands columnwise, reduced over the tokens) the columnwise buffers
+  are dequantized as they are stored, op(x) = x^T already, and the random Hadamard transform is
+  not undone: H is orthonormal and both operands carry it along the reduction dim, so
+  (H a)^T (H b) = a^T b. That saves two inverse transforms and two transposes per step.
 - CPU: dequantize to float32 and matmul -- exact for the quantized values, so it is the numerical
   reference the fast paths are compared against.
 """
@@ -22,7 +26,9 @@ import torch.nn.functional as F
 
 from .tensor import QuantizedTensor
 from .tensor.float8 import Float8Tensor
+from .kernels import kernel
 from .tensor.float8_blockwise import Float8BlockwiseQTensor
+from .tensor.nvfp4 import NVFP4Tensor
 
 __all__ = ["gemm", "emulated_gemm"]
 
@@ -112,6 +118,32 @@ def _blockwise(a, b, trans_a, trans_b, out_dtype, bias):
     return out
 
 
+# ---- NVFP4 wgrad on Hopper (emulated) ---------------------------------------------------------------
+def _stored_columnwise(t: NVFP4Tensor, dtype) -> torch.Tensor:
+    """x^T (K, M) as stored (after the RHT, if any), dequantized to `dtype`."""
+    return kernel("nvfp4_dequantize_to", t._columnwise_data.device)(
+        t._columnwise_data, t._columnwise_scale_inv, t._amax_columnwise, None, None, None,
+        dtype=dtype)
+
+
+def _nvfp4_wgrad(a, b, trans_a, trans_b, out_dtype, bias):
+    """a^T @ b from both columnwise buffers, or None when the shortcut does not apply."""
+    if not (trans_a and not trans_b and isinstance(a, NVFP4Tensor) and isinstance(b, NVFP4Tensor)):
+        return None
+    if a._columnwise_data is None or b._columnwise_data is None:
+        return None
+    if a._rowwise_data is not None or b._rowwise_data is not None:
+        return None  # only-usage views are what the ops pass; anything else takes the plain path
+    if (a.with_rht, a.rht_seed) != (b.with_rht, b.rht_seed) and (a.with_rht or b.with_rht):
+        return None  # the rotations must cancel
+    a_t = _stored_columnwise(a, torch.bfloat16)  # (N, M)
+    b_t = _stored_columnwise(b, torch.bfloat16)  # (K, M)
+    out = a_t @ b_t.t()
+    if bias is not None:
+        out = out.float() + bias.float()
+    return out.to(out_dtype)
+
+
 def _high_precision(a, b, trans_a, trans_b, out_dtype, bias):
     """Plain tensors on CUDA: one cuBLAS call in the operands' dtype, like torch.nn.Linear."""
     a2 = a.reshape(-1, a.shape[-1]).to(out_dtype)
@@ -132,6 +164,8 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype, trans_a: b
             out = _tensorwise(a, b, trans_a, trans_b, out_dtype, bias)
         elif isinstance(a, Float8BlockwiseQTensor) and isinstance(b, Float8BlockwiseQTensor):
             out = _blockwise(a, b, trans_a, trans_b, out_dtype, bias)
+        elif isinstance(a, NVFP4Tensor):
+            out = _nvfp4_wgrad(a, b, trans_a, trans_b, out_dtype, bias)
         if out is not None:
             return out
         if not isinstance(a, QuantizedTensor) and not isinstance(b, QuantizedTensor):

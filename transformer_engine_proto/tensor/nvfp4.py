@@ -44,12 +44,12 @@ class NVFP4TensorStorage(QuantizedTensorStorage):
 
     def _dequantize(self, dtype):
         dev = (self._rowwise_data if self._rowwise_data is not None else self._columnwise_data).device
-        values = kernel("nvfp4_dequantize", dev)(
+        values = kernel("nvfp4_dequantize_to", dev)(  # one rounding to dtype, no fp32 round trip
             self._rowwise_data, self._rowwise_scale_inv, self._amax_rowwise,
             self._columnwise_data, self._columnwise_scale_inv, self._amax_columnwise,
-            self.with_rht, self.rht_seed,
+            self.with_rht, self.rht_seed, dtype=dtype,
         )
-        return values.reshape(self._shape).to(dtype)
+        return values.reshape(self._shape)
 
     def _check_derivable(self, what: str) -> None:
         m, _ = flat_2d(self._shape)
