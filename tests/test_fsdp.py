@@ -33,14 +33,7 @@ from transformer_engine_proto.distributed import fsdp as F
 
 WORLD = 2
 H, FFN, HEADS, SEQ, BATCH = 256, 512, 4, 32, 2  # every weight's shard is a multiple of 128 rows
-RECIPES = {
-    "high_precision": None,
-    "delayed": R.DelayedScaling(),
-    "current": R.Float8CurrentScaling(),
-    "mxfp8": R.MXFP8BlockScaling(),
-    "block": R.Float8BlockScaling(),
-    "nvfp4": R.NVFP4BlockScaling(disable_stochastic_rounding=True),  # SR draws differ between runs
-}
+from linear_cases import RECIPES  # noqa: E402  (NVFP4 without stochastic rounding: runs must agree)
 # out_features of a Linear whose FSDP shard cannot be gathered quantized (uneven or misaligned
 # rows): per-tensor FP8 still gathers quantized (zero-padded shard), block formats fall back
 ODD_OUT = {"high_precision": 97, "delayed": 97, "current": 97, "mxfp8": 96, "block": 96, "nvfp4": 48}
