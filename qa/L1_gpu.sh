@@ -139,7 +139,7 @@ if [ "$L1_SKIP_TRAIN" != "1" ]; then
 fi
 
 # 4. Linear fwd+bwd vs bf16 and torchao (compile default, all shapes), then reduce-overhead on the
-#    small shapes where launch overhead matters; 5. the TransformerLayer stack
+#    small shapes where launch overhead matters; 5. distributed (>= 2 GPUs); 6. the TransformerLayer stack
 LIN_ARGS=()
 [ -n "$LINEAR_SHAPES" ] && LIN_ARGS+=(--shapes "$LINEAR_SHAPES")
 min_lin=$(minutes_left 0.35 60 0)
@@ -150,6 +150,17 @@ if [ -n "$LINEAR_RO_SHAPES" ] && [ "$L1_SMOKE" != "1" ]; then
     min_ro=$(minutes_left 0.2 45 0)
     run_step bench_linear_ro $(( ${min_ro%.*} * 60 + 180 )) "$PYTHON" benchmarks/bench_linear.py \
         --shapes "$LINEAR_RO_SHAPES" --modes reduce-overhead --max-minutes "$min_ro" --out "$OUT" --name bench_linear_ro
+fi
+
+# 5. FSDP2 / TP+SP all-gather bytes and step time, bf16 vs quantized (NCCL): only with >= 2 GPUs
+NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+if [ "${NGPU:-0}" -ge 2 ]; then
+    min_dist=$(minutes_left 0.3 60 45)
+    run_step bench_distributed $(( ${min_dist%.*} * 60 + 240 )) "$PYTHON" benchmarks/bench_distributed.py \
+        "${SMOKE[@]}" --max-minutes "$min_dist" --out "$OUT" --name bench_distributed
+else
+    echo "=== [bench_distributed] needs >= 2 GPUs (found ${NGPU:-0}): skipped"
+    SUMMARY+=("$(printf '%-22s %s' bench_distributed 'needs >= 2 GPUs')")
 fi
 
 min_tr=$(minutes_left 1.0 60 45)

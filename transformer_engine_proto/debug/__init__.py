@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["FEATURE_DIR", "initialize", "validate_config", "is_active", "last_logged_stats"]
+__all__ = ["FEATURE_DIR", "initialize", "validate_config", "is_active", "last_logged_stats",
+           "set_weight_tensor_tp_group_reduce"]
 
 FEATURE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "features")
 
@@ -63,3 +64,11 @@ def last_logged_stats() -> dict:
     from .stats import BUFFERS
 
     return dict(BUFFERS.last)
+
+
+def set_weight_tensor_tp_group_reduce(enabled: bool) -> None:
+    """TE's switch: weight stats of a tensor-parallel layer are reduced over its TP group (True,
+    the default: the stats of the whole weight) or kept per rank (False)."""
+    from .stats import set_weight_tensor_tp_group_reduce as _set
+
+    _set(enabled)

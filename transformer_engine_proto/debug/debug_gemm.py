@@ -74,6 +74,7 @@ class _Calls:
             plan = (state.layer_plan(layer, self.recipe_on) if self.live
                     else state.LayerPlan.default(layer, self.recipe_on, self.iteration))
         self.plan = plan
+        self.tp_group = state.tp_group_of(layer) if self.live else None  # weights TP-sharded over it
 
     def _modify(self, tensor_name, gemm_name, x, quantizer):
         out = state.te_api().modify_tensor(layer_name=self.layer, gemm=gemm_name, tensor_name=tensor_name, tensor=x,
@@ -116,14 +117,15 @@ class _Calls:
             stats_q = None if quantizer is None else _bind(quantizer, getattr(quantizer, "scale", None),
                                                            torch.zeros(1, device=x.device))
             state.te_api().inspect_tensor(layer_name=self.layer, tensor_name=name, tensor=x, iteration=self.iteration,
-                                          tp_group=None, rowwise_quantized_tensor=row_q if row_q is not None else col_q,
+                                          tp_group=self.tp_group,
+                                          rowwise_quantized_tensor=row_q if row_q is not None else col_q,
                                           columnwise_quantized_tensor=col_q if col_q is not None else row_q,
                                           quantizer=stats_q)
         for g, p in plans.items():
             if p in (MODIFY, QUANTIZE) and tp.post(g):
                 state.te_api().inspect_tensor_postquantize(layer_name=self.layer, tensor_name=name, gemm=g,
                                                            tensor=ops[g], rowwise=g == row_g,
-                                                           iteration=self.iteration, tp_group=None)
+                                                           iteration=self.iteration, tp_group=self.tp_group)
         return ops
 
     def output_tensor(self, name: str, y: torch.Tensor) -> torch.Tensor:
@@ -136,7 +138,7 @@ class _Calls:
             y = y2.dequantize(dtype=y.dtype) if isinstance(y2, QuantizedTensor) else y2.to(y.dtype)
         if tp.inspect:
             state.te_api().inspect_tensor(layer_name=self.layer, tensor_name=name, tensor=y, iteration=self.iteration,
-                                          tp_group=None, rowwise_quantized_tensor=None,
+                                          tp_group=self.tp_group, rowwise_quantized_tensor=None,
                                           columnwise_quantized_tensor=None, quantizer=None)
         return y
 

@@ -25,7 +25,8 @@ import torch
 
 __all__ = ["SESSION", "ROUTES", "LayerPlan", "TensorPlan", "TENSOR_GEMMS", "INPUT_TENSORS",
            "OUTPUT_TENSORS", "GEMMS", "MODIFY", "QUANTIZE", "HIGH", "begin_forward", "route",
-           "layer_plan", "current_iteration", "te_api", "start", "stop", "on_step", "new_uid"]
+           "layer_plan", "current_iteration", "te_api", "start", "stop", "on_step", "new_uid",
+           "tp_group_of", "TP_GROUPS"]
 
 GEMMS = ("fprop", "dgrad", "wgrad")
 # tensor -> (gemm using its rowwise form, gemm using its columnwise form) -- TE's table
@@ -187,18 +188,43 @@ def on_step() -> None:
 
 
 # ---- forward start: names ----------------------------------------------------------------------
+# layer name -> name of the TP group its weights are sharded over (kept across sessions: set at
+# trace time, which a new session does not repeat for graphs it does not retrace)
+TP_GROUPS: Dict[str, Optional[str]] = {}
+
+
 @torch._dynamo.assume_constant_result
-def _register(uid: int, name: str) -> int:
+def _register(uid: int, name: str, tp_group_name: Optional[str]) -> int:
     SESSION.owners[uid] = name
+    TP_GROUPS[name] = tp_group_name
     return 0
+
+
+def _sharded_weight_group(module) -> Optional[str]:
+    """The TP group name when `module`'s GEMM weights are TP shards (column / row parallel, or a
+    LayerNormMLP with tp_size > 1), else None."""
+    if getattr(module, "tp_size", 1) < 2 or getattr(module, "parallel_mode", "column") is None:
+        return None
+    return getattr(module, "_tp_group_name", None)
 
 
 def begin_forward(module) -> None:
     """Name `module`'s GEMMs for the debug calls (runs at trace time only under torch.compile)."""
     gemms = [(attr, child) for attr, child in module._modules.items()
              if child is not None and hasattr(child, "_debug_uid")]
+    tp = _sharded_weight_group(module)
     for attr, gemm in gemms:
-        _register(gemm._debug_uid, module.name if len(gemms) == 1 else f"{module.name}.{attr}")
+        _register(gemm._debug_uid, module.name if len(gemms) == 1 else f"{module.name}.{attr}", tp)
+
+
+def tp_group_of(layer: str):
+    """The process group `layer`'s weights are TP-sharded over (TE's `tp_group` argument), or None."""
+    name = TP_GROUPS.get(layer)
+    if name is None:
+        return None
+    from ..distributed import tp
+
+    return tp._group(name)
 
 
 # ---- routing ----------------------------------------------------------------------------------

@@ -3,9 +3,11 @@
 Each inspect call computes a few helper values of its tensor (count, sum, centred sum of squares,
 min, max, ...) as one float64 row on the tensor's device -- no host sync. Rows of micro-batches
 are combined in place (weights: the first micro-batch only, as TE). At `debug_api.step()` the rows
-are gathered across ranks (the debug reduction group; weights stay per rank), combined and turned
-into the requested stats, logged through nvdlfw_inspect's MetricLogger as
-`{layer}_{tensor}_{stat}` with the iteration they were fed in.
+are gathered across ranks (the debug reduction group; a weight over the TP group its layer is
+sharded over, as TE's `tp_group`, so the stats are those of the full weight -- or per rank without
+TP or after `set_weight_tensor_tp_group_reduce(False)`), combined and turned into the requested
+stats, logged through nvdlfw_inspect's MetricLogger as `{layer}_{tensor}_{stat}` with the
+iteration they were fed in.
 """
 from __future__ import annotations
 
@@ -16,7 +18,15 @@ import torch
 
 from . import quant_view
 
-__all__ = ["BUFFERS", "HP_STATS", "FP8_BASE_STATS", "parse_fp8_stat", "tensor_row", "fp8_row", "Buffer"]
+__all__ = ["BUFFERS", "HP_STATS", "FP8_BASE_STATS", "parse_fp8_stat", "tensor_row", "fp8_row", "Buffer",
+           "set_weight_tensor_tp_group_reduce"]
+
+_WEIGHT_TP_GROUP_REDUCE = [True]
+
+
+def set_weight_tensor_tp_group_reduce(enabled: bool) -> None:
+    """TE's switch: reduce weight stats over the layer's TP group (default), or keep them per rank."""
+    _WEIGHT_TP_GROUP_REDUCE[0] = bool(enabled)
 
 HP_STATS = ("min", "max", "mean", "std", "l1_norm", "l2_norm", "cur_amax", "dynamic_range")
 FP8_BASE_STATS = ("underflows%", "overflows%", "scale_inv_min", "scale_inv_max", "mse")
@@ -116,8 +126,10 @@ class Buffer:
         self.reduce_within_microbatch = tensor != "weight"
         self.row: Optional[torch.Tensor] = None
         self.iteration = 0
+        self.tp_group = None  # the TP group a weight is sharded over (from the inspect call)
 
-    def feed(self, row: torch.Tensor, iteration: int) -> None:
+    def feed(self, row: torch.Tensor, iteration: int, tp_group=None) -> None:
+        self.tp_group = tp_group
         if self.row is not None and self.iteration != iteration:
             self.row = None  # a step() was skipped: start over rather than mix iterations
         self.iteration = iteration
@@ -128,11 +140,15 @@ class Buffer:
 
     def _gathered(self) -> Optional[torch.Tensor]:
         dist = torch.distributed
-        if self.tensor == "weight" or not (dist.is_available() and dist.is_initialized()):
+        weight_group = self.tp_group if _WEIGHT_TP_GROUP_REDUCE[0] else None
+        if (self.tensor == "weight" and weight_group is None) or not (dist.is_available() and dist.is_initialized()):
             return None if self.row is None else self.row.unsqueeze(0)
-        import nvdlfw_inspect.api as debug_api
+        if self.tensor == "weight":
+            group = weight_group  # TP shards of one weight: stats of the whole weight
+        else:
+            import nvdlfw_inspect.api as debug_api
 
-        group = debug_api.get_tensor_reduction_group()
+            group = debug_api.get_tensor_reduction_group()
         width = len(_BASE) + 5 * self.nvariants
         mine = torch.zeros(width + 1, dtype=torch.float64, device=self.row.device if self.row is not None else
                            ("cuda" if dist.get_backend(group) == "nccl" else "cpu"))
@@ -190,17 +206,18 @@ class Buffers:
 BUFFERS = Buffers()
 
 
-def feed_tensor(layer: str, tensor_name: str, stats: Sequence[str], x: torch.Tensor, iteration: int) -> None:
+def feed_tensor(layer: str, tensor_name: str, stats: Sequence[str], x: torch.Tensor, iteration: int,
+                tp_group=None) -> None:
     if x.numel() == 0:
         return
     buf = BUFFERS.get(layer, tensor_name, "hp", [(s, s, None) for s in stats], 0)
-    buf.feed(tensor_row(x), iteration)
+    buf.feed(tensor_row(x), iteration, tp_group)
 
 
 def feed_quantized(layer: str, tensor_name: str, stats: Sequence[Tuple[str, str, int]],
-                   x: torch.Tensor, variants: Sequence[Tuple[object, bool]], iteration: int) -> None:
+                   x: torch.Tensor, variants: Sequence[Tuple[object, bool]], iteration: int, tp_group=None) -> None:
     """`stats`: (logged name, base stat, variant index); `variants`: (quantized tensor, columnwise)."""
     if x.numel() == 0:
         return
     row = torch.cat([tensor_row(x)] + [fp8_row(x, q, col) for q, col in variants])
-    BUFFERS.get(layer, tensor_name, "quantized", stats, len(variants)).feed(row, iteration)
+    BUFFERS.get(layer, tensor_name, "quantized", stats, len(variants)).feed(row, iteration, tp_group)

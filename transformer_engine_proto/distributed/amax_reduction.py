@@ -10,8 +10,10 @@ summation order:
 
   column parallel: weight, grad_output        row parallel: input, weight
 
-(TE reduces only what it all-gathers in FP8 -- the column + SP input, the row + SP grad; here
-sequence-parallel gathers run in high precision and are quantized whole, so need none.)
+(TE reduces only what it all-gathers in FP8 -- the column + SP input, the row + SP grad. Here
+the column + SP input is quantized before its all-gather with the amax all-reduced inside the
+gather op (distributed/sp_gather.py), and the row + SP grad is gathered in high precision, so
+neither needs this switch.)
 
 How it reaches the ops: the GEMM passes a derived recipe key whose recipe builds
 `AmaxReducingQuantizer`s for those roles (the reduction is a collective inside the Linear op,

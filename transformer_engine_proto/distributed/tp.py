@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 __all__ = ["all_reduce_sum", "copy_to_tp_region", "reduce_from_tp_region", "all_gather_first_dim",
            "reduce_scatter_first_dim", "gather_from_sequence_parallel_region",
-           "reduce_scatter_to_sequence_parallel_region", "resolve_tp", "group_name_of"]
+           "reduce_scatter_to_sequence_parallel_region", "resolve_tp", "group_name_of", "all_gather_into"]
 
 
 def _group(name: str):
@@ -48,12 +48,25 @@ def _(x, group_name):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+def all_gather_into(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """`out` (the ranks' contiguous `x` concatenated along dim 0) <- one all-gather: the
+    single-tensor collective where torch has it (looked up at call time, so wrappers that count
+    bytes see it), else the list form."""
+    x = x.contiguous()
+    single = getattr(dist, "all_gather_single", None)
+    if single is None and dist.get_backend(group) != "gloo":
+        single = dist.all_gather_into_tensor
+    if single is not None:
+        single(out, x, group=group)
+    else:
+        dist.all_gather(list(out.chunk(dist.get_world_size(group), 0)), x, group=group)
+
+
 @torch.library.custom_op("te_proto::tp_all_gather_first_dim", mutates_args=())
 def _all_gather(x: torch.Tensor, group_name: str, world: int) -> torch.Tensor:
-    group = _group(group_name)
-    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(world)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, 0)
+    out = x.new_empty((x.shape[0] * world,) + tuple(x.shape[1:]))
+    all_gather_into(out, x, _group(group_name))
+    return out
 
 
 @_all_gather.register_fake
@@ -63,8 +76,15 @@ def _(x, group_name, world):
 
 @torch.library.custom_op("te_proto::tp_reduce_scatter_first_dim", mutates_args=())
 def _reduce_scatter(x: torch.Tensor, group_name: str, world: int) -> torch.Tensor:
-    # all-reduce then keep this rank's chunk: works on every backend (gloo has no reduce_scatter)
     group = _group(group_name)
+    single = getattr(dist, "reduce_scatter_single", None)  # torch >= 2.13 (gloo included)
+    if single is None and dist.get_backend(group) != "gloo":
+        single = dist.reduce_scatter_tensor
+    if single is not None:
+        out = x.new_empty((x.shape[0] // world,) + tuple(x.shape[1:]))
+        single(out, x.contiguous(), group=group)
+        return out
+    # older gloo has no reduce-scatter: all-reduce, then keep this rank's chunk
     full = x.contiguous().clone()
     dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group)
     rank = dist.get_rank(group)

@@ -17,6 +17,8 @@ from ..autocast import get_fp8_recipe, get_fp8_recipe_key
 from ..debug import debug_gemm as _debug_gemm  # precision debug tools (issue 5)
 from ..distributed import amax_reduction as _amax_reduction
 from ..distributed import fsdp as _fsdp
+from ..distributed import sp_gather as _sp_gather
+from ..distributed import tp as _tp
 from ..ops import linear_ops
 from ..ops.recipe_registry import quantizers_from_key, recipe_key
 from ..tensor import QuantizedTensor, TensorProto
@@ -61,6 +63,9 @@ class QuantizedGemm(nn.Module):
         self._debug_uid = _debug_gemm.state.new_uid()  # precision debug tools (issue 5): name registry key
         # (TP group name, roles) whose current-scaling amax is all-reduced (distributed/amax_reduction.py)
         self.tp_amax_reduction = None
+        # sequence parallel: all-gather this GEMM's input shard quantized where the recipe allows
+        # (distributed/sp_gather.py); False gathers in high precision
+        self.quantized_sp_gather = True
 
     def _op_key(self, key: str) -> str:
         """The recipe key the Linear op gets (derived when TP amax reduction is on)."""
@@ -103,6 +108,21 @@ class QuantizedGemm(nn.Module):
         _update_from_history(self.fp8_scale, self.amax_history, recipe, fwd_max)
         _update_from_history(self.grad_fp8_scale, self.grad_amax_history, recipe, bwd_max)
 
+    def _gather_input(self, inp, weight, key: str, delayed: bool, sequence_gather, quantized_ok: bool):
+        """(gathered input, its quantized buffers or (), all-reduced input amax for delayed scaling
+        or None): quantize the shard then gather the bytes where the recipe allows, else gather
+        in high precision (the Linear op quantizes the full tensor)."""
+        group, world = sequence_gather
+        kind = _sp_gather.HP
+        columnwise = torch.is_grad_enabled() and weight.requires_grad
+        if self.quantized_sp_gather and quantized_ok:
+            kind, _ = _sp_gather.input_gather_format(key, tuple(inp.shape), world, columnwise)
+        if kind == _sp_gather.HP:
+            return _tp.all_gather_first_dim(inp, group, world), (), None
+        scale = self.fp8_scale[0:1] if delayed else None
+        full, amax, buffers = _sp_gather.all_gather_quantized(inp, scale, group, world, key, kind, columnwise)
+        return full, buffers, (amax if delayed else None)
+
     # ---- the call ---------------------------------------------------------------------------
     def wants_quantized_input(self, weight: torch.Tensor, save_original_input: bool = False):
         """None, or the `columnwise` flag for a fused norm + quantize of this GEMM's input: only
@@ -117,8 +137,10 @@ class QuantizedGemm(nn.Module):
 
     def forward(self, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                 is_first_microbatch: Optional[bool] = None, save_original_input: bool = False,
-                fuse_wgrad_accumulation: bool = False, inp_quantized=()) -> torch.Tensor:
-        """`inp_quantized`: the input's buffers from a fused norm + quantize (`wants_quantized_input`)."""
+                fuse_wgrad_accumulation: bool = False, inp_quantized=(), sequence_gather=None) -> torch.Tensor:
+        """`inp_quantized`: the input's buffers from a fused norm + quantize (`wants_quantized_input`).
+        `sequence_gather`: (TP group name, tp size) when `inp` is a sequence-parallel dim-0 shard
+        to all-gather before the GEMM (column parallel + SP)."""
         recipe = get_fp8_recipe()
         key = self._op_key(get_fp8_recipe_key())
         delayed = isinstance(recipe, R.DelayedScaling)
@@ -161,6 +183,10 @@ class QuantizedGemm(nn.Module):
         if fsdp_quantized and debug_linear is not None:
             raise NotImplementedError("precision debug features do not support FSDP2 quantized all-gather weights")
         linear = debug_linear or linear_ops.linear
+        sp_amax = None
+        if sequence_gather is not None:
+            inp, inp_quantized, sp_amax = self._gather_input(
+                inp, weight, key, delayed, sequence_gather, debug_linear is None and not save_original_input)
         extra = {"inp_quantized": inp_quantized} if inp_quantized and debug_linear is None else {}
         out, amaxes, new_cache = linear(
             inp, weight, bias, key=key,
@@ -174,6 +200,9 @@ class QuantizedGemm(nn.Module):
         if delayed:
             slot = self.amax_history[0]
             slot.copy_(torch.maximum(slot, amaxes.detach()))
+            if sp_amax is not None:  # the input was quantized before its gather: record its amax
+                slot = self.amax_history[0, 0:1]
+                slot.copy_(torch.maximum(slot, sp_amax.detach()))
         for buf, new in zip(cache, new_cache):
             buf.copy_(new.detach())
         return out

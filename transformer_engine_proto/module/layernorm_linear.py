@@ -21,8 +21,9 @@ class LayerNormLinear(NormFusedModule):
         shard is [out/tp_size, in]. Without `sequence_parallel` the norm output enters the TP
         region (identity forward, gradient all-reduced before the norm's backward, so the norm's
         parameter grads are complete and replicated). With `sequence_parallel` the input is this
-        rank's dim-0 (sequence) shard: the norm runs on the shard, its output is all-gathered
-        before the GEMM (the fused norm + quantize path is skipped: norm -> all-gather -> GEMM),
+        rank's dim-0 (sequence) shard: the norm runs on the shard, its output shard is
+        all-gathered before the GEMM (norm -> quantize the shard -> all-gather the bytes -> GEMM
+        where the recipe allows, else a high-precision gather; `distributed/sp_gather.py`),
         and the norm's parameter grads are partial (marked `sequence_parallel`, to be all-reduced
         by the training loop as in Megatron / TE).
       * `parallel_mode="row"`: as TE, the input is the local shard of the last dim and the norm
@@ -59,10 +60,11 @@ class LayerNormLinear(NormFusedModule):
         group = self._tp_group_name if self.parallel_mode is not None and self.tp_size > 1 else None
         row = self.parallel_mode == "row" and group is not None
         column = group if self.parallel_mode == "column" else None
-        ln_out, gemm_in, ln_q = self._norm_into_gemm(inp, self.gemm, self.weight, column)
+        ln_out, gemm_in, ln_q, seq = self._norm_into_gemm(inp, self.gemm, self.weight, column)
         bias = None if (self.return_bias or row) else self.bias
         out = self.gemm(gemm_in, self.weight, bias, is_first_microbatch=is_first_microbatch,
-                        fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, inp_quantized=ln_q)
+                        fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, inp_quantized=ln_q,
+                        sequence_gather=seq)
         if row:
             out = _tp.reduce_row_parallel_output(out, group, self.tp_size, self.sequence_parallel,
                                                  None if self.return_bias else self.bias)

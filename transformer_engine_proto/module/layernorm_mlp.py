@@ -110,9 +110,9 @@ class LayerNormMLP(NormFusedModule):
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         self._check_input(inp, self.hidden_size)
         group = self._tp_group_name if self.tp_size > 1 else None
-        ln_out, fc1_in, ln_q = self._norm_into_gemm(inp, self.fc1, self.fc1_weight, group)
+        ln_out, fc1_in, ln_q, seq = self._norm_into_gemm(inp, self.fc1, self.fc1_weight, group)
         kw = dict(is_first_microbatch=is_first_microbatch, fuse_wgrad_accumulation=self.fuse_wgrad_accumulation)
-        h = self.fc1(fc1_in, self.fc1_weight, self.fc1_bias, inp_quantized=ln_q, **kw)
+        h = self.fc1(fc1_in, self.fc1_weight, self.fc1_bias, inp_quantized=ln_q, sequence_gather=seq, **kw)
         h = ACTIVATIONS[self.activation][0](h)
         fc2_bias = None if (self.return_bias or group is not None) else self.fc2_bias
         out = self.fc2(h, self.fc2_weight, fc2_bias, **kw)

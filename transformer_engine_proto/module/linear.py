@@ -78,15 +78,16 @@ class Linear(TransformerEngineBaseModule):
         # None: no communication (tp_size 1 or no parallel_mode)
         group = self._tp_group_name if self.parallel_mode is not None and self.tp_size > 1 else None
         row = self.parallel_mode == "row" and group is not None
+        sequence_gather = None  # column + SP: the GEMM all-gathers the shard (quantized where it can)
         if group is not None and self.parallel_mode == "column":
             if self.sequence_parallel:
-                inp = _tp.all_gather_first_dim(inp, group, self.tp_size)
+                sequence_gather = (group, self.tp_size)
             else:
                 inp = _tp.copy_to_tp_region(inp, group)
         bias = None if (self.return_bias or row) else self.bias
         out = self.gemm(inp, self.weight, bias, is_first_microbatch=is_first_microbatch,
                         save_original_input=self.save_original_input,
-                        fuse_wgrad_accumulation=self.fuse_wgrad_accumulation)
+                        fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, sequence_gather=sequence_gather)
         if row:
             out = _tp.reduce_row_parallel_output(out, group, self.tp_size, self.sequence_parallel,
                                                  None if self.return_bias else self.bias)

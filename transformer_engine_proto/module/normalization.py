@@ -56,15 +56,16 @@ class NormFusedModule(TransformerEngineBaseModule):
         return self.norm.bias
 
     def _norm_into_gemm(self, inp, gemm, weight, column_group: Optional[str]):
-        """(norm output, the next GEMM's input, its quantized buffers). With a column-parallel
-        group: all-gather after the norm under sequence parallelism (the fused quantized input
-        would be of the local shard only), else an identity whose backward all-reduces dgrad."""
+        """(norm output, the next GEMM's input, its quantized buffers, the GEMM's `sequence_gather`).
+        With a column-parallel group: under sequence parallelism the GEMM all-gathers the norm's
+        output shard (quantized where the recipe allows; the fused norm + quantize is skipped),
+        else an identity whose backward all-reduces dgrad."""
         if column_group is not None and self.sequence_parallel:
             ln_out = self.norm(inp)
-            return ln_out, _tp.all_gather_first_dim(ln_out, column_group, self.tp_size), ()
+            return ln_out, ln_out, (), (column_group, self.tp_size)
         ln_out, ln_q = self.norm.forward_quantized(inp, gemm.wants_quantized_input(weight))
         gemm_in = ln_out if column_group is None else _tp.copy_to_tp_region(ln_out, column_group)
-        return ln_out, gemm_in, ln_q
+        return ln_out, gemm_in, ln_q, None
 
     def _pack_outputs(self, out, bias, ln_out):
         """out, then the unadded bias (return_bias), then the norm output (return_layernorm_output)."""

@@ -5,7 +5,8 @@ Calls a transformer_engine_proto layer makes (see `transformer_engine_proto.debu
 * routing calls, once per layer and iteration, at forward start: `inspect_tensor_enabled`,
   `inspect_tensor_postquantize_enabled`, `modify_tensor_enabled`, `fp8_gemm_enabled`;
 * GEMM calls, at every GEMM: `modify_tensor`, `inspect_tensor`, `inspect_tensor_postquantize`,
-  with layer_name, gemm, tensor_name, iteration and tp_group (None: no tensor parallelism here).
+  with layer_name, gemm, tensor_name, iteration and tp_group (the process group the layer's
+  weights are tensor-parallel shards over; None without TP).
 
 A feature method receives the keyword arguments its signature names (all of them if it takes
 `**kwargs`), so features written for older or newer TE signatures both work.

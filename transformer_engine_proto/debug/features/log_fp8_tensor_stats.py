@@ -63,7 +63,8 @@ class LogFp8TensorStats(TEConfigAPIMapper):
 
     @api_method
     def inspect_tensor(self, config: Dict, layer_name: str, tensor_name: str, iteration: int, tensor=None,
-                       rowwise_quantized_tensor=None, columnwise_quantized_tensor=None, quantizer=None, **kwargs):
+                       rowwise_quantized_tensor=None, columnwise_quantized_tensor=None, quantizer=None,
+                       tp_group=None, **kwargs):
         current = quant_view.recipe_name(quantizer)
         parsed = []
         for s in config.get("stats", []):
@@ -81,7 +82,7 @@ class LogFp8TensorStats(TEConfigAPIMapper):
                 variants.append((self._quantized(recipe, col, tensor, tensor_name, quantizer, fp8_dtype,
                                                  rowwise_quantized_tensor, columnwise_quantized_tensor), col))
             out.append((name, base, index[(recipe, col)]))
-        stats.feed_quantized(layer_name, tensor_name, out, tensor, variants, iteration)
+        stats.feed_quantized(layer_name, tensor_name, out, tensor, variants, iteration, tp_group)
         state.log_message(f"Feature={self.__class__.__name__}, API=inspect_tensor: {tensor_name}", layer_name)
         return None
 

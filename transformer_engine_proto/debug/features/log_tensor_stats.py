@@ -15,6 +15,8 @@ class LogTensorStats(TEConfigAPIMapper):
     Stats are computed in every micro-batch (as device tensors, no host sync) and logged at
     `debug_api.step()`, reduced across ranks in a distributed run. With several forward/backward
     passes per step, stats of all tensors except weights are accumulated over the micro-batches.
+    Weight stats of a tensor-parallel layer are reduced over its TP group (the whole weight's
+    stats; `transformer_engine_proto.debug.set_weight_tensor_tp_group_reduce(False)`: per rank).
     If no feature is active for a layer in a step, the layer runs its normal fast path.
 
     Parameters
@@ -72,7 +74,7 @@ class LogTensorStats(TEConfigAPIMapper):
                              f"supported: {list(stats.HP_STATS)}")
         if tensor is None:
             return None
-        stats.feed_tensor(layer_name, tensor_name, requested, tensor, iteration)
+        stats.feed_tensor(layer_name, tensor_name, requested, tensor, iteration, tp_group)
         state.log_message(f"Feature={self.__class__.__name__}, API=inspect_tensor: {tensor_name}", layer_name)
         return None
 
