@@ -24,10 +24,10 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 import transformer_engine_proto as te
+from dist_harness import spawn_and_collect
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.distributed import fsdp as F
 
@@ -262,11 +262,7 @@ def _worker(rank, init_file, out_dir):
 
 @pytest.fixture(scope="module")
 def fsdp_results(tmp_path_factory):
-    if not dist.is_available():
-        pytest.skip("torch.distributed not available")
-    d = tmp_path_factory.mktemp("fsdp")
-    mp.start_processes(_worker, args=(str(d / "init"), str(d)), nprocs=WORLD, join=True, start_method="spawn")
-    return [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return spawn_and_collect(_worker, tmp_path_factory, "fsdp", WORLD)
 
 
 SAME_CASES = [(rid, case, compiled) for rid in RECIPES for case, compiled in

@@ -13,9 +13,9 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import transformer_engine_proto as te
+from dist_harness import spawn_and_collect
 from test_linear_opcheck import fp8_harness  # noqa: F401  (opcheck on 1-byte float outputs)
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.distributed.sp_gather import (HP, input_gather_format,
@@ -136,11 +136,7 @@ def _worker(rank, init_file, out_dir):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    if not dist.is_available():
-        pytest.skip("torch.distributed not available")
-    d = tmp_path_factory.mktemp("sp_gather")
-    mp.start_processes(_worker, args=(str(d / "init"), str(d)), nprocs=WORLD, join=True, start_method="spawn")
-    return [torch.load(d / f"rank{r}.pt") for r in range(WORLD)]
+    return spawn_and_collect(_worker, tmp_path_factory, "sp_gather", WORLD)
 
 
 RUNS = [(rid, case, mode) for rid in RECIPES for case in CASES for mode in ("eager", "compiled")

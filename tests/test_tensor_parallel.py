@@ -15,9 +15,9 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import transformer_engine_proto as te
+from dist_harness import spawn_and_collect
 from transformer_engine_proto import recipe as R
 
 WORLD, TOKENS, IN, OUT = 2, 32, 64, 64
@@ -149,11 +149,7 @@ def _worker(rank, init_file, out_dir):
 
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory):
-    if not dist.is_available():
-        pytest.skip("torch.distributed not available")
-    d = tmp_path_factory.mktemp("tp")
-    mp.start_processes(_worker, args=(str(d / "init"), str(d)), nprocs=WORLD, join=True, start_method="spawn")
-    return [torch.load(d / f"rank{r}.pt") for r in range(WORLD)]
+    return spawn_and_collect(_worker, tmp_path_factory, "tp", WORLD)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -383,11 +379,7 @@ def _mod_worker(rank, init_file, out_dir):
 
 @pytest.fixture(scope="module")
 def tp_module_results(tmp_path_factory):
-    if not dist.is_available():
-        pytest.skip("torch.distributed not available")
-    d = tmp_path_factory.mktemp("tp_mod")
-    mp.start_processes(_mod_worker, args=(str(d / "init"), str(d)), nprocs=WORLD, join=True, start_method="spawn")
-    return [torch.load(d / f"mod_rank{r}.pt") for r in range(WORLD)]
+    return spawn_and_collect(_mod_worker, tmp_path_factory, "tp_mod", WORLD, prefix="mod_rank")
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

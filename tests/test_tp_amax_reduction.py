@@ -8,10 +8,10 @@ Linear modes and the TP modules of test_tensor_parallel, eager and compiled (aot
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import test_tensor_parallel as TPT
 import transformer_engine_proto as te
+from dist_harness import spawn_and_collect
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.distributed.amax_reduction import enable_tp_amax_reduction
 
@@ -106,11 +106,7 @@ def _worker(rank, init_file, out_dir):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    if not dist.is_available():
-        pytest.skip("torch.distributed not available")
-    d = tmp_path_factory.mktemp("tp_amax")
-    mp.start_processes(_worker, args=(str(d / "init"), str(d)), nprocs=TPT.WORLD, join=True, start_method="spawn")
-    return [torch.load(d / f"rank{r}.pt") for r in range(TPT.WORLD)]
+    return spawn_and_collect(_worker, tmp_path_factory, "tp_amax", TPT.WORLD)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
