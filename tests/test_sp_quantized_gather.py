@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import transformer_engine_proto as te
-from dist_harness import spawn_and_collect
+from dist_harness import compile_fresh, one_rank_group, spawn_and_collect  # noqa: F401  (fixture)
 from test_linear_opcheck import fp8_harness  # noqa: F401  (opcheck on 1-byte float outputs)
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.distributed.sp_gather import (HP, input_gather_format,
@@ -76,11 +76,7 @@ def _run(case, group, rank, recipe, quantized, compiled, rows=M_LOCAL, steps=2, 
     x = torch.randn(shape, generator=gen).requires_grad_(grad)
     run = m
     if compiled:
-        torch._dynamo.reset()
-        counters.clear()
-        with _ctx(recipe):
-            pass
-        run = torch.compile(m, backend="aot_eager", fullgraph=True)
+        run = compile_fresh(m, recipe)
     fwd_log = None
     for _ in range(steps):
         LOG.clear()
@@ -191,17 +187,6 @@ def test_gather_format_decisions():
     assert input_gather_format(_key(R.Float8BlockScaling()), (64, 4, K), 2, True)[0] == "blockwise"  # 256 rows
     assert input_gather_format(_key(R.NVFP4BlockScaling()), rows(16), 2, True)[0] == "nvfp4"
     assert input_gather_format(_key(R.NVFP4BlockScaling()), rows(8), 2, True)[0] == HP
-
-
-@pytest.fixture
-def one_rank_group(tmp_path):
-    if not dist.is_available() or dist.is_initialized():
-        pytest.skip("needs torch.distributed and no group already initialized")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("rid", ["delayed", "current", "mxfp8", "blockwise", "nvfp4"])

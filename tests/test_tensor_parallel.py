@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import transformer_engine_proto as te
-from dist_harness import spawn_and_collect
+from dist_harness import compile_fresh, one_rank_group, spawn_and_collect  # noqa: F401  (fixture)
 from transformer_engine_proto import recipe as R
 
 WORLD, TOKENS, IN, OUT = 2, 32, 64, 64
@@ -113,11 +113,7 @@ def _tp_case(mode, recipe, rank, group, compiled):
         xin, gin = _shard(x, 1, rank), (_shard(g, 0, rank) if sp else g)
     breaks = 0
     if compiled:
-        torch._dynamo.reset()
-        counters.clear()
-        with _ctx(recipe):  # enter autocast outside the compiled region (prepares recipe state)
-            pass
-        cm = torch.compile(m, backend="aot_eager", fullgraph=True)
+        cm = compile_fresh(m, recipe)
         got = _run(cm, xin, gin, recipe)
         got["dw"], got["db"] = m.weight.grad, m.bias.grad
         breaks = sum(counters["graph_break"].values())
@@ -190,17 +186,6 @@ def test_no_tp_arguments_unchanged():
     m = te.Linear(64, 32)
     assert m.weight.shape == (32, 64) and m.tp_size == 1 and m.parallel_mode is None
     assert m._tp_group_name is None
-
-
-@pytest.fixture
-def one_rank_group(tmp_path):
-    if not dist.is_available() or dist.is_initialized():
-        pytest.skip("needs torch.distributed and no group already initialized")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 def test_group_size_mismatch(one_rank_group):
@@ -342,11 +327,7 @@ def _mod_worker_cases(rank, group):
                 xl = sh(x, din).clone().requires_grad_()
                 run = m
                 if compiled:
-                    torch._dynamo.reset()
-                    counters.clear()
-                    with _ctx(recipe):
-                        pass
-                    run = torch.compile(m, backend="aot_eager", fullgraph=True)
+                    run = compile_fresh(m, recipe)
                 with _ctx(recipe):
                     y = run(xl)
                 (y * sh(g, dout)).sum().backward()

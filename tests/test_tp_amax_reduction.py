@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import test_tensor_parallel as TPT
 import transformer_engine_proto as te
-from dist_harness import spawn_and_collect
+from dist_harness import compile_fresh, spawn_and_collect
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.distributed.amax_reduction import enable_tp_amax_reduction
 
@@ -44,11 +44,7 @@ def _linear_case(mode, rank, group, compiled, reduce):
         assert enable_tp_amax_reduction(m) == 1
     run = m
     if compiled:
-        torch._dynamo.reset()
-        counters.clear()
-        with TPT._ctx(RECIPE):
-            pass
-        run = torch.compile(m, backend="aot_eager", fullgraph=True)
+        run = compile_fresh(m, RECIPE)
     got = TPT._run(run, xin, gin, RECIPE)
     got["dw"], got["db"] = m.weight.grad, m.bias.grad
     errs = {k: _rel(got[k], full[k]) for k in ("y", "dx", "dw", "db")}
@@ -68,11 +64,7 @@ def _module_case(case, rank, group, compiled):
     xl = sh(x, din).clone().requires_grad_()
     run = m
     if compiled:
-        torch._dynamo.reset()
-        counters.clear()
-        with TPT._ctx(RECIPE):
-            pass
-        run = torch.compile(m, backend="aot_eager", fullgraph=True)
+        run = compile_fresh(m, RECIPE)
     with TPT._ctx(RECIPE):
         y = run(xl)
     (y * sh(g, dout)).sum().backward()

@@ -17,7 +17,8 @@ if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
     pytest.skip("set TRITON_INTERPRET=1 to run the Triton kernels on CPU", allow_module_level=True)
 pytest.importorskip("triton")
 
-from test_triton_kernels import ALT_CONFIGS, assert_bitwise, make_input, run_alt_config  # noqa: E402
+from test_triton_kernels import (ALT_CONFIGS, assert_bitwise, block_exponent_walk, make_input,  # noqa: E402
+                                 run_alt_config)
 
 from transformer_engine_proto.kernels.reference import blockwise as ref_bw  # noqa: E402
 from transformer_engine_proto.kernels.reference import float8 as ref_f8  # noqa: E402
@@ -141,13 +142,7 @@ def test_mxfp8_one_usage_odd_other_dim(shape, usage):
 
 
 def test_mxfp8_every_block_exponent():
-    e = torch.arange(-140, 128, dtype=torch.float32)
-    amax = torch.cat([torch.exp2(e), torch.exp2(e) * 1.75, torch.exp2(e) * 1.7500001, torch.exp2(e) * 1.9999])
-    amax = amax[torch.isfinite(amax)]
-    n = amax.numel() // 32 * 32
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 32, generator=g).clamp(-1, 1) * amax[:n, None]
-    x[:, 0] = amax[:n]
+    x = block_exponent_walk("cpu")
     x[5, 3] = float("inf")
     for fp8_dtype in FP8:
         assert_bitwise(tri_mx.mxfp8_quantize(x, fp8_dtype, True, True),
