@@ -36,7 +36,8 @@ from ..tensor import Float8CurrentScalingQuantizer
 from ..tensor.recipe_quantizers import quantizers_for_recipe
 from . import tp as _tp
 
-__all__ = ["AmaxReducingQuantizer", "enable_tp_amax_reduction", "tp_amax_key", "TP_REDUCED_ROLES"]
+__all__ = ["AmaxReducingQuantizer", "current_scaling_with_group_amax", "enable_tp_amax_reduction", "tp_amax_key",
+           "TP_REDUCED_ROLES"]
 
 TP_REDUCED_ROLES = {"column": ("weight", "grad_output"), "row": ("input", "weight")}
 
@@ -49,12 +50,22 @@ class AmaxReducingQuantizer(Float8CurrentScalingQuantizer):
     amax_reduction_group: str = ""
 
     def _quantize_buffers(self, x):
-        amax = kernel("amax", x.device)(x)
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=_tp._group(self.amax_reduction_group))
-        scale = scale_from_amax(amax, self.fp8_max, self.margin, self.force_pow_2_scales, self.amax_epsilon)
-        data, transpose, scale_inv = kernel("fp8_quantize_delayed", x.device)(
-            x, scale, torch.zeros_like(amax), self.fp8_dtype, self.rowwise_usage, self.columnwise_usage)
+        data, transpose, scale_inv, _ = current_scaling_with_group_amax(
+            self, x, _tp._group(self.amax_reduction_group), self.rowwise_usage, self.columnwise_usage)
         return self._pack(data, transpose, scale_inv)
+
+
+def current_scaling_with_group_amax(q: Float8CurrentScalingQuantizer, x: torch.Tensor, group, rowwise: bool,
+                                    columnwise: bool):
+    """Current scaling of `x` (q's format and options) with the amax all-reduced (max) over
+    `group` first, so every rank's shard gets the whole tensor's scale: (data, transpose,
+    scale_inv, the reduced amax). Used for TP operands here and for the quantized SP gather."""
+    amax = kernel("amax", x.device)(x)
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    scale = scale_from_amax(amax, q.fp8_max, q.margin, q.force_pow_2_scales, q.amax_epsilon)
+    data, transpose, scale_inv = kernel("fp8_quantize_delayed", x.device)(
+        x, scale, torch.zeros_like(amax), q.fp8_dtype, rowwise, columnwise)
+    return data, transpose, scale_inv, amax
 
 
 @dataclass(frozen=True)

@@ -45,13 +45,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..kernels import kernel
-from ..kernels.reference.common import scale_from_amax, transpose_2d
+from ..kernels.reference.common import transpose_2d
 from ..kernels.reference.nvfp4 import _apply_rht, quantize_blocks
 from ..ops.recipe_registry import quantizers_from_key
 from ..tensor import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, MXFP8Quantizer,
                       NVFP4Quantizer, TensorProto)
 from . import tp as _tp
+from .amax_reduction import current_scaling_with_group_amax
 
 __all__ = ["HP", "input_gather_format", "all_gather_quantized", "set_quantized_sequence_parallel_gather"]
 
@@ -120,17 +120,13 @@ def _decide(key, k, columnwise, aligned) -> Tuple[str, str]:
 def _quantize_shard(kind: str, q, x2d: torch.Tensor, scale: Optional[torch.Tensor], group):
     """(parts to gather as (tensor, dim along which M runs), buffers identical on every rank,
     amax to return). Amaxes that set a shared scale are all-reduced (max) over `group` here."""
-    if kind in ("fp8_current", "fp8_delayed"):
-        if kind == "fp8_current":
-            amax = kernel("amax", x2d.device)(x2d)
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-            scale = scale_from_amax(amax, q.fp8_max, q.margin, q.force_pow_2_scales, q.amax_epsilon)
-            record = torch.zeros_like(amax)
-        else:
-            amax = record = torch.zeros(1, dtype=torch.float32, device=x2d.device)
-        t = Float8Quantizer(scale, record, q.fp8_dtype, rowwise_usage=True, columnwise_usage=False).quantize(x2d)
-        if kind == "fp8_delayed":  # the amax the module records: the full tensor's
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    if kind == "fp8_current":
+        data, _, scale_inv, amax = current_scaling_with_group_amax(q, x2d, group, True, False)
+        return [("_data", data, 0)], {"_scale_inv": scale_inv}, amax
+    if kind == "fp8_delayed":
+        amax = torch.zeros(1, dtype=torch.float32, device=x2d.device)
+        t = Float8Quantizer(scale, amax, q.fp8_dtype, rowwise_usage=True, columnwise_usage=False).quantize(x2d)
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)  # the amax the module records: the full tensor's
         return [("_data", t._data, 0)], {"_scale_inv": t._scale_inv}, amax
     none = torch.zeros(1, dtype=torch.float32, device=x2d.device)
     if kind == "mxfp8":
