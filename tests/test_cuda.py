@@ -64,16 +64,23 @@ def test_linear_compiled_matches_eager_on_cuda(recipe):
     assert torch.equal(y, yc) and torch.equal(x.grad, xc.grad) and torch.equal(m.weight.grad, mc.weight.grad)
 
 
-@pytest.mark.parametrize("recipe", ["none", "delayed", "current", "blockwise", "mxfp8", "nvfp4"])
-def test_reduce_overhead_training_has_no_cudagraph_skips(recipe):
-    cfg = Config(hidden=256, ffn=1024, heads=4, layers=2, seq=128, batch=4, steps=20, lr=1e-3)
+def _eager_and_graphed(recipe: str, mode: str, steps: int):
+    """Losses of the example's model trained eagerly and then compiled with `mode` (fresh dynamo
+    state); the compiled run must have no graph break and no cudagraph skip."""
+    cfg = Config(hidden=256, ffn=1024, heads=4, layers=2, seq=128, batch=4, steps=steps, lr=1e-3)
     dev = torch.device("cuda")
     eager, _, _ = train(recipe, cfg, None, dev, torch.bfloat16, progress=False)
     torch._dynamo.reset()
     counters.clear()
-    compiled, _, _ = train(recipe, cfg, "reduce-overhead", dev, torch.bfloat16, progress=False)
+    graphed, _, _ = train(recipe, cfg, mode, dev, torch.bfloat16, progress=False)
     assert sum(counters["graph_break"].values()) == 0
     assert counters["inductor"]["cudagraph_skips"] == 0
+    return eager, graphed
+
+
+@pytest.mark.parametrize("recipe", ["none", "delayed", "current", "blockwise", "mxfp8", "nvfp4"])
+def test_reduce_overhead_training_has_no_cudagraph_skips(recipe):
+    eager, compiled = _eager_and_graphed(recipe, "reduce-overhead", 20)
     assert len(compiled) == 20
     # inductor fuses the high-precision glue (residuals, softmax, losses) differently from eager,
     # so losses agree to bf16 rounding rather than bitwise
@@ -91,14 +98,7 @@ def test_reduce_overhead_training_has_no_cudagraph_skips(recipe):
 def test_cuda_graph_training_is_bitwise_eager_over_50_steps(recipe):
     """CUDA-graph trees over eager's kernels (backend="cudagraphs"): 50 training steps give the
     eager losses bit for bit, with no graph break, no cudagraph skip and no recompile."""
-    cfg = Config(hidden=256, ffn=1024, heads=4, layers=2, seq=128, batch=4, steps=50, lr=1e-3)
-    dev = torch.device("cuda")
-    eager, _, _ = train(recipe, cfg, None, dev, torch.bfloat16, progress=False)
-    torch._dynamo.reset()
-    counters.clear()
-    graphed, _, _ = train(recipe, cfg, "cudagraphs", dev, torch.bfloat16, progress=False)
-    assert sum(counters["graph_break"].values()) == 0
-    assert counters["inductor"]["cudagraph_skips"] == 0
+    eager, graphed = _eager_and_graphed(recipe, "cudagraphs", 50)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # no recompile
     assert graphed == eager, (recipe, graphed, eager)
 

@@ -134,7 +134,7 @@ def _nvfp4_wgrad(a, b, trans_a, trans_b, out_dtype, bias):
         return None
     if a._rowwise_data is not None or b._rowwise_data is not None:
         return None  # only-usage views are what the ops pass; anything else takes the plain path
-    if (a.with_rht, a.rht_seed) != (b.with_rht, b.rht_seed) and (a.with_rht or b.with_rht):
+    if a.with_rht != b.with_rht or (a.with_rht and a.rht_seed != b.rht_seed):
         return None  # the rotations must cancel
     a_t = _stored_columnwise(a, torch.bfloat16)  # (N, M)
     b_t = _stored_columnwise(b, torch.bfloat16)  # (K, M)
