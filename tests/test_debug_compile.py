@@ -230,5 +230,5 @@ def test_debug_op_opcheck(rid):
     x, w, b = (torch.randn(32, 64, requires_grad=True), torch.randn(32, 64, requires_grad=True),
                torch.randn(32, requires_grad=True))
     args = (x, w, b, torch.ones(2) if delayed else None, torch.ones(1) if delayed else None,
-            torch.zeros(4, 1) if delayed else None, None, "lin", recipe_key(recipe), True, True, False)
+            [torch.zeros(2), torch.zeros(1)] if delayed else [], None, "lin", recipe_key(recipe), True, True, False)
     torch.library.opcheck(linear_fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))

@@ -160,7 +160,7 @@ def _dp_case(rid, mesh, rank):
     result = {"err": errs}
     if isinstance(recipe, R.DelayedScaling):  # step 2: amaxes reduced, scales identical everywhere
         gemms = [m for m in model.modules() if type(m).__name__ == "QuantizedGemm"]
-        pending = [torch.cat([q.amax_history[0], q.grad_amax_history[0]]) for q in gemms]
+        pending = [torch.cat([q.amax_history[0], q.grad_amax_pending[0:1]]) for q in gemms]
         _sgd(model)
         _step(model, xs[rank].contiguous(), gs[rank].contiguous(), recipe)
         last = recipe.amax_history_len - 1  # the scale update rolls slot 0 to the end of the history

@@ -15,7 +15,8 @@ from transformer_engine_proto import recipe as R
 from transformer_engine_proto.autocast import FP8GlobalState, autocast
 from transformer_engine_proto.module import Linear
 
-DELAYED_BUFFERS = ("fp8_scale", "amax_history", "grad_fp8_scale", "grad_amax_history")
+DELAYED_BUFFERS = ("fp8_scale", "amax_history", "grad_fp8_scale", "grad_amax_history", "grad_amax_pending",
+                   "grad_amax_seen")
 
 
 def _compiled_twin(m, backend="aot_eager"):

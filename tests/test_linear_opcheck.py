@@ -57,9 +57,9 @@ def _opcheck(op, args):
 
 def _delayed_state(recipe):
     if not isinstance(recipe, R.DelayedScaling):
-        return None, None, None
+        return None, None, []
     # non-trivial scales so a wrong slot or a missing bind shows up as different numbers
-    return torch.tensor([96.0, 12.0]), torch.tensor([2048.0]), torch.rand(H, 1)
+    return torch.tensor([96.0, 12.0]), torch.tensor([2048.0]), [torch.tensor([3.0, 1.0]), torch.tensor([1.0])]
 
 
 def _cache_buffers(recipe, plan, weight, fp8_scales):
@@ -88,12 +88,12 @@ def fwd_args(recipe, *, bias, input_rg, weight_rg, cache_mode=L.CACHE_OFF, save_
     x = torch.randn(TOKENS, IN, generator=g, dtype=dtype).requires_grad_(input_rg)
     w = (torch.randn(OUT, IN, generator=g, dtype=dtype) * 0.1).requires_grad_(weight_rg)
     b = torch.randn(OUT, generator=g, dtype=dtype).requires_grad_() if bias else None
-    fp8_scales, grad_scale, grad_history = _delayed_state(recipe)
+    fp8_scales, grad_scale, grad_amax_state = _delayed_state(recipe)
     plan = L._plan(key, x, w, input_rg, weight_rg, cache_mode, save_original_input)
     cache = _cache_buffers(recipe, plan, w, fp8_scales) if recipe is not None else []
     fuse = fuse_wgrad_accumulation and weight_rg
     main_grad = torch.zeros(OUT, IN, dtype=torch.float32) if fuse else None
-    return (x, w, b, fp8_scales, grad_scale, grad_history, cache, main_grad, key,
+    return (x, w, b, fp8_scales, grad_scale, grad_amax_state, cache, main_grad, key,
             input_rg, weight_rg, cache_mode, save_original_input, fuse, [])
 
 
@@ -172,7 +172,7 @@ def bwd_args(recipe, *, bias, input_rg, weight_rg, cache_mode=L.CACHE_OFF, save_
     """Run linear_fwd for real, then assemble linear_bwd's argument list as `_backward` does."""
     a = fwd_args(recipe, bias=bias, input_rg=input_rg, weight_rg=weight_rg, cache_mode=cache_mode,
                  save_original_input=save_original_input, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
-    (x, w, b, scales, grad_scale, grad_history, cache, main_grad, key, irg, wrg, mode, soi, fuse, _prequantized) = a
+    (x, w, b, scales, grad_scale, _grad_amax_state, cache, main_grad, key, irg, wrg, mode, soi, fuse, _prequantized) = a
     with torch.no_grad():
         _, _, saved, _ = torch.ops.te_proto.linear_fwd(*a)
     plan = L._plan(key, x, w, irg, wrg, mode, soi)
@@ -181,7 +181,7 @@ def bwd_args(recipe, *, bias, input_rg, weight_rg, cache_mode=L.CACHE_OFF, save_
     used_cache = cache if mode == L.CACHE_USE and irg else []
     grad_out = torch.randn(TOKENS, OUT, generator=torch.Generator().manual_seed(1), dtype=x.dtype)
     return (grad_out, [s.detach() for s in saved], raw_inp, raw_w, used_cache, scales, grad_scale,
-            grad_history, main_grad, key, list(x.shape), list(w.shape), w.dtype, irg, wrg,
+            main_grad, key, list(x.shape), list(w.shape), w.dtype, irg, wrg,
             bias, mode, soi, fuse)
 
 
@@ -220,5 +220,5 @@ def test_norm_quantize_and_prequantized_linear_opcheck(fp8_harness, rid):
     torch.library.opcheck(norm_quantize_fwd, (x, g, b, 1e-5, "LayerNorm", False, key, True))
     ln, _, _, bufs = norm_quantize_fwd(x.detach(), g.detach(), b.detach(), 1e-5, "LayerNorm", False, key, True)
     w = torch.randn(32, 64, requires_grad=True)
-    args = (ln.requires_grad_(), w, None, None, None, None, [], None, key, True, True, 0, False, False, bufs)
+    args = (ln.requires_grad_(), w, None, None, None, [], [], None, key, True, True, 0, False, False, bufs)
     torch.library.opcheck(linear_fwd, args)

@@ -25,6 +25,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ..gemm import gemm
+from ..ops.linear import record_grad_amax
 from ..ops.recipe_registry import HIGH_PRECISION_KEY, quantizers_from_key
 from ..tensor import Float8Quantizer, QuantizedTensor
 from . import state
@@ -155,7 +156,7 @@ def _fresh(t: torch.Tensor, inputs) -> torch.Tensor:
 @torch.library.custom_op("te_proto_debug::linear_fwd", mutates_args=(), tags=_TAGS)
 def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                fp8_scales: Optional[torch.Tensor], grad_scale: Optional[torch.Tensor],
-               grad_amax_history: Optional[torch.Tensor], main_grad: Optional[torch.Tensor], layer_name: str, key: str,
+               grad_amax_state: List[torch.Tensor], main_grad: Optional[torch.Tensor], layer_name: str, key: str,
                input_requires_grad: bool, weight_requires_grad: bool, fuse_wgrad_accumulation: bool
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     calls = _Calls(layer_name, key)
@@ -179,7 +180,7 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
 
 @linear_fwd.register_fake
-def _linear_fwd_fake(inp, weight, bias, fp8_scales, grad_scale, grad_amax_history, main_grad, layer_name, key,
+def _linear_fwd_fake(inp, weight, bias, fp8_scales, grad_scale, grad_amax_state, main_grad, layer_name, key,
                      input_requires_grad, weight_requires_grad, fuse_wgrad_accumulation):
     delayed = isinstance(quantizers_from_key(key).input, Float8Quantizer)
     return (inp.new_empty(tuple(inp.shape[:-1]) + (weight.shape[0],)),
@@ -237,14 +238,15 @@ def _linear_bwd_fake(grad_out, token, grad_scale, layer_name, key, in_shape, wei
     return grads
 
 
-_FWD_ARGS = ("inp", "weight", "bias", "fp8_scales", "grad_scale", "grad_amax_history", "main_grad", "layer_name",
+_FWD_ARGS = ("inp", "weight", "bias", "fp8_scales", "grad_scale", "grad_amax_state", "main_grad", "layer_name",
              "key", "input_requires_grad", "weight_requires_grad", "fuse_wgrad_accumulation")
 
 
 def _setup_context(ctx, inputs, output):
     a = dict(zip(_FWD_ARGS, inputs))
-    state_tensors = (a["grad_scale"], a["grad_amax_history"], a["main_grad"])
+    state_tensors = (a["grad_scale"], a["main_grad"])
     ctx.has = tuple(t is not None for t in state_tensors)
+    ctx.grad_amax_state = list(a["grad_amax_state"])  # written by backward: by reference (ops/linear.py)
     ctx.save_for_backward(output[2], *[t for t in state_tensors if t is not None])
     ctx.args = dict(layer_name=a["layer_name"], key=a["key"], in_shape=list(a["inp"].shape),
                     weight_shape=list(a["weight"].shape), weight_dtype=a["weight"].dtype,
@@ -256,32 +258,32 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_out, _grad_amaxes, _grad_token):
     token, *rest = ctx.saved_tensors
     it = iter(rest)
-    grad_scale, grad_history, main_grad = (next(it) if h else None for h in ctx.has)
+    grad_scale, main_grad = (next(it) if h else None for h in ctx.has)
     args = ctx.args
     grads = iter(linear_bwd(grad_out.contiguous(), token, grad_scale, **args))
     dgrad = next(grads) if args["input_requires_grad"] else None
     wgrad = next(grads) if args["weight_requires_grad"] else None
     dbias = next(grads) if args["bias_requires_grad"] else None
-    if grad_history is not None:
-        grad_history[0].copy_(torch.maximum(grad_history[0], next(grads)))
+    if ctx.grad_amax_state:
+        record_grad_amax(ctx.grad_amax_state, next(grads))
     if args["fuse_wgrad_accumulation"] and wgrad is not None:
         main_grad.add_(wgrad)
         wgrad = None
-    return (dgrad, wgrad, dbias) + (None,) * (len(_FWD_ARGS) - 3)
+    return (dgrad, wgrad, dbias, None, None, [None] * len(ctx.grad_amax_state)) + (None,) * (len(_FWD_ARGS) - 6)
 
 
 linear_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def debug_linear(inp, weight, bias=None, *, layer_name: str, key: str, fp8_scales=None, grad_scale=None,
-                 grad_amax_history=None, weight_cache=(), main_grad=None, cache_mode: int = 0,
+                 grad_amax_state=(), weight_cache=(), main_grad=None, cache_mode: int = 0,
                  save_original_input: bool = False, fuse_wgrad_accumulation: bool = False):
     """`ops.linear.linear`'s signature and results (y, amaxes, new weight cache) on the debug path.
     The quantized-weight cache is neither read nor filled: the weight is quantized every call."""
     grad_on = torch.is_grad_enabled()
     input_requires_grad = grad_on and inp.requires_grad
     weight_requires_grad = grad_on and weight.requires_grad
-    out, amaxes, _ = linear_fwd(inp, weight, bias, fp8_scales, grad_scale, grad_amax_history, main_grad, layer_name,
+    out, amaxes, _ = linear_fwd(inp, weight, bias, fp8_scales, grad_scale, list(grad_amax_state), main_grad, layer_name,
                                 key, input_requires_grad, weight_requires_grad,
                                 fuse_wgrad_accumulation and weight_requires_grad)
     return out, amaxes, []

@@ -309,11 +309,13 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _reduce_pending_amaxes(gemm, group) -> None:
-    """All-reduce (max) a GEMM's not-yet-consumed delayed-scaling amaxes (slot 0 of both histories)."""
-    buf = torch.cat([gemm.amax_history[0], gemm.grad_amax_history[0]])
+    """All-reduce (max) a GEMM's not-yet-consumed delayed-scaling amaxes: the forward's (history
+    slot 0) and the gradient's (still pending, or already folded into slot 0)."""
+    buf = torch.cat([gemm.amax_history[0], gemm.grad_amax_pending[0:1], gemm.grad_amax_history[0]])
     dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
     gemm.amax_history[0].copy_(buf[:2])
-    gemm.grad_amax_history[0].copy_(buf[2:])
+    gemm.grad_amax_pending[0:1].copy_(buf[2:3])
+    gemm.grad_amax_history[0].copy_(buf[3:])
 
 
 def _rebuild_buffers(kind, q, outputs, extra, n: int):

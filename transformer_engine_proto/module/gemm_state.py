@@ -57,6 +57,10 @@ class QuantizedGemm(nn.Module):
         self.register_buffer("amax_history", torch.zeros(DEFAULT_HISTORY_LEN, 2, device=device))
         self.register_buffer("grad_fp8_scale", torch.ones(1, device=device))
         self.register_buffer("grad_amax_history", torch.zeros(DEFAULT_HISTORY_LEN, 1, device=device))
+        # backward's gradient amax waits here until the next forward folds it into the history
+        # (ops/linear.py record_grad_amax): [amax, generation], and the generation last folded
+        self.register_buffer("grad_amax_pending", torch.zeros(2, device=device))
+        self.register_buffer("grad_amax_seen", torch.zeros(1, device=device))
         self._cache_names = []
         self._cache_for = None  # (recipe key, weight shape, dtype) the cache was allocated for
         self.uses_weight_cache = False  # set by the first is_first_microbatch call (eager)
@@ -106,7 +110,11 @@ class QuantizedGemm(nn.Module):
     def _update_delayed_scales(self, recipe: R.DelayedScaling) -> None:
         fwd_max, _, bwd_max = _role_maxes(recipe)
         _update_from_history(self.fp8_scale, self.amax_history, recipe, fwd_max)
+        linear_ops.fold_pending_grad_amax(self.grad_amax_history, self.grad_amax_state())
         _update_from_history(self.grad_fp8_scale, self.grad_amax_history, recipe, bwd_max)
+
+    def grad_amax_state(self):
+        return [self.grad_amax_pending, self.grad_amax_seen]
 
     def _gather_input(self, inp, weight, key: str, delayed: bool, sequence_gather, quantized_ok: bool):
         """(gathered input, its quantized buffers or (), all-reduced input amax for delayed scaling
@@ -192,7 +200,7 @@ class QuantizedGemm(nn.Module):
             inp, weight, bias, key=key,
             fp8_scales=self.fp8_scale if delayed else None,
             grad_scale=self.grad_fp8_scale if delayed else None,
-            grad_amax_history=self.grad_amax_history if delayed else None,
+            grad_amax_state=self.grad_amax_state() if delayed else (),
             weight_cache=cache, main_grad=main_grad, cache_mode=cache_mode,
             save_original_input=save_original_input, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
             **extra,

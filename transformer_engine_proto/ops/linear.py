@@ -19,11 +19,12 @@ from ..gemm import gemm
 from ..tensor import Float8Quantizer, QuantizedTensor, TensorProto
 from .recipe_registry import quantizers_from_key
 
-__all__ = ["linear", "LinearPlan", "CACHE_OFF", "CACHE_FILL", "CACHE_USE"]
+__all__ = ["linear", "LinearPlan", "CACHE_OFF", "CACHE_FILL", "CACHE_USE", "record_grad_amax",
+           "fold_pending_grad_amax"]
 
 CACHE_OFF, CACHE_FILL, CACHE_USE = 0, 1, 2  # weight quantization cache modes (is_first_microbatch)
 # Delayed scaling state: fp8_scales (2,) for input/weight, used in forward only; grad_scale (1,)
-# and grad_amax_history (H, 1) are saved for backward, which records the grad amax in slot 0.
+# is saved for backward, which records the grad amax into `grad_amax_state` (see record_grad_amax).
 
 
 def _memo(method):
@@ -192,7 +193,7 @@ def make_plan(key, in_shape, weight_shape, *rest) -> LinearPlan:
 @torch.library.custom_op("te_proto::linear_fwd", mutates_args=())
 def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                fp8_scales: Optional[torch.Tensor], grad_scale: Optional[torch.Tensor],
-               grad_amax_history: Optional[torch.Tensor], weight_cache: List[torch.Tensor],
+               grad_amax_state: List[torch.Tensor], weight_cache: List[torch.Tensor],
                main_grad: Optional[torch.Tensor], key: str,
                input_requires_grad: bool, weight_requires_grad: bool, cache_mode: int,
                save_original_input: bool, fuse_wgrad_accumulation: bool,
@@ -231,7 +232,7 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
 
 @linear_fwd.register_fake
-def _linear_fwd_fake(inp, weight, bias, fp8_scales, grad_scale, grad_amax_history, weight_cache, main_grad, key,
+def _linear_fwd_fake(inp, weight, bias, fp8_scales, grad_scale, grad_amax_state, weight_cache, main_grad, key,
                      input_requires_grad, weight_requires_grad, cache_mode, save_original_input,
                      fuse_wgrad_accumulation, inp_quantized):
     plan = _plan(key, inp, weight, input_requires_grad, weight_requires_grad, cache_mode, save_original_input,
@@ -253,8 +254,7 @@ def _linear_fwd_fake(inp, weight, bias, fp8_scales, grad_scale, grad_amax_histor
 def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[torch.Tensor],
                weight: Optional[torch.Tensor], weight_cache: List[torch.Tensor],
                fp8_scales: Optional[torch.Tensor], grad_scale: Optional[torch.Tensor],
-               grad_amax_history: Optional[torch.Tensor], main_grad: Optional[torch.Tensor], key: str,
-               in_shape: List[int], weight_shape: List[int],
+               main_grad: Optional[torch.Tensor], key: str, in_shape: List[int], weight_shape: List[int],
                weight_dtype: torch.dtype, input_requires_grad: bool, weight_requires_grad: bool,
                bias_requires_grad: bool, cache_mode: int, save_original_input: bool,
                fuse_wgrad_accumulation: bool) -> List[torch.Tensor]:
@@ -301,7 +301,7 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
 
 
 @linear_bwd.register_fake
-def _linear_bwd_fake(grad_out, saved, inp, weight, weight_cache, fp8_scales, grad_scale, grad_amax_history, main_grad,
+def _linear_bwd_fake(grad_out, saved, inp, weight, weight_cache, fp8_scales, grad_scale, main_grad,
                      key, in_shape, weight_shape, weight_dtype, input_requires_grad,
                      weight_requires_grad, bias_requires_grad, cache_mode, save_original_input,
                      fuse_wgrad_accumulation):
@@ -320,8 +320,31 @@ def _linear_bwd_fake(grad_out, saved, inp, weight, weight_cache, fp8_scales, gra
     return grads
 
 
+# ---- delayed scaling: the gradient amax crosses from backward to the next forward ------------
+def record_grad_amax(state: Sequence[torch.Tensor], amax: torch.Tensor) -> None:
+    """Backward's half of the handoff. `state` is (pending (2,): [amax, generation], written only
+    here; seen (1,): the generation the last forward folded, written only by
+    `fold_pending_grad_amax`). Each buffer has one writer, so no buffer is mutated by both the
+    forward and the backward graph (the default AOT partitioner, used by the `cudagraphs` backend,
+    rejects that). The first backward after a fold starts a new generation; later ones (a module
+    applied twice, micro-batches on the weight cache) take the max."""
+    pending, seen = state
+    fresh = pending[1:2] == seen
+    new_amax = torch.where(fresh, amax, torch.maximum(pending[0:1], amax))
+    new_gen = torch.where(fresh, 1.0 - seen, pending[1:2])
+    pending.copy_(torch.cat([new_amax, new_gen]))
+
+
+def fold_pending_grad_amax(history: torch.Tensor, state: Sequence[torch.Tensor]) -> None:
+    """Forward's half: move an amax recorded since the last fold into history slot 0."""
+    pending, seen = state
+    new = pending[1:2] != seen
+    history[0].copy_(torch.where(new, torch.maximum(history[0], pending[0:1]), history[0]))
+    seen.copy_(pending[1:2])
+
+
 # ---- autograd wiring ----------------------------------------------------------------------------
-_FWD_ARGS = ("inp", "weight", "bias", "fp8_scales", "grad_scale", "grad_amax_history", "weight_cache",
+_FWD_ARGS = ("inp", "weight", "bias", "fp8_scales", "grad_scale", "grad_amax_state", "weight_cache",
              "main_grad", "key",
              "input_requires_grad", "weight_requires_grad", "cache_mode", "save_original_input",
              "fuse_wgrad_accumulation", "inp_quantized")
@@ -341,12 +364,12 @@ def _setup_context(ctx, inputs, output):
     ctx.n_saved, ctx.n_cache, ctx.n_cache_in = len(saved), len(cache), len(a["weight_cache"])
     ctx.n_prequantized = len(a["inp_quantized"])
     # Scales are snapshotted (the next call's delayed-scaling update rewrites them in place);
-    # the buffers backward writes into (grad amax history, main_grad) are kept by reference, not
+    # the buffers backward writes into (grad amax state, main_grad) are kept by reference, not
     # saved, so a module applied twice before its backwards does not trip autograd's version check.
     clone = lambda t: None if t is None else t.clone()  # noqa: E731
     state = (raw_inp, raw_w, clone(a["fp8_scales"]), clone(a["grad_scale"]))
     ctx.has = tuple(t is not None for t in state)
-    ctx.grad_amax_history, ctx.main_grad = a["grad_amax_history"], a["main_grad"]
+    ctx.grad_amax_state, ctx.main_grad = list(a["grad_amax_state"]), a["main_grad"]
     tensors = [t for t in state if t is not None]
     ctx.save_for_backward(*saved, *cache, *tensors)
     ctx.args = dict(key=a["key"], in_shape=list(a["inp"].shape), weight_shape=list(a["weight"].shape),
@@ -363,27 +386,27 @@ def _backward(ctx, grad_out, _grad_amaxes, _grad_saved, _grad_cache):
     cache, tensors = tensors[:ctx.n_cache], tensors[ctx.n_cache:]
     it = iter(tensors)
     raw_inp, raw_w, scales, grad_scale = (next(it) if h else None for h in ctx.has)
-    grad_history, main_grad = ctx.grad_amax_history, ctx.main_grad
+    main_grad = ctx.main_grad
     args = ctx.args
     grads = iter(linear_bwd(grad_out.contiguous(), saved, raw_inp, raw_w, cache, scales, grad_scale,
-                            grad_history, main_grad, **args))
+                            main_grad, **args))
     dgrad = next(grads) if args["input_requires_grad"] else None
     wgrad = next(grads) if args["weight_requires_grad"] else None
     dbias = next(grads) if args["bias_requires_grad"] else None
-    if grad_history is not None:  # record this step's gradient amax (delayed scaling)
-        grad_history[0].copy_(torch.maximum(grad_history[0], next(grads)))
+    if ctx.grad_amax_state:  # record this step's gradient amax (delayed scaling)
+        record_grad_amax(ctx.grad_amax_state, next(grads))
     if args["fuse_wgrad_accumulation"] and wgrad is not None:
         main_grad.add_(wgrad)
         wgrad = None
     # one grad per input: None for the state tensors, a list of Nones for the weight-cache list
-    return ((dgrad, wgrad, dbias, None, None, None, [None] * ctx.n_cache_in) + (None,) * (len(_FWD_ARGS) - 8)
+    return ((dgrad, wgrad, dbias, None, None, [None] * len(ctx.grad_amax_state), [None] * ctx.n_cache_in) + (None,) * (len(_FWD_ARGS) - 8)
             + ([None] * ctx.n_prequantized,))
 
 
 linear_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def linear(inp, weight, bias=None, *, key: str, fp8_scales=None, grad_scale=None, grad_amax_history=None,
+def linear(inp, weight, bias=None, *, key: str, fp8_scales=None, grad_scale=None, grad_amax_state=(),
            weight_cache=(),
            main_grad=None, cache_mode: int = CACHE_OFF, save_original_input: bool = False,
            fuse_wgrad_accumulation: bool = False, inp_quantized=()):
@@ -392,7 +415,7 @@ def linear(inp, weight, bias=None, *, key: str, fp8_scales=None, grad_scale=None
     input_requires_grad = grad_on and inp.requires_grad
     weight_requires_grad = grad_on and weight.requires_grad
     out, amaxes, _, cache = linear_fwd(
-        inp, weight, bias, fp8_scales, grad_scale, grad_amax_history, list(weight_cache), main_grad, key,
+        inp, weight, bias, fp8_scales, grad_scale, list(grad_amax_state), list(weight_cache), main_grad, key,
         input_requires_grad, weight_requires_grad, cache_mode, save_original_input,
         fuse_wgrad_accumulation and weight_requires_grad, list(inp_quantized))
     return out, amaxes, cache
