@@ -273,7 +273,8 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
     else:
         w = weight
     dy_q = dy
-    grad_amax = torch.zeros(1, dtype=torch.float32, device=dy.device)
+    delayed = plan.quantized and plan.delayed
+    grad_amax = torch.zeros(1, dtype=torch.float32, device=dy.device) if delayed else None
     if plan.quantized and (input_requires_grad or weight_requires_grad):  # bias-only: dbias from dy
         gq = plan.grad_quantizer()
         if plan.delayed:
@@ -295,7 +296,7 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
         grads.append(gemm(a, x, trans_a=True, out_dtype=wgrad_dtype))
     if bias_requires_grad:
         grads.append(dy.float().sum(0).to(weight_dtype))
-    if plan.quantized and plan.delayed:
+    if delayed:
         grads.append(grad_amax)
     return grads
 
