@@ -10,7 +10,7 @@ columnwise copy, scales). Current scaling necessarily reads x twice (amax pass, 
 pass); its row also shows the fraction with that second read counted ("2-pass"). The copy
 ceiling is a `torch` device-to-device copy of a buffer of the same bytes (half read, half
 written). Times are `triton.testing.do_bench` medians. Each Triton result is first checked
-bitwise against the reference on the same input.
+bitwise against the reference on the same input (the LayerNorm rows: to about one ulp, "close").
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from transformer_engine_proto.kernels.reference import blockwise as ref_bw  # noqa: E402
 from transformer_engine_proto.kernels.reference import float8 as ref_f8  # noqa: E402
 from transformer_engine_proto.kernels.reference import mxfp8 as ref_mx  # noqa: E402
+from transformer_engine_proto.kernels.reference import norm as ref_norm  # noqa: E402
 from transformer_engine_proto.kernels.reference import nvfp4 as ref_nv  # noqa: E402
 from transformer_engine_proto.kernels.reference import nvfp4_to as ref_nv_to  # noqa: E402
 
@@ -125,7 +126,36 @@ def cases(x, tri):
                 lambda: (ref_nv_to.nvfp4_dequantize_to(*nv_args, dtype=torch.bfloat16),),
                 (lambda: (nv_dq(*nv_args, dtype=torch.bfloat16),)) if nv_dq else None, 0,
                 nbytes((nv[0], nv[1], nv[4]))))
+    out += norm_cases(x, tri)
     return out
+
+
+def norm_cases(x, tri):
+    """LayerNorm rows (x (M, K), gamma, beta): forward, forward + amax, forward fused with current
+    scaling (its 2-pass column counts the cast pass re-reading y), backward (input: dy, x, mu,
+    rsigma). Not bitwise the reference (row sums in another order): checked for closeness."""
+    tn = tri.get("norm") if tri else None
+    w = torch.randn(x.shape[-1], device=x.device, dtype=x.dtype)
+    b = torch.randn_like(w)
+    args = (x, w, b, 1e-5, "LayerNorm", False)
+    y, mu, rs = ref_norm.norm_fwd(*args)
+    bwd = (torch.randn_like(x), x, mu, rs, w, "LayerNorm", False, True)
+    xb = x.numel() * x.element_size()
+    return [
+        ("layernorm fwd", lambda: ref_norm.norm_fwd(*args), (lambda: tn.norm_fwd(*args)) if tn else None, 0),
+        ("layernorm fwd + amax", lambda: ref_norm.norm_fwd_amax(*args),
+         (lambda: tn.norm_fwd_amax(*args)) if tn else None, 0),
+        ("layernorm + fp8 current rw+cw", lambda: ref_norm.norm_fp8_current_quantize(*args, E4M3, True, True),
+         (lambda: tn.norm_fp8_current_quantize(*args, E4M3, True, True)) if tn else None, xb),
+        ("layernorm bwd", lambda: ref_norm.norm_bwd(*bwd), (lambda: tn.norm_bwd(*bwd)) if tn else None, 0,
+         nbytes(bwd[:4])),
+    ]
+
+
+def close(a, b):
+    """The first outputs (y or dx) agree to about one ulp of their dtype."""
+    eps = torch.finfo(a[0].dtype).eps
+    return torch.allclose(a[0].float(), b[0].float(), rtol=2 * eps, atol=2 * eps)
 
 
 def sweep(x, tri, log):
@@ -205,6 +235,11 @@ def main():
             tri.update(dq=tdq, nv=tnv)
         except ImportError as e:
             log(f"no NVFP4 / dequantize Triton kernels ({e})")
+        try:
+            from transformer_engine_proto.kernels.triton import norm as tnorm
+            tri.update(norm=tnorm)
+        except ImportError as e:
+            log(f"no norm Triton kernels ({e})")
     except ImportError as e:
         log(f"triton backend unavailable ({e}); timing the reference only")
         tri = None
@@ -233,8 +268,11 @@ def main():
             row.update(ref_us=t * 1e6, ref_GBps=moved / t / 1e9, ref_frac=moved / t / copy_bw)
         if tri_fn is not None:
             tri_out = tri_fn()
-            ok = same_bits(tri_out, ref_out) if name != "amax" else torch.equal(
-                tri_out[0].view(torch.int32), ref_out[0].view(torch.int32))
+            if name.startswith("layernorm"):
+                ok = "close" if close(tri_out, ref_out) else False
+            else:
+                ok = same_bits(tri_out, ref_out) if name != "amax" else torch.equal(
+                    tri_out[0].view(torch.int32), ref_out[0].view(torch.int32))
             t = bench(tri_fn)
             row.update(tri_us=t * 1e6, tri_GBps=moved / t / 1e9, tri_frac=moved / t / copy_bw,
                        tri_frac_2pass=(moved + extra_read) / t / copy_bw if extra_read else None,

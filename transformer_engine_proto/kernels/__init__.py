@@ -3,8 +3,9 @@ optional fast backends (Triton on CUDA) registered under the same name.
 
 Quantizers call `kernel("name")(...)` with plain tensors; the dispatcher picks the backend by the
 input's device. `TE_PROTO_KERNELS` selects: `triton` (the default: Triton on CUDA tensors when
-triton imports, the reference elsewhere; the Triton kernels are bitwise equal to the reference,
-checked on an H100 by tests/test_triton_kernels.py) or `reference` (the pure-torch spec everywhere).
+triton imports, the reference elsewhere; the Triton quantize kernels are bitwise equal to the
+reference, checked on an H100 by tests/test_triton_kernels.py; the norm kernels agree to about one
+ulp, tests/test_triton_norm.py) or `reference` (the pure-torch spec everywhere).
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def _load_reference():
     global _loaded
     if not _loaded:
         _loaded = True
-        from .reference import blockwise, float8, mxfp8, nvfp4, nvfp4_to  # noqa: F401  (registers kernels)
+        from .reference import blockwise, float8, mxfp8, norm, nvfp4, nvfp4_to  # noqa: F401  (registers kernels)
         try:
             from . import triton as _triton_backend  # noqa: F401  (registers "triton" kernels)
         except ImportError:

@@ -1,8 +1,10 @@
 """LayerNorm / RMSNorm as custom ops (`te_proto::norm_fwd` / `norm_bwd`).
 
 Forward returns the normalized output plus the statistics backward needs (mu, rsigma), computed
-in float32 whatever the input dtype, like TE's kernels. Keeping the norm an opaque op gives the
-fast path one place to fuse normalization with the following quantization.
+in float32 whatever the input dtype, like TE's kernels. The math is in the kernel dispatcher:
+`kernels/reference/norm.py` (the spec, and the CPU path) and `kernels/triton/norm.py` (CUDA, one
+kernel per direction). Keeping the norm an opaque op gives the fast path one place to fuse
+normalization with the following quantization (current scaling: the norm kernel takes the amax).
 """
 from __future__ import annotations
 
@@ -10,35 +12,16 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from ..kernels import kernel
+from ..kernels.reference.norm import NORMALIZATIONS
+
 __all__ = ["norm", "NORMALIZATIONS"]
-
-NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-
-
-def _stats(x: torch.Tensor, kind: str, eps: float):
-    if kind == "LayerNorm":
-        mu = x.mean(-1)
-        var = (x - mu.unsqueeze(-1)).square().mean(-1)
-    else:
-        mu = torch.zeros(x.shape[:-1], dtype=x.dtype, device=x.device)
-        var = x.square().mean(-1)
-    return mu, torch.rsqrt(var + eps)
-
-
-def _gamma(weight: torch.Tensor, zero_centered_gamma: bool) -> torch.Tensor:
-    g = weight.float()
-    return g + 1 if zero_centered_gamma else g
 
 
 @torch.library.custom_op("te_proto::norm_fwd", mutates_args=())
 def norm_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
              kind: str, zero_centered_gamma: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    x = inp.float()
-    mu, rsigma = _stats(x, kind, eps)
-    y = (x - mu.unsqueeze(-1)) * rsigma.unsqueeze(-1) * _gamma(weight, zero_centered_gamma)
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(inp.dtype), mu, rsigma
+    return kernel("norm_fwd", inp.device)(inp, weight, bias, eps, kind, zero_centered_gamma)
 
 
 @norm_fwd.register_fake
@@ -51,20 +34,8 @@ def _norm_fwd_fake(inp, weight, bias, eps, kind, zero_centered_gamma):
 def norm_bwd(grad_out: torch.Tensor, inp: torch.Tensor, mu: torch.Tensor, rsigma: torch.Tensor,
              weight: torch.Tensor, kind: str, zero_centered_gamma: bool, has_bias: bool) -> List[torch.Tensor]:
     """[dx, dgamma] (+ [dbeta] with a bias)."""
-    dy = grad_out.float()
-    xhat = (inp.float() - mu.unsqueeze(-1)) * rsigma.unsqueeze(-1)
-    dxhat = dy * _gamma(weight, zero_centered_gamma)
-    proj = (dxhat * xhat).mean(-1, keepdim=True)
-    if kind == "LayerNorm":
-        dx = dxhat - dxhat.mean(-1, keepdim=True) - xhat * proj
-    else:
-        dx = dxhat - xhat * proj
-    dx = dx * rsigma.unsqueeze(-1)
-    reduce_dims = tuple(range(dy.dim() - 1))
-    grads = [dx.to(inp.dtype), (dy * xhat).sum(reduce_dims).to(weight.dtype)]
-    if has_bias:
-        grads.append(dy.sum(reduce_dims).to(weight.dtype))
-    return grads
+    return kernel("norm_bwd", inp.device)(grad_out, inp, mu, rsigma, weight, kind, zero_centered_gamma,
+                                          has_bias)
 
 
 @norm_bwd.register_fake
@@ -111,9 +82,31 @@ def norm_quantize_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     """The norm plus its output quantized for the following GEMM (rowwise, and columnwise for
     wgrad): the buffers `te_proto::linear_fwd` takes as `inp_quantized`. One op, so a fused kernel
     can write both from one read of the input."""
-    out, mu, rsigma = norm_fwd(inp, weight, bias, eps, kind, zero_centered_gamma)
     q = _input_quantizer(key, columnwise)
+    if _fused_current_scaling(q):
+        return norm_fp8_current(inp, weight, bias, eps, kind, zero_centered_gamma, q)
+    out, mu, rsigma = kernel("norm_fwd", inp.device)(inp, weight, bias, eps, kind, zero_centered_gamma)
     return out, mu, rsigma, list(q.quantize(out.reshape(-1, out.shape[-1])).get_buffers().values())
+
+
+def _fused_current_scaling(q) -> bool:
+    """Plain per-tensor current scaling (not a subclass, e.g. one that all-reduces its amax)."""
+    from ..tensor import Float8CurrentScalingQuantizer
+
+    return type(q) is Float8CurrentScalingQuantizer
+
+
+def norm_fp8_current(inp, weight, bias, eps: float, kind: str, zero_centered_gamma: bool, q):
+    """(y, mu, rsigma, buffers): the norm and `q.quantize(y.reshape(-1, K)).get_buffers()` for a
+    `Float8CurrentScalingQuantizer` q, with the amax taken by the norm kernel itself (no separate
+    pass over y). The buffers are named and ordered as the quantizer's tensor holds them."""
+    y, mu, rsigma, data, transpose, scale_inv, _ = kernel("norm_fp8_current_quantize", inp.device)(
+        inp, weight, bias, eps, kind, zero_centered_gamma, q.fp8_dtype, q.rowwise_usage,
+        q.columnwise_usage, q.margin, q.force_pow_2_scales, q.amax_epsilon)
+    shape = (inp.numel() // inp.shape[-1], inp.shape[-1])
+    made = {"_data": data, "_transpose": transpose, "_scale_inv": scale_inv}
+    buffers = {name: made[name] for name in q.buffer_layout(shape)}
+    return y, mu, rsigma, list(q.make_tensor(buffers, shape, y.dtype).get_buffers().values())
 
 
 def _input_quantizer(key: str, columnwise: bool):

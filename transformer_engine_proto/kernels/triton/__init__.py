@@ -1,5 +1,6 @@
 """Triton kernels: the CUDA fast path of the quantize / dequantize kernels (same names,
-signatures and bit-exact results as `kernels/reference`).
+signatures and bit-exact results as `kernels/reference`) and of the norms (same names and
+signatures; their row sums are reduced in another order, so equal to about one ulp, see norm.py).
 
 Imported by the dispatcher (`kernels._load_reference`) whether or not `triton` imports; each
 submodule registers its kernels with backend "triton", which `kernel(name, device)` prefers for
@@ -12,4 +13,4 @@ except ImportError:  # pragma: no cover - CPU-only installs
     HAVE_TRITON = False
 else:
     HAVE_TRITON = True
-    from . import blockwise, dequant, float8, mxfp8, nvfp4  # noqa: F401,E402  (registers kernels)
+    from . import blockwise, dequant, float8, mxfp8, norm, nvfp4  # noqa: F401,E402  (registers kernels)
