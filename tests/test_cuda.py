@@ -88,10 +88,18 @@ def test_reduce_overhead_training_has_no_cudagraph_skips(recipe):
         assert abs(a - b) <= 2e-2 * abs(b), (recipe, compiled, eager)
 
 
-# delayed scaling included: its gradient amax reaches the next forward through a buffer only the
-# backward writes (ops/linear.py record_grad_amax); torch 2.11's default partitioner, which this
-# backend uses, rejected the earlier design, where both graphs wrote the grad amax history
-@pytest.mark.parametrize("recipe", ["delayed", "current", "blockwise", "mxfp8", "nvfp4"])
+# Delayed scaling compiles under this backend since its gradient amax reaches the next forward
+# through a buffer only the backward writes (ops/linear.py record_grad_amax; torch 2.11's default
+# partitioner rejected the earlier design). Its losses still differ: equal to eager for 3 steps,
+# then 5.12964 vs 5.12993 at step 4 (H100, torch 2.11). See the xfail below for the likely cause.
+DELAYED_CUDA_GRAPHS = pytest.mark.xfail(
+    strict=True, reason="delayed scaling under CUDA-graph trees: a forward output the backward reads is "
+    "reported overwritten (test_delayed_scaling_state_under_cuda_graphs_is_eager); also with the "
+    "previous grad-amax design, so not caused by it; open")
+
+
+@pytest.mark.parametrize("recipe", [pytest.param("delayed", marks=DELAYED_CUDA_GRAPHS),
+                                    "current", "blockwise", "mxfp8", "nvfp4"])
 def test_cuda_graph_training_is_bitwise_eager_over_50_steps(recipe):
     """CUDA-graph trees over eager's kernels (backend="cudagraphs"): 50 training steps give the
     eager losses bit for bit, with no graph break, no cudagraph skip and no recompile."""
@@ -128,12 +136,19 @@ def _delayed_states(compile_kw, steps=8):
     return states
 
 
+@DELAYED_CUDA_GRAPHS
 @pytest.mark.parametrize("compile_kw", [dict(mode="reduce-overhead"), dict(backend="cudagraphs")],
                          ids=["reduce-overhead", "cudagraphs"])
 def test_delayed_scaling_state_under_cuda_graphs_is_eager(compile_kw):
     """The delayed-scaling handoff (grad amax pending -> next forward's history) survives CUDA-graph
     capture and replay: every buffer, the output and the grads equal eager's at every step (the
-    Linear op is opaque, so inductor changes nothing here)."""
+    Linear op is opaque, so inductor changes nothing here).
+
+    Fails on an H100 (torch 2.11), both modes: the first graphed backward raises "accessing tensor
+    output of CUDAGraphs that has been overwritten by a subsequent run" for a `te_proto::linear_fwd`
+    output. The code of commit 550985f (grad amax written into the history by backward) fails the
+    same way under reduce-overhead, and with a partitioner assertion under `cudagraphs`. The
+    20-step reduce-overhead training test (2-layer model, no cudagraph_mark_step_begin) passes."""
     eager, graphed = _delayed_states(None), _delayed_states(compile_kw)
     for step, (a, b) in enumerate(zip(eager, graphed)):
         for name in a:
