@@ -441,3 +441,17 @@ def test_quantizer_defaults_and_validation():
         Float8BlockQuantizer(amax_epsilon=torch.tensor(1.0))
     with pytest.raises(ValueError, match="0-dim"):
         q.quantize(torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("rows,kb", [(3, 4), (5, 8), (3, 5), (2, 7), (1, 1)])
+def test_128x128_scale_padding_layout(rows, kb):
+    """The 128x128 scales cuBLAS reads: (L4, rows) with strides (1, L4), zero padded along the
+    reduction blocks; a contiguous scale with kb % 4 == 0 is used as is (no copy)."""
+    from transformer_engine_proto.gemm import _pad_128x128
+
+    scale = torch.rand(rows, kb) + 0.5
+    out = _pad_128x128(scale)
+    l4 = (kb + 3) // 4 * 4
+    assert out.shape == (l4, rows) and out.stride() == (1, l4)
+    assert torch.equal(out[:kb], scale.t()) and not out[kb:].any()
+    assert (out.data_ptr() == scale.data_ptr()) == (kb % 4 == 0)
