@@ -208,8 +208,10 @@ ALT_CONFIGS = [
     (tri_bw.CONFIG, (1, False, True), [dict(BM=128, BK=128, CH=128, num_warps=8),
                                        dict(BM=128, BK=32, CH=64, num_warps=4)]),
     (tri_bw.CONFIG, (2, True, True), [dict(BM=128, BK=128, CH=128, num_warps=8),
-                                      dict(BM=128, BK=128, CH=16, num_warps=4)]),
-    (tri_mx.CONFIG, (True, True), [dict(MB=1, NB=1, num_warps=4), dict(MB=4, NB=8, num_warps=8)]),
+                                      dict(BM=128, BK=128, CH=16, num_warps=4),
+                                      dict(BM=128, BK=128, CH=32, num_warps=4)]),
+    (tri_mx.CONFIG, (True, True), [dict(MB=1, NB=1, num_warps=4), dict(MB=4, NB=8, num_warps=8),
+                                   dict(MB=2, NB=4, num_warps=8)]),
     (tri_mx.CONFIG, (True, False), [dict(MB=1, NB=8, num_warps=4)]),
     (tri_mx.CONFIG, (False, True), [dict(MB=4, NB=2, num_warps=4)]),
 ]

@@ -34,7 +34,7 @@ CONFIG = {
     (1, True, True): dict(BM=128, BK=128, CH=32, num_warps=4),
     (1, True, False): dict(BM=32, BK=128, CH=32, num_warps=4),
     (1, False, True): dict(BM=128, BK=64, CH=32, num_warps=4),
-    (2, True, True): dict(BM=128, BK=128, CH=32, num_warps=4),
+    (2, True, True): dict(BM=128, BK=128, CH=64, num_warps=4),  # CH 64: 141 us vs CH 32's 164 (H100 sweep)
     (2, True, False): dict(BM=128, BK=128, CH=32, num_warps=4),
     (2, False, True): dict(BM=128, BK=128, CH=32, num_warps=4),
 }

@@ -28,7 +28,8 @@ BLOCK = 32
 
 CONFIG = {
     # (MB, NB, num_warps) by (rowwise, columnwise): tile (MB*32) x (NB*32)
-    (True, True): dict(MB=2, NB=4, num_warps=8),
+    # rowwise + columnwise: (1, 2, 4) took 202 us against (2, 4, 8)'s 252 at 8192^2 bf16 (H100 sweep)
+    (True, True): dict(MB=1, NB=2, num_warps=4),
     (True, False): dict(MB=2, NB=4, num_warps=8),
     (False, True): dict(MB=2, NB=4, num_warps=8),
 }
