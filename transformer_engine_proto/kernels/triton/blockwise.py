@@ -22,6 +22,7 @@ import triton.language as tl
 
 from .. import register_kernel
 from ..reference import blockwise as _ref
+from .launch import fast_launch
 from ._common import (INT32_LIMIT, abs_bits, as_kernel_input, fp8_bits, fp8_params, reciprocal,
                       scale_from_amax, soft_cast, to_f32)
 
@@ -67,6 +68,7 @@ def _rowwise_1x128(x, mask, base, rows, row_ptr, row_si_ptr, pid_k, M, K, rc, rk
     tl.store(row_si_ptr + pid_k.to(tl.int64) * M + rows, reciprocal(rscale), mask=rows < M)
 
 
+@fast_launch
 @triton.jit
 def _blockwise_kernel(x_ptr, row_ptr, row_si_ptr, col_ptr, col_si_ptr, M, K, n_m, n_k,
                       FMAX: tl.constexpr, E4M3: tl.constexpr, SOFT: tl.constexpr,

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from .. import register_kernel
 from ..reference import mxfp8 as _ref_mx
+from .launch import fast_launch
 from ._common import INT32_LIMIT, soft_cast
 
 # output dtype -> OUT constexpr
@@ -98,6 +99,7 @@ def e8m0_factors(e):
     return s1, s2
 
 
+@fast_launch
 @triton.jit
 def _mxfp8_dequant_kernel(d_ptr, s_ptr, o_ptr, M, K, n_k,
                           COLWISE: tl.constexpr, E4M3: tl.constexpr, OUT: tl.constexpr,

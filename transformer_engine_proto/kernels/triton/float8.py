@@ -24,6 +24,7 @@ import triton.language as tl
 
 from .. import register_kernel
 from ..reference import float8 as _ref
+from .launch import fast_launch
 from ._common import (INT32_LIMIT, abs_bits, as_kernel_input, flat_2d, fp8_bits, fp8_params,
                       reciprocal, scale_from_amax, soft_cast, to_f32)
 
@@ -36,6 +37,7 @@ CONFIG = {
 }
 
 
+@fast_launch
 @triton.jit
 def _amax_kernel(x_ptr, amax_ptr, N, BF16_BITS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
@@ -50,6 +52,7 @@ def _amax_kernel(x_ptr, amax_ptr, N, BF16_BITS: tl.constexpr, BLOCK: tl.constexp
     tl.atomic_max(amax_ptr, m, mask=m > cur, sem="relaxed")
 
 
+@fast_launch
 @triton.jit
 def _cast_transpose_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, scale_inv_ptr, M, K, n_k,
                            FMAX: tl.constexpr, E4M3: tl.constexpr, SOFT: tl.constexpr,

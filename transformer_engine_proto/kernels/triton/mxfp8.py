@@ -21,6 +21,7 @@ import triton.language as tl
 
 from .. import register_kernel
 from ..reference import mxfp8 as _ref
+from .launch import fast_launch
 from ._common import (INT32_LIMIT, abs_bits, as_kernel_input, flat_2d, float_bits, fp8_bits,
                       fp8_params, soft_cast, to_f32)
 
@@ -56,6 +57,7 @@ def _pow2_neg(e):
     return s1, s2
 
 
+@fast_launch
 @triton.jit
 def _mxfp8_kernel(x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, M, K, n_k,
                   FMAX: tl.constexpr, FMAX_EXP: tl.constexpr, FMAX_MANT: tl.constexpr,

@@ -29,6 +29,7 @@ import triton.language as tl
 from .. import register_kernel
 from ..reference import norm as _ref
 from . import float8 as _f8
+from .launch import fast_launch
 from ._common import abs_bits, as_kernel_input, fp8_params, soft_cast, to_f32
 from .dequant import OUT_KIND, out_buffer, round_out
 
@@ -85,6 +86,7 @@ def _write_y(x, mu, rs, y_ptr, offs, mask, w_ptr, b_ptr, cols, cmask,
     return tl.where(mask, abs_bits(stored), 0)
 
 
+@fast_launch
 @triton.jit
 def _fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mu_ptr, rs_ptr, amax_ptr, M, K, eps,
                 RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -154,6 +156,7 @@ def _dx(xhat, dxhat, rs, proj, mdx, RMS: tl.constexpr):
     return dx * rs[:, None]
 
 
+@fast_launch
 @triton.jit
 def _bwd_kernel(dy_ptr, x_ptr, mu_ptr, rs_ptr, w_ptr, dx_ptr, dw_ptr, db_ptr, M, K,
                 RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr, HAS_BIAS: tl.constexpr,

@@ -30,6 +30,7 @@ import triton.language as tl
 from .. import register_kernel
 from ..reference import nvfp4 as _ref
 from ..reference.nvfp4_to import nvfp4_dequantize_to as _ref_dequantize_to
+from .launch import fast_launch
 from ._common import INT32_LIMIT, abs_bits, as_kernel_input, flat_2d, fp8_bits, scale_from_amax, soft_cast, to_f32
 from .dequant import OUT_KIND, fp8_value, out_buffer, round_out
 
@@ -175,6 +176,7 @@ def _split16(t):
 
 
 # ---- quantize ---------------------------------------------------------------------------------
+@fast_launch
 @triton.jit
 def _amax_kernel(x_ptr, amax_ptr, N, BF16_BITS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
@@ -227,6 +229,7 @@ def _rht_inverse(t, SIGNS: tl.constexpr):
     return _signs16(t * 0.25, SIGNS)
 
 
+@fast_launch
 @triton.jit
 def _amax_rht_kernel(x_ptr, row_ptr, col_ptr, M, K, n_k, SIGNS: tl.constexpr, ROWWISE: tl.constexpr,
                      BF16_BITS: tl.constexpr, G: tl.constexpr, BK: tl.constexpr):
@@ -256,6 +259,7 @@ def _pack_pairs(codes, RANK: tl.constexpr):
     return (lo | (hi << 4)).to(tl.uint8)
 
 
+@fast_launch
 @triton.jit
 def _cast_kernel(x_ptr, rand_ptr, randc_ptr, amax_r_ptr, amax_c_ptr, rd_ptr, rs_ptr, cd_ptr, cs_ptr,
                  M, K, n_k, ROWWISE: tl.constexpr, COLWISE: tl.constexpr, TWO_D: tl.constexpr,
@@ -358,6 +362,7 @@ def _decode_pairs(byte, s, s_enc):
     return tl.reshape(v, (byte.shape[0], byte.shape[1], 16))
 
 
+@fast_launch
 @triton.jit
 def _dequant_rows_kernel(d_ptr, s_ptr, amax_ptr, o_ptr, R, C, n_c, OUT: tl.constexpr,
                          SOFT: tl.constexpr, BR: tl.constexpr, NB: tl.constexpr):
@@ -382,6 +387,7 @@ def _dequant_rows_kernel(d_ptr, s_ptr, amax_ptr, o_ptr, R, C, n_c, OUT: tl.const
              round_out(v, OUT, SOFT), mask=mask)
 
 
+@fast_launch
 @triton.jit
 def _dequant_cols_kernel(d_ptr, s_ptr, amax_ptr, o_ptr, R, C, n_g, RHT: tl.constexpr,
                          SIGNS: tl.constexpr, OUT: tl.constexpr, SOFT: tl.constexpr,

@@ -1,0 +1,96 @@
+"""`fast_launch`: launch a `@triton.jit` kernel with less host time per call. Opt-in
+(`TE_PROTO_FAST_LAUNCH=1`) until an H100 run shows its gain and its bitwise tests pass with it.
+
+Triton's `kernel[grid](...)` re-binds every argument, builds a string cache key from the
+specialization and options, checks globals, and -- because Triton 3.6's launch hooks are
+`HookChain` objects, never None -- builds launch metadata and calls the (usually empty) enter
+and exit hook chains on every launch. One FP8 current-scaling quantize (amax + cast launches)
+costs 105 us of host time on the H100 machine's CPU. `fast_launch` keeps the compiled kernel per
+*specialization class* of the call and calls the compiled launcher directly, without metadata
+or hooks while both chains are empty. (A first version tested `hook is None`, so it never took
+its fast path on the GPU: measured no change, 108 -> 105 us.)
+
+The class mirrors what Triton specializes on, or is finer: a tensor's dtype and whether its
+pointer is 16-byte aligned; an int's width (32 or 64 bit), whether it equals 1 and whether it
+is a multiple of 16; every constexpr value; every launch option; the current device. So a cached
+kernel is only reused where Triton would have picked the same binary. The first call of a class,
+calls under the interpreter (TRITON_INTERPRET=1), calls with unusual argument types and calls
+while a Triton launch hook is installed (profilers) take Triton's own path.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from triton import knobs
+
+from ._common import interpreting
+
+
+def enabled() -> bool:
+    return os.environ.get("TE_PROTO_FAST_LAUNCH", "0") == "1"
+
+
+def hooks_installed() -> bool:
+    """Whether a Triton launch enter/exit hook is set (a HookChain with calls, or a plain callable)."""
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
+def _arg_class(a):
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if isinstance(a, bool):
+        return bool, a
+    if isinstance(a, int):
+        return int, a == 1, a % 16 == 0, -2**31 <= a < 2**31, a < 2**63
+    if isinstance(a, float):
+        return float
+    if a is None:
+        return None
+    raise TypeError(type(a))  # anything else: Triton's path
+
+
+class fast_launch:
+    """Wraps a jitted kernel; `wrapped[grid](*runtime_args, **constexprs_and_options)` launches
+    it like the kernel itself (runtime arguments positional, in signature order; constexprs by
+    keyword)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.arg_names = list(fn.arg_names)
+        self._params = frozenset(self.arg_names)
+        self._compiled = {}
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self._launch(grid, args, kwargs)
+
+    def _launch(self, grid, args, kwargs):
+        if not enabled() or interpreting() or hooks_installed():
+            return self.fn[grid](*args, **kwargs)
+        names = self.arg_names
+        by_name = tuple(kwargs.get(n) for n in names[len(args):])  # constexprs
+        try:
+            if any(isinstance(v, torch.Tensor) for v in by_name):  # a runtime argument by keyword
+                raise TypeError
+            key = (torch.cuda.current_device(), tuple(_arg_class(a) for a in args), by_name,
+                   tuple(sorted((k, v) for k, v in kwargs.items() if k not in self._params)))
+        except TypeError:
+            return self.fn[grid](*args, **kwargs)
+        kernel = self._compiled.get(key)
+        if kernel is None:
+            kernel = self.fn[grid](*args, **kwargs)
+            if hasattr(kernel, "result"):  # an async compile's future
+                kernel = kernel.result()
+            # a parameter left to its default: not worth mirroring, keep Triton's path
+            self._compiled[key] = kernel if all(n in kwargs for n in names[len(args):]) else False
+            return kernel
+        if kernel is False:
+            return self.fn[grid](*args, **kwargs)
+        full = args + tuple(kwargs[n] for n in names[len(args):])
+        g = tuple(grid) + (1, 1)
+        stream = torch._C._cuda_getCurrentRawStream(key[0])
+        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *full)
+        return kernel
