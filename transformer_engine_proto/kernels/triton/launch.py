@@ -22,9 +22,13 @@ from __future__ import annotations
 import os
 
 import torch
-from triton import knobs
 
 from ._common import interpreting
+
+try:
+    from triton import knobs
+except ImportError:  # a Triton without knobs: always Triton's own path
+    knobs = None
 
 
 def enabled() -> bool:
@@ -33,6 +37,8 @@ def enabled() -> bool:
 
 def hooks_installed() -> bool:
     """Whether a Triton launch enter/exit hook is set (a HookChain with calls, or a plain callable)."""
+    if knobs is None:
+        return True
     for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
         if hook is not None and getattr(hook, "calls", True):
             return True
