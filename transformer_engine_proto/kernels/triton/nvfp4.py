@@ -33,6 +33,7 @@ from ..reference.nvfp4_to import nvfp4_dequantize_to as _ref_dequantize_to
 from .launch import fast_launch
 from ._common import INT32_LIMIT, abs_bits, as_kernel_input, flat_2d, fp8_bits, scale_from_amax, soft_cast, to_f32
 from .dequant import OUT_KIND, fp8_value, out_buffer, round_out
+from .float8 import _amax_kernel  # the same per-tensor amax; launched with this module's CONFIG["amax"]
 
 # Launch configurations (tunable; tests/test_triton_nvfp4.py checks alternatives bitwise). Chosen
 # by compiling for sm_90 (registers, no spills), not yet timed on a GPU.
@@ -176,18 +177,6 @@ def _split16(t):
 
 
 # ---- quantize ---------------------------------------------------------------------------------
-@fast_launch
-@triton.jit
-def _amax_kernel(x_ptr, amax_ptr, N, BF16_BITS: tl.constexpr, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    base = pid.to(tl.int64) * BLOCK
-    x = to_f32(tl.load(x_ptr + base + offs, mask=offs < N - base, other=0), BF16_BITS)
-    m = tl.max(abs_bits(x), axis=0)
-    cur = tl.load(amax_ptr)  # a stale read only under-estimates: skipping the atomic is safe
-    tl.atomic_max(amax_ptr, m, mask=m > cur, sem="relaxed")
-
-
 @triton.jit
 def _load16(x_ptr, offs, mask, BF16_BITS: tl.constexpr, K):
     """The tile as [G, BK, 16]: element (g, k, j) = x[16 g + j, k] (row j of each group of 16).
