@@ -311,6 +311,35 @@ def _mod_case(case, rank, group):
     return m, ref, x, g, pmap, dims
 
 
+def _module_step_errors(m, ref, x, g, pmap, dims, rank, group, recipe, compiled):
+    """One fwd+bwd of the sharded module `m` (eager or compiled) and of the full `ref`: relative
+    errors of the output, the input grad and every parameter grad against the matching shard of
+    the reference's (sequence-parallel grads all-reduced first)."""
+    din, dout = dims
+    sh = lambda t, d: t if d is None else _shard(t, d, rank)  # noqa: E731
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+    xr = x.clone().requires_grad_()
+    with _ctx(recipe):
+        yr = ref(xr)
+    (yr * g).sum().backward()
+    xl = sh(x, din).clone().requires_grad_()
+    run = compile_fresh(m, recipe) if compiled else m
+    with _ctx(recipe):
+        y = run(xl)
+    (y * sh(g, dout)).sum().backward()
+    errs = {"y": rel(y.detach(), sh(yr.detach(), dout)), "dx": rel(xl.grad, sh(xr.grad, din))}
+    refp = dict(ref.named_parameters())
+    for name, p in m.named_parameters():
+        grad = p.grad.clone()
+        if getattr(p, "sequence_parallel", False):
+            dist.all_reduce(grad, group=group)
+        rname, fn = pmap[name]
+        exp = fn(refp[rname].grad)
+        assert grad.shape == exp.shape, (name, grad.shape, exp.shape)
+        errs[name] = rel(grad, exp)
+    return errs
+
+
 def _mod_worker_cases(rank, group):
     from torch._dynamo.utils import counters
 
@@ -318,32 +347,8 @@ def _mod_worker_cases(rank, group):
     for rid, recipe in MOD_RECIPES.items():
         for case in MOD_CASES:
             for compiled in (False, True):
-                m, ref, x, g, pmap, (din, dout) = _mod_case(case, rank, group)
-                sh = lambda t, d: t if d is None else _shard(t, d, rank)  # noqa: E731
-                xr = x.clone().requires_grad_()
-                with _ctx(recipe):
-                    yr = ref(xr)
-                (yr * g).sum().backward()
-                xl = sh(x, din).clone().requires_grad_()
-                run = m
-                if compiled:
-                    run = compile_fresh(m, recipe)
-                with _ctx(recipe):
-                    y = run(xl)
-                (y * sh(g, dout)).sum().backward()
-                errs = {}
-                rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
-                errs["y"] = rel(y.detach(), sh(yr.detach(), dout))
-                errs["dx"] = rel(xl.grad, sh(xr.grad, din))
-                refp = dict(ref.named_parameters())
-                for name, p in m.named_parameters():
-                    grad = p.grad.clone()
-                    if getattr(p, "sequence_parallel", False):
-                        dist.all_reduce(grad, group=group)
-                    rname, fn = pmap[name]
-                    exp = fn(refp[rname].grad)
-                    assert grad.shape == exp.shape, (case, name, grad.shape, exp.shape)
-                    errs[name] = rel(grad, exp)
+                m, ref, x, g, pmap, dims = _mod_case(case, rank, group)
+                errs = _module_step_errors(m, ref, x, g, pmap, dims, rank, group, recipe, compiled)
                 results[(rid, case, compiled)] = {
                     "err": errs, "breaks": sum(counters["graph_break"].values()) if compiled else 0}
     return results

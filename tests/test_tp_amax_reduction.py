@@ -54,28 +54,9 @@ def _linear_case(mode, rank, group, compiled, reduce):
 def _module_case(case, rank, group, compiled):
     from torch._dynamo.utils import counters
 
-    m, ref, x, g, pmap, (din, dout) = TPT._mod_case(case, rank, group)
+    m, ref, x, g, pmap, dims = TPT._mod_case(case, rank, group)
     assert enable_tp_amax_reduction(m) > 0
-    sh = lambda t, d: t if d is None else TPT._shard(t, d, rank)  # noqa: E731
-    xr = x.clone().requires_grad_()
-    with TPT._ctx(RECIPE):
-        yr = ref(xr)
-    (yr * g).sum().backward()
-    xl = sh(x, din).clone().requires_grad_()
-    run = m
-    if compiled:
-        run = compile_fresh(m, RECIPE)
-    with TPT._ctx(RECIPE):
-        y = run(xl)
-    (y * sh(g, dout)).sum().backward()
-    errs = {"y": _rel(y.detach(), sh(yr.detach(), dout)), "dx": _rel(xl.grad, sh(xr.grad, din))}
-    refp = dict(ref.named_parameters())
-    for name, p in m.named_parameters():
-        grad = p.grad.clone()
-        if getattr(p, "sequence_parallel", False):
-            dist.all_reduce(grad, group=group)
-        rname, fn = pmap[name]
-        errs[name] = _rel(grad, fn(refp[rname].grad))
+    errs = TPT._module_step_errors(m, ref, x, g, pmap, dims, rank, group, RECIPE, compiled)
     return {"err": errs, "breaks": sum(counters["graph_break"].values()) if compiled else 0}
 
 
