@@ -42,8 +42,14 @@ def _fresh(t):
 
 
 def _signature(args):
-    return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
-                 for a in args if not isinstance(a, (list, dict)))
+    from transformer_engine_proto.tensor.storage import QuantizedTensorStorage
+
+    def one(a):
+        if isinstance(a, QuantizedTensorStorage):  # bare storages (the ops' internal operands)
+            return type(a).__name__, tuple(a._shape), tuple(a.get_buffers())
+        return (tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a
+
+    return tuple(one(a) for a in args if not isinstance(a, (list, dict)))
 
 
 def _stubbed(fn):

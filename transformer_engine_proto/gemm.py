@@ -1,7 +1,7 @@
 """One `gemm` for every format: out = op(a) @ op(b) (+ bias), op = optional transpose.
 
-Operands are plain tensors or quantized tensors holding exactly the usage the product needs (the
-ops drop the other usage before calling). Paths, picked by format and device:
+Operands are plain tensors, or quantized tensors or bare storages (`internal=True`) holding exactly
+the usage the product needs (the ops drop the other usage before calling). Paths, picked by format and device:
 
 - CUDA, per-tensor FP8: `torch._scaled_mm` tensorwise. A must be row-major op(a) and B
   column-major op(b); the rowwise data of X is row-major X and the FP8 transpose is row-major X^T,
@@ -24,17 +24,17 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .tensor import QuantizedTensor
-from .tensor.float8 import Float8Tensor
 from .kernels import kernel
-from .tensor.float8_blockwise import Float8BlockwiseQTensor
-from .tensor.nvfp4 import NVFP4Tensor
+from .tensor.float8 import Float8TensorStorage
+from .tensor.float8_blockwise import Float8BlockwiseQTensorStorage
+from .tensor.nvfp4 import NVFP4TensorStorage
+from .tensor.storage import QuantizedTensorStorage
 
 __all__ = ["gemm", "emulated_gemm"]
 
 
 def _values(t: torch.Tensor, transpose: bool, dtype: torch.dtype) -> torch.Tensor:
-    v = t.dequantize(dtype=dtype) if isinstance(t, QuantizedTensor) else t.to(dtype)
+    v = t.dequantize(dtype=dtype) if isinstance(t, QuantizedTensorStorage) else t.to(dtype)
     v = v.reshape(-1, v.shape[-1])
     return v.t() if transpose else v
 
@@ -50,11 +50,11 @@ def emulated_gemm(a, b, *, out_dtype, trans_a=False, trans_b=False, bias=None, c
 
 
 # ---- per-tensor FP8 -----------------------------------------------------------------------------
-def _rowmajor_fp8(t: Float8Tensor, transpose: bool) -> Optional[torch.Tensor]:
+def _rowmajor_fp8(t: Float8TensorStorage, transpose: bool) -> Optional[torch.Tensor]:
     """Row-major fp8 matrix of t (transpose=False) or t^T (True) from existing buffers."""
     if transpose:
         return t._transpose
-    return None if t._data is None else t._data.reshape(-1, t.shape[-1])
+    return None if t._data is None else t._data.reshape(-1, t._shape[-1])
 
 
 def _tensorwise(a, b, trans_a, trans_b, out_dtype, bias):
@@ -74,13 +74,13 @@ def _tensorwise(a, b, trans_a, trans_b, out_dtype, bias):
 
 
 # ---- FP8 blockwise ------------------------------------------------------------------------------
-def _block_operand(t: Float8BlockwiseQTensor, transpose: bool):
+def _block_operand(t: Float8BlockwiseQTensorStorage, transpose: bool):
     """(row-major fp8 matrix of op(t), its scales, block dim) from t's existing buffers."""
     if transpose:
         return t._columnwise_data, t._columnwise_scale_inv
     if t._rowwise_data is None:
         return None, None
-    return t._rowwise_data.reshape(-1, t.shape[-1]), t._rowwise_scale_inv
+    return t._rowwise_data.reshape(-1, t._shape[-1]), t._rowwise_scale_inv
 
 
 def _pad_128x128(scale: torch.Tensor) -> torch.Tensor:
@@ -123,7 +123,7 @@ def _blockwise(a, b, trans_a, trans_b, out_dtype, bias):
 
 
 # ---- NVFP4 wgrad on Hopper (emulated) ---------------------------------------------------------------
-def _stored_columnwise(t: NVFP4Tensor, dtype) -> torch.Tensor:
+def _stored_columnwise(t: NVFP4TensorStorage, dtype) -> torch.Tensor:
     """x^T (K, M) as stored (after the RHT, if any), dequantized to `dtype`."""
     return kernel("nvfp4_dequantize_to", t._columnwise_data.device)(
         t._columnwise_data, t._columnwise_scale_inv, t._amax_columnwise, None, None, None,
@@ -132,7 +132,7 @@ def _stored_columnwise(t: NVFP4Tensor, dtype) -> torch.Tensor:
 
 def _nvfp4_wgrad(a, b, trans_a, trans_b, out_dtype, bias):
     """a^T @ b from both columnwise buffers, or None when the shortcut does not apply."""
-    if not (trans_a and not trans_b and isinstance(a, NVFP4Tensor) and isinstance(b, NVFP4Tensor)):
+    if not (trans_a and not trans_b and isinstance(a, NVFP4TensorStorage) and isinstance(b, NVFP4TensorStorage)):
         return None
     if a._columnwise_data is None or b._columnwise_data is None:
         return None
@@ -162,17 +162,19 @@ def _high_precision(a, b, trans_a, trans_b, out_dtype, bias):
 def gemm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype, trans_a: bool = False,
          trans_b: bool = False, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """op(a) (M,K) @ op(b) (K,N), + bias, in out_dtype."""
-    if a.device.type == "cuda":
+    a_quantized = isinstance(a, QuantizedTensorStorage)
+    device = a._buffer_device() if a_quantized else a.device
+    if device.type == "cuda":
         out = None
-        if isinstance(a, Float8Tensor) and isinstance(b, Float8Tensor):
+        if isinstance(a, Float8TensorStorage) and isinstance(b, Float8TensorStorage):
             out = _tensorwise(a, b, trans_a, trans_b, out_dtype, bias)
-        elif isinstance(a, Float8BlockwiseQTensor) and isinstance(b, Float8BlockwiseQTensor):
+        elif isinstance(a, Float8BlockwiseQTensorStorage) and isinstance(b, Float8BlockwiseQTensorStorage):
             out = _blockwise(a, b, trans_a, trans_b, out_dtype, bias)
-        elif isinstance(a, NVFP4Tensor):
+        elif isinstance(a, NVFP4TensorStorage):
             out = _nvfp4_wgrad(a, b, trans_a, trans_b, out_dtype, bias)
         if out is not None:
             return out
-        if not isinstance(a, QuantizedTensor) and not isinstance(b, QuantizedTensor):
+        if not a_quantized and not isinstance(b, QuantizedTensorStorage):
             return _high_precision(a, b, trans_a, trans_b, out_dtype, bias)
         return emulated_gemm(a, b, out_dtype=out_dtype, trans_a=trans_a, trans_b=trans_b, bias=bias,
                              compute_dtype=torch.bfloat16)

@@ -16,7 +16,8 @@ from typing import List, Optional, Sequence
 import torch
 
 from ..gemm import gemm
-from ..tensor import Float8Quantizer, QuantizedTensor, TensorProto
+from ..tensor import Float8Quantizer, TensorProto
+from ..tensor.storage import QuantizedTensorStorage
 from .recipe_registry import quantizers_from_key
 
 __all__ = ["linear", "LinearPlan", "CACHE_OFF", "CACHE_FILL", "CACHE_USE", "record_grad_amax",
@@ -150,23 +151,23 @@ def _split(buffers: Sequence[torch.Tensor], protos: Sequence[TensorProto]):
     return out
 
 
-def rebuild(proto: TensorProto, buffers: Sequence[torch.Tensor]) -> QuantizedTensor:
-    """A quantized tensor from its flattened buffers (the inverse of `get_buffers`)."""
-    cls, meta = proto.create_metadata()
-    ctx = (f"{cls.__module__}.{cls.__qualname__}", tuple(meta.pop("shape")), meta.pop("dtype"),
-           meta.pop("quantizer"), tuple(meta.items()))
-    return cls.__tensor_unflatten__(dict(zip(proto.inner_names(), buffers)), ctx, None, None)
+def rebuild(proto: TensorProto, buffers: Sequence[torch.Tensor]) -> QuantizedTensorStorage:
+    """A bare quantized storage from its flattened buffers (the inverse of `get_buffers`)."""
+    return proto.quantizer.make_tensor(dict(zip(proto.inner_names(), buffers)), proto.shape, proto.dtype,
+                                       internal=True)
 
 
-def only_usage(t: QuantizedTensor, rowwise: bool) -> QuantizedTensor:
-    """A detached view of `t` keeping one usage, so gemm reads the intended buffers. Built
-    directly (what `detach` does, without the dispatcher round trip: host time per GEMM)."""
-    view = t._rebuild(t.get_buffers())
-    return view.update_usage(rowwise_usage=rowwise, columnwise_usage=not rowwise)
+def _with_state(q: Float8Quantizer, scale: torch.Tensor, amax: torch.Tensor) -> Float8Quantizer:
+    """`q` bound to this call's delayed-scaling tensors. A field copy, not `dataclasses.replace`
+    (which re-runs __init__ and the checks: host time per GEMM); the tensors come from the
+    module's own buffers or this op, so the checks hold."""
+    bound = object.__new__(type(q))
+    bound.__dict__.update(q.__dict__, scale=scale, amax=amax)
+    return bound
 
 
 def _bind_delayed(q, scales, amaxes, slot: int):
-    return dataclasses.replace(q, scale=scales[slot:slot + 1], amax=amaxes[slot:slot + 1])
+    return _with_state(q, scales[slot:slot + 1], amaxes[slot:slot + 1])
 
 
 def _plan(key, inp, weight, input_requires_grad, weight_requires_grad, cache_mode, save_original_input,
@@ -213,21 +214,21 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         iq = plan.input_quantizer()
         if plan.delayed:
             iq = _bind_delayed(iq, fp8_scales, amaxes, 0)
-        xq = iq.quantize(x2d)
+        xq = iq.quantize(x2d, internal=True)
     if cache_mode == CACHE_USE:
         wq = rebuild(plan.cached_weight(), weight_cache)
     else:
         wq = plan.weight_quantizer()
         if plan.delayed:
             wq = _bind_delayed(wq, fp8_scales, amaxes, 1)
-        wq = wq.quantize(weight)
-    out = gemm(only_usage(xq, True), only_usage(wq, True), trans_b=True, bias=bias, out_dtype=inp.dtype)
+        wq = wq.quantize(weight, internal=True)
+    out = gemm(xq.only_usage(True), wq.only_usage(True), trans_b=True, bias=bias, out_dtype=inp.dtype)
     cache = list(wq.get_buffers().values()) if cache_mode == CACHE_FILL else []
     saved = []
     if plan.saved_input() is not None and not plan.prequantized:
-        saved += list(only_usage(xq, False).get_buffers().values())
+        saved += list(xq.only_usage(False).get_buffers().values())
     if plan.saved_weight() is not None:
-        saved += [b.clone() if cache else b for b in only_usage(wq, False).get_buffers().values()]
+        saved += [b.clone() if cache else b for b in wq.only_usage(False).get_buffers().values()]
     return out.view(out_shape), amaxes, saved, cache
 
 
@@ -269,7 +270,7 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
     elif plan.saved_weight() is not None:
         w = next(saved_q)
     elif cache_mode == CACHE_USE and plan.quantized:
-        w = only_usage(rebuild(plan.cached_weight(), weight_cache), False)
+        w = rebuild(plan.cached_weight(), weight_cache).only_usage(False)
     else:
         w = weight
     dy_q = dy
@@ -278,20 +279,20 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
     if plan.quantized and (input_requires_grad or weight_requires_grad):  # bias-only: dbias from dy
         gq = plan.grad_quantizer()
         if plan.delayed:
-            gq = dataclasses.replace(gq, scale=grad_scale, amax=grad_amax)
-        dy_q = gq.quantize(dy)
+            gq = _with_state(gq, grad_scale, grad_amax)
+        dy_q = gq.quantize(dy, internal=True)
         if plan.save_original_input and weight_requires_grad:
             iq = plan.quantizers.input.with_usage(rowwise=False, columnwise=True)
             if plan.delayed:  # reuse the forward's scale; the amax was recorded in forward
                 iq = dataclasses.replace(iq, scale=fp8_scales[0:1], amax=torch.zeros(1, device=dy.device))
-            x = iq.quantize(x)
+            x = iq.quantize(x, internal=True)
     grads = []
     if input_requires_grad:
-        a = only_usage(dy_q, True) if isinstance(dy_q, QuantizedTensor) and weight_requires_grad else dy_q
+        a = dy_q.only_usage(True) if isinstance(dy_q, QuantizedTensorStorage) and weight_requires_grad else dy_q
         dgrad = gemm(a, w, out_dtype=grad_out.dtype)
         grads.append(dgrad.view(tuple(in_shape)))
     if weight_requires_grad:
-        a = only_usage(dy_q, False) if isinstance(dy_q, QuantizedTensor) and input_requires_grad else dy_q
+        a = dy_q.only_usage(False) if isinstance(dy_q, QuantizedTensorStorage) and input_requires_grad else dy_q
         wgrad_dtype = torch.float32 if fuse_wgrad_accumulation else weight_dtype
         grads.append(gemm(a, x, trans_a=True, out_dtype=wgrad_dtype))
     if bias_requires_grad:

@@ -44,16 +44,12 @@ class MXFP8TensorStorage(QuantizedTensorStorage):
         return self._columnwise_data is not None
 
     def _dequantize(self, dtype):
-        dequant = kernel("mxfp8_dequantize", self._device_of_buffers())
+        dequant = kernel("mxfp8_dequantize", self._buffer_device())
         if self._rowwise_data is not None:
             out = dequant(self._rowwise_data, self._rowwise_scale_inv, False, dtype)
         else:
             out = dequant(self._columnwise_data, self._columnwise_scale_inv, True, dtype)
         return out.reshape(self._shape)
-
-    def _device_of_buffers(self):
-        data = self._rowwise_data if self._rowwise_data is not None else self._columnwise_data
-        return data.device
 
     def _drop_usage(self, rowwise, columnwise) -> None:
         if not rowwise:

@@ -159,15 +159,15 @@ class NVFP4Quantizer(Quantizer):
         return {name: buf for name, buf in zip(names, bufs) if buf is not None}
 
     def quantize(self, x: torch.Tensor, *, rand: Optional[torch.Tensor] = None,
-                 rand_columnwise: Optional[torch.Tensor] = None):
+                 rand_columnwise: Optional[torch.Tensor] = None, internal: bool = False):
         """As `Quantizer.quantize`; with stochastic rounding, `rand` (x's shape) and
         `rand_columnwise` ((K, M)) give the uniform [0, 1) draws, so results are reproducible."""
         if rand is None and rand_columnwise is None:
-            return super().quantize(x)
+            return super().quantize(x, internal=internal)
         if isinstance(x, QuantizedTensor):
             x = x.dequantize()
         check_input(x, f"{type(self).__name__}.quantize")
         self._check_usage()
         self.check_shape(tuple(x.shape))
         buffers = self._quantize_buffers(x.contiguous(), rand, rand_columnwise)
-        return self.make_tensor(buffers, tuple(x.shape), x.dtype)
+        return self.make_tensor(buffers, tuple(x.shape), x.dtype, internal)

@@ -8,7 +8,6 @@ dequantized tensor, with a one-time warning per op so silent precision loss stay
 from __future__ import annotations
 
 import warnings
-from typing import Dict
 
 import torch
 from torch.utils._pytree import tree_map
@@ -34,6 +33,13 @@ def _warn_fallback(func) -> None:
 class QuantizedTensor(torch.Tensor):
     """Base of the per-format tensor classes (`class Float8Tensor(Float8TensorStorage, QuantizedTensor)`)."""
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # the format's bare storage class (`Float8TensorStorage` for `Float8Tensor`): what quantizers
+        # build with `internal=True`, as in TE, for tensors that never leave an op
+        cls.storage_class = next(b for b in cls.__mro__
+                                 if issubclass(b, QuantizedTensorStorage) and not issubclass(b, torch.Tensor))
+
     @staticmethod
     def __new__(cls, *, shape, dtype, quantizer=None, requires_grad=False, **kwargs):
         device = None
@@ -58,12 +64,6 @@ class QuantizedTensor(torch.Tensor):
 
     def _stable_hash_for_caching(self) -> str:
         return repr(self._flatten_ctx())
-
-    def _rebuild(self, buffers: Dict[str, torch.Tensor], shape=None, requires_grad=False):
-        meta = self.get_metadata()
-        if shape is not None:
-            meta["shape"] = tuple(shape)
-        return type(self)._from_buffers(buffers, requires_grad=requires_grad, **meta)
 
     # ---- dispatch ---------------------------------------------------------------------------
     @classmethod

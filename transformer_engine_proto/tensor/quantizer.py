@@ -124,8 +124,13 @@ class Quantizer:
         kwargs.update(self.metadata())
         return self.tensor_class, kwargs
 
-    def make_tensor(self, buffers: Dict[str, torch.Tensor], shape, dtype: torch.dtype):
-        """Wrap named buffers (as returned by alloc_tensors / a kernel) in the tensor class."""
+    def make_tensor(self, buffers: Dict[str, torch.Tensor], shape, dtype: torch.dtype, internal: bool = False):
+        """Wrap named buffers (as returned by alloc_tensors / a kernel) in the tensor class, or
+        with `internal=True` in its bare storage class (as TE's internal quantizers do): no
+        wrapper tensor, for values that never leave an op (host time per GEMM)."""
+        if internal:  # keeps this (possibly stateful) quantizer: the storage never leaves the op
+            kwargs = dict(shape=tuple(shape), dtype=dtype, quantizer=self, **self.metadata())
+            return self.tensor_class.storage_class._from_buffers(buffers, **kwargs)
         cls, kwargs = self.create_metadata(shape, dtype)
         return cls._from_buffers(buffers, **kwargs)
 
@@ -133,8 +138,9 @@ class Quantizer:
         return self.make_tensor(self.alloc_tensors(shape, dtype, device), shape, dtype)
 
     # ---- quantization -------------------------------------------------------------------
-    def quantize(self, x: torch.Tensor):
-        """Quantize a high-precision tensor into a new QuantizedTensor."""
+    def quantize(self, x: torch.Tensor, *, internal: bool = False):
+        """Quantize a high-precision tensor into a new QuantizedTensor (a bare storage with
+        `internal=True`, see `make_tensor`)."""
         from .quantized_tensor import QuantizedTensor
 
         if isinstance(x, QuantizedTensor):
@@ -143,7 +149,7 @@ class Quantizer:
         self._check_usage()
         self.check_shape(tuple(x.shape))
         buffers = self._quantize_buffers(x.contiguous())
-        return self.make_tensor(buffers, tuple(x.shape), x.dtype)
+        return self.make_tensor(buffers, tuple(x.shape), x.dtype, internal)
 
     def __call__(self, x: torch.Tensor):
         return self.quantize(x)

@@ -76,6 +76,32 @@ class QuantizedTensorStorage:
                 out[attr] = t
         return out
 
+    def _rebuild(self, buffers: Dict[str, torch.Tensor], shape=None, requires_grad=False):
+        """A new object of this class over `buffers`, with this one's metadata."""
+        meta = self.get_metadata()
+        if shape is not None:
+            meta["shape"] = tuple(shape)
+        return type(self)._from_buffers(buffers, requires_grad=requires_grad, **meta)
+
+    def _buffer_device(self) -> torch.device:
+        """The device of the buffers (a bare storage is no tensor, so it has no `.device`)."""
+        for attr, _ in self._FLATTEN_TENSOR_BUFFERS:
+            t = getattr(self, attr)
+            if t is not None:
+                return t.device
+        raise ValueError(f"{type(self).__name__}: no buffers")
+
+    def only_usage(self, rowwise: bool):
+        """A bare storage sharing this one's buffers of one usage (rowwise, or columnwise when
+        False), so a GEMM reads the intended buffers. A shallow copy, no quantizer copy: the
+        linear ops' hot path (host time per GEMM). Only for bare storages, not tensor subclasses."""
+        if isinstance(self, torch.Tensor):
+            raise TypeError("only_usage: a bare storage is required; use update_usage on a tensor")
+        view = object.__new__(type(self))
+        view.__dict__.update(self.__dict__)
+        view._drop_usage(rowwise, not rowwise)
+        return view
+
     def get_metadata(self) -> Dict[str, object]:
         meta = dict(shape=tuple(self._shape), dtype=self._hp_dtype, quantizer=self._quantizer)
         meta.update({name: getattr(self, name) for name in self._META_FIELDS})
