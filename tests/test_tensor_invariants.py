@@ -167,3 +167,35 @@ def test_nan_and_inf_inputs_documented_behaviour(case):
     y = case.make(True, False).quantize(x).dequantize()
     assert not torch.isnan(y[7, 9]) and y[7, 9] > 0
     assert not torch.isnan(y[8, 1]) and y[8, 1] < 0
+
+
+@pytest.mark.parametrize("case", FORMAT_CASES, ids=lambda c: c.name)
+def test_internal_quantize_is_a_bare_storage_with_the_same_buffers(case):
+    """`quantize(internal=True)` (what the Linear ops use) gives the format's storage class, no
+    tensor subclass, with the tensor's buffers bit for bit; `only_usage` keeps one usage's buffers
+    and leaves the original whole; gemm reads a storage as it reads the tensor."""
+    from transformer_engine_proto.gemm import gemm
+
+    shape = (_lcm(case.m_multiple, 32), _lcm(_lcm(case.k_multiple, case.k_multiple_columnwise), 64))
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(1)  # the same draws for stochastic rounding
+    tensor = case.make(True, True).quantize(x)
+    torch.manual_seed(1)
+    bare = case.make(True, True).quantize(x, internal=True)
+    assert not isinstance(bare, torch.Tensor) and isinstance(tensor, type(bare))
+    assert type(bare) is type(tensor).storage_class
+    a, b = tensor.get_buffers(), bare.get_buffers()
+    bits = lambda t: t.contiguous().flatten().view(torch.uint8)  # noqa: E731  (fp8/fp4 buffers: compare bytes)
+    assert list(a) == list(b) and all(torch.equal(bits(a[k]), bits(b[k])) for k in a)
+    for rowwise in (True, False):
+        view = bare.only_usage(rowwise)
+        assert (view.has_rowwise(), view.has_columnwise()) == (rowwise, not rowwise)
+        assert bare.has_rowwise() and bare.has_columnwise()  # the original keeps both
+        assert all(view.get_buffers()[k] is b[k] for k in view.get_buffers())
+    w = case.make(True, False).quantize(torch.randn(48, shape[1]), internal=True)
+    ref = gemm(tensor.update_usage(rowwise_usage=True, columnwise_usage=False),
+               case.make(True, False).quantize(w.dequantize()), trans_b=True, out_dtype=torch.float32)
+    out = gemm(bare.only_usage(True), w.only_usage(True), trans_b=True, out_dtype=torch.float32)
+    assert out.shape == (shape[0], 48) and torch.allclose(out, ref, rtol=0.1, atol=0.1 * ref.abs().max().item())
+    with pytest.raises(TypeError, match="bare storage"):
+        tensor.only_usage(True)
