@@ -117,3 +117,19 @@ def test_transpose_and_usage_are_exact_relayouts():
     torch.testing.assert_close(t.dequantize(), ref, rtol=0, atol=0)
     t.update_usage(rowwise_usage=True)
     torch.testing.assert_close(t.dequantize(), ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("num", [448.0, 57344.0, 448.0 * 6.0, 1.0])
+def test_true_div_is_the_fp32_ieee_quotient(num):
+    """The scale division runs in float64 and rounds once (so inductor cannot lower it to Triton's
+    approximate fp32 division on CUDA); that must equal the correctly rounded fp32 quotient bit
+    for bit, over random bit patterns (subnormal, huge, zero, inf and NaN included)."""
+    from transformer_engine_proto.kernels.reference.common import true_div
+
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(0, 2**31 - 1, (1 << 20,), generator=g, dtype=torch.int64).to(torch.int32)
+    den = torch.cat([bits.view(torch.float32), torch.tensor([0.0, -0.0, float("inf"), float("nan"), 1e-45])])
+    want = torch.full_like(den, num) / den  # fp32 tensor / tensor: IEEE on CPU
+    got = true_div(num, den)
+    assert got.dtype == torch.float32
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))

@@ -19,6 +19,7 @@ from ..distributed import amax_reduction as _amax_reduction
 from ..distributed import fsdp as _fsdp
 from ..distributed import sp_gather as _sp_gather
 from ..distributed import tp as _tp
+from ..kernels.reference.common import true_div
 from ..ops import linear_ops
 from ..ops.recipe_registry import quantizers_from_key, recipe_key
 from ..tensor import QuantizedTensor, TensorProto
@@ -39,7 +40,7 @@ def _update_from_history(scale, amax_history, recipe: R.DelayedScaling, fp8_max:
     is 0 or non-finite; then roll the history so slot 0 is free for this step's amax."""
     history = amax_history[: recipe.amax_history_len]
     amax = history.amax(0) if recipe.amax_compute_algo == "max" else history[0]
-    new = torch.full_like(amax, fp8_max) / amax / (2.0 ** recipe.margin)  # a true fp32 division, as TE
+    new = true_div(fp8_max, amax) / (2.0 ** recipe.margin)  # the correctly rounded quotient, as TE
     keep = (amax <= 0) | ~torch.isfinite(amax) | ~torch.isfinite(new)
     scale.copy_(torch.where(keep, scale, new))
     history.copy_(torch.roll(history, -1, 0))

@@ -21,6 +21,17 @@ def saturating_cast(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     return x.float().clamp(-m, m).to(fp8_dtype)
 
 
+def true_div(num: float, den: torch.Tensor) -> torch.Tensor:
+    """`num / den` as the correctly rounded fp32 quotient, eager and compiled alike.
+
+    Computed as a float64 tensor / tensor division rounded once to fp32: float64 carries more than
+    2 * 24 + 2 bits, so that single rounding gives exactly the fp32 IEEE quotient. A plain fp32
+    division would not survive inductor, which lowers it on CUDA to Triton's approximate division
+    (up to 2 ulp off eager); and a Python scalar over a tensor is reciprocal-then-multiply."""
+    den = den.double()
+    return (torch.full_like(den, num) / den).float()
+
+
 def scale_from_amax(amax: torch.Tensor, fmt_max: float, margin: int = 0, power_2: bool = False,
                     epsilon: float = 0.0) -> torch.Tensor:
     """Quantization scale `fmt_max / amax / 2**margin` with TE's edge rules.
@@ -31,8 +42,7 @@ def scale_from_amax(amax: torch.Tensor, fmt_max: float, margin: int = 0, power_2
     amax = amax.float()
     if epsilon > 0:
         amax = torch.clamp(amax, min=epsilon)
-    # a true fp32 division (a Python scalar over a tensor would be reciprocal-then-multiply)
-    scale = torch.full_like(amax, fmt_max) / amax / (2.0 ** margin)
+    scale = true_div(fmt_max, amax) / (2.0 ** margin)
     scale = torch.where(torch.isinf(scale) & (amax > 0), torch.full_like(scale, FLOAT32_MAX), scale)
     bad = (amax == 0) | ~torch.isfinite(amax)
     scale = torch.where(bad, torch.ones_like(scale), scale)

@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import register_kernel
-from .common import FLOAT32_MAX, FP4_E2M1_MAX, FP8_MAX, saturating_cast, transpose_2d
+from .common import FLOAT32_MAX, FP4_E2M1_MAX, FP8_MAX, saturating_cast, transpose_2d, true_div
 
 __all__ = [
     "BLOCK", "E2M1_VALUES", "fp4_encode", "fp4_decode", "pack_fp4", "unpack_fp4_codes", "unpack_fp4",
@@ -97,12 +97,10 @@ def unpack_fp4(data: torch.Tensor) -> torch.Tensor:
 
 # ---- scales and the Hadamard transform --------------------------------------------------------
 def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
-    """S_enc = 448 * 6 / amax; float32 max if that overflows; 1 for amax 0, NaN or Inf.
-
-    A correctly rounded tensor / tensor division: `scalar / tensor` in torch is computed as
-    reciprocal-then-multiply, which differs in the last bit for about a quarter of inputs."""
+    """S_enc = 448 * 6 / amax (correctly rounded, `true_div`); float32 max if that overflows; 1 for
+    amax 0, NaN or Inf."""
     amax = amax.float()
-    s = torch.full_like(amax, _E4M3_MAX * FP4_E2M1_MAX) / amax
+    s = true_div(_E4M3_MAX * FP4_E2M1_MAX, amax)
     s = torch.where(torch.isinf(s) & (amax > 0), torch.full_like(s, FLOAT32_MAX), s)
     return torch.where((amax == 0) | ~torch.isfinite(amax), torch.ones_like(s), s)
 
