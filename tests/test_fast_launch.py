@@ -35,10 +35,15 @@ def test_hook_chains_count_as_installed_only_with_calls(monkeypatch):
     assert not launch.hooks_installed()
 
 
-@pytest.mark.parametrize("env", ["0", "1"])
+@pytest.mark.parametrize("env", ["0", "1", None])
 def test_takes_tritons_path_when_disabled_or_off_gpu(monkeypatch, env):
-    monkeypatch.setenv("TE_PROTO_FAST_LAUNCH", env)
-    monkeypatch.setattr(launch, "interpreting", lambda: env == "1")  # enabled, but interpreting
+    if env is None:
+        monkeypatch.delenv("TE_PROTO_FAST_LAUNCH", raising=False)
+        assert launch.enabled()  # on by default
+    else:
+        monkeypatch.setenv("TE_PROTO_FAST_LAUNCH", env)
+        assert launch.enabled() == (env == "1")
+    monkeypatch.setattr(launch, "interpreting", lambda: env != "0")  # enabled, but interpreting
     fn = _Recorder()
     launch.fast_launch(fn)[(3,)](torch.zeros(4), 4, BLOCK=16)
     assert len(fn.calls) == 1 and fn.calls[0][0] == (3,)
