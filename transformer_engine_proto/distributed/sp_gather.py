@@ -125,15 +125,16 @@ def _quantize_shard(kind: str, q, x2d: torch.Tensor, scale: Optional[torch.Tenso
         return [("_data", data, 0)], {"_scale_inv": scale_inv}, amax
     if kind == "fp8_delayed":
         amax = torch.zeros(1, dtype=torch.float32, device=x2d.device)
-        t = Float8Quantizer(scale, amax, q.fp8_dtype, rowwise_usage=True, columnwise_usage=False).quantize(x2d)
+        shard_q = Float8Quantizer(scale, amax, q.fp8_dtype, rowwise_usage=True, columnwise_usage=False)
+        t = shard_q.quantize(x2d, internal=True)
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)  # the amax the module records: the full tensor's
         return [("_data", t._data, 0)], {"_scale_inv": t._scale_inv}, amax
     none = torch.zeros(1, dtype=torch.float32, device=x2d.device)
     if kind == "mxfp8":
-        bufs = q.quantize(x2d).get_buffers()
+        bufs = q.quantize(x2d, internal=True).get_buffers()
         return [(name, b, 0) for name, b in bufs.items()], {}, none
     if kind == "blockwise":  # the 1x128 scales are stored transposed: gather them in that layout
-        bufs = q.quantize(x2d).get_buffers()
+        bufs = q.quantize(x2d, internal=True).get_buffers()
         parts = [("_rowwise_data", bufs["_rowwise_data"], 0), ("_rowwise_scale_inv", bufs["_rowwise_scale_inv"].t(), 1)]
         if q.columnwise_usage:
             parts += [("_columnwise_data", bufs["_columnwise_data"], 1),

@@ -86,7 +86,7 @@ def norm_quantize_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     if _fused_current_scaling(q):
         return norm_fp8_current(inp, weight, bias, eps, kind, zero_centered_gamma, q)
     out, mu, rsigma = kernel("norm_fwd", inp.device)(inp, weight, bias, eps, kind, zero_centered_gamma)
-    return out, mu, rsigma, list(q.quantize(out.reshape(-1, out.shape[-1])).get_buffers().values())
+    return out, mu, rsigma, list(q.quantize(out.reshape(-1, out.shape[-1]), internal=True).get_buffers().values())
 
 
 def _fused_current_scaling(q) -> bool:
@@ -106,7 +106,7 @@ def norm_fp8_current(inp, weight, bias, eps: float, kind: str, zero_centered_gam
     shape = (inp.numel() // inp.shape[-1], inp.shape[-1])
     made = {"_data": data, "_transpose": transpose, "_scale_inv": scale_inv}
     buffers = {name: made[name] for name in q.buffer_layout(shape)}
-    return y, mu, rsigma, list(q.make_tensor(buffers, shape, y.dtype).get_buffers().values())
+    return y, mu, rsigma, list(q.make_tensor(buffers, shape, y.dtype, internal=True).get_buffers().values())
 
 
 def _input_quantizer(key: str, columnwise: bool):
