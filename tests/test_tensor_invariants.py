@@ -199,3 +199,20 @@ def test_internal_quantize_is_a_bare_storage_with_the_same_buffers(case):
     assert out.shape == (shape[0], 48) and torch.allclose(out, ref, rtol=0.1, atol=0.1 * ref.abs().max().item())
     with pytest.raises(TypeError, match="bare storage"):
         tensor.only_usage(True)
+
+
+@pytest.mark.parametrize("compute_dtype,out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                                     (torch.float32, torch.bfloat16), (torch.float32, torch.float32)])
+@pytest.mark.parametrize("case", [c for c in FORMAT_CASES if c.name in ("mxfp8_e4m3", "nvfp4_1d")],
+                         ids=lambda c: c.name)
+def test_emulated_gemm_casts_once_and_equals_the_float32_round_trip(case, compute_dtype, out_dtype):
+    """The emulated GEMM (MXFP8/NVFP4 on Hopper, everything on CPU) casts its product straight to
+    `out_dtype`; that must equal the former product -> float32 -> out_dtype bit for bit."""
+    from transformer_engine_proto.gemm import _values, emulated_gemm
+
+    g = torch.Generator().manual_seed(3)
+    a = case.make(True, False).quantize(torch.randn(64, 128, generator=g), internal=True)
+    b = case.make(True, False).quantize(torch.randn(32, 128, generator=g), internal=True)
+    got = emulated_gemm(a, b, out_dtype=out_dtype, trans_b=True, compute_dtype=compute_dtype)
+    want = (_values(a, False, compute_dtype) @ _values(b, True, compute_dtype)).float().to(out_dtype)
+    assert got.dtype == out_dtype and torch.equal(got, want)
