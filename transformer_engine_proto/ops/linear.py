@@ -284,7 +284,7 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
         if plan.save_original_input and weight_requires_grad:
             iq = plan.quantizers.input.with_usage(rowwise=False, columnwise=True)
             if plan.delayed:  # reuse the forward's scale; the amax was recorded in forward
-                iq = dataclasses.replace(iq, scale=fp8_scales[0:1], amax=torch.zeros(1, device=dy.device))
+                iq = _with_state(iq, fp8_scales[0:1], torch.zeros(1, device=dy.device))
             x = iq.quantize(x, internal=True)
     grads = []
     if input_requires_grad:
