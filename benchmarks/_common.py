@@ -244,6 +244,14 @@ def environment(device: torch.device) -> dict:
         env["torchao"] = torchao.__version__
     except Exception:
         env["torchao"] = None
+    # the library's own switches change what is measured: record them with the numbers
+    env["kernels"] = os.environ.get("TE_PROTO_KERNELS", "default")
+    try:
+        from transformer_engine_proto.kernels.triton.launch import enabled as fast_launch_enabled
+
+        env["fast_launch"] = fast_launch_enabled()
+    except ImportError:  # no Triton: no Triton launches either
+        env["fast_launch"] = None
     return env
 
 
