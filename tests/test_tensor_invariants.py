@@ -199,6 +199,8 @@ def test_internal_quantize_is_a_bare_storage_with_the_same_buffers(case):
     assert out.shape == (shape[0], 48) and torch.allclose(out, ref, rtol=0.1, atol=0.1 * ref.abs().max().item())
     with pytest.raises(TypeError, match="bare storage"):
         tensor.only_usage(True)
+    with pytest.raises(ValueError, match="no columnwise buffers"):
+        w.only_usage(False)  # never an empty storage
 
 
 @pytest.mark.parametrize("compute_dtype,out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),

@@ -97,6 +97,9 @@ class QuantizedTensorStorage:
         linear ops' hot path (host time per GEMM). Only for bare storages, not tensor subclasses."""
         if isinstance(self, torch.Tensor):
             raise TypeError("only_usage: a bare storage is required; use update_usage on a tensor")
+        if not (self.has_rowwise() if rowwise else self.has_columnwise()):
+            raise ValueError(f"only_usage: this {type(self).__name__} holds no "
+                             f"{'rowwise' if rowwise else 'columnwise'} buffers; quantize with that usage")
         view = object.__new__(type(self))
         view.__dict__.update(self.__dict__)
         view._drop_usage(rowwise, not rowwise)
