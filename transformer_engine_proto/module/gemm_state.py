@@ -40,7 +40,9 @@ def _update_from_history(scale, amax_history, recipe: R.DelayedScaling, fp8_max:
     is 0 or non-finite; then roll the history so slot 0 is free for this step's amax."""
     history = amax_history[: recipe.amax_history_len]
     amax = history.amax(0) if recipe.amax_compute_algo == "max" else history[0]
-    new = true_div(fp8_max, amax) / (2.0 ** recipe.margin)  # the correctly rounded quotient, as TE
+    # the correctly rounded quotient, as TE; then the margin as an exact power-of-two product (the
+    # same bits as TE's division by 2**margin, and no fp32 division for inductor to approximate)
+    new = true_div(fp8_max, amax) * (2.0 ** -recipe.margin)
     keep = (amax <= 0) | ~torch.isfinite(amax) | ~torch.isfinite(new)
     scale.copy_(torch.where(keep, scale, new))
     history.copy_(torch.roll(history, -1, 0))

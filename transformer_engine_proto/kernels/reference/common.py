@@ -42,7 +42,7 @@ def scale_from_amax(amax: torch.Tensor, fmt_max: float, margin: int = 0, power_2
     amax = amax.float()
     if epsilon > 0:
         amax = torch.clamp(amax, min=epsilon)
-    scale = true_div(fmt_max, amax) / (2.0 ** margin)
+    scale = true_div(fmt_max, amax) * (2.0 ** -margin)  # x * 2**-m: the bits of x / 2**m, no division
     scale = torch.where(torch.isinf(scale) & (amax > 0), torch.full_like(scale, FLOAT32_MAX), scale)
     bad = (amax == 0) | ~torch.isfinite(amax)
     scale = torch.where(bad, torch.ones_like(scale), scale)
