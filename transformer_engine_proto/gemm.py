@@ -1,7 +1,8 @@
 """One `gemm` for every format: out = op(a) @ op(b) (+ bias), op = optional transpose.
 
-Operands are plain tensors, or quantized tensors or bare storages (`internal=True`) holding exactly
-the usage the product needs (the ops drop the other usage before calling). Paths, picked by format and device:
+Operands are plain tensors, or quantized tensors or bare storages (`internal=True`) holding
+exactly the usage the product needs (the ops drop the other usage before calling). Paths, picked
+by format and device:
 
 - CUDA, per-tensor FP8: `torch._scaled_mm` tensorwise. A must be row-major op(a) and B
   column-major op(b); the rowwise data of X is row-major X and the FP8 transpose is row-major X^T,
