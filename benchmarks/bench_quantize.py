@@ -81,6 +81,10 @@ def cases(x, tri):
         ("fp8 delayed rw+cw (cast+transpose)",
          lambda: ref_f8.fp8_quantize_delayed(x, scale, amax_ref, E4M3, True, True),
          (lambda: tri["f8"].fp8_quantize_delayed(x, scale, amax_tri, E4M3, True, True)) if tri else None, 0),
+        # ablation: the transposed store alone (plus the amax pass a transpose takes), against rw+cw
+        ("fp8 delayed cw (transpose only)",
+         lambda: ref_f8.fp8_quantize_delayed(x, scale, amax_ref, E4M3, False, True),
+         (lambda: tri["f8"].fp8_quantize_delayed(x, scale, amax_tri, E4M3, False, True)) if tri else None, 0),
         ("fp8 delayed rw",
          lambda: ref_f8.fp8_quantize_delayed(x, scale, amax_ref, E4M3, True, False),
          (lambda: tri["f8"].fp8_quantize_delayed(x, scale, amax_tri, E4M3, True, False)) if tri else None, 0),
