@@ -39,7 +39,12 @@ def test_hook_chains_count_as_installed_only_with_calls(monkeypatch):
 def test_takes_tritons_path_when_disabled_or_off_gpu(monkeypatch, env):
     if env is None:
         monkeypatch.delenv("TE_PROTO_FAST_LAUNCH", raising=False)
-        assert launch.enabled()  # on by default
+        # on by default with the Triton it was verified on, off with any other
+        assert launch.enabled() == triton.__version__.startswith(launch.VERIFIED_TRITON)
+        monkeypatch.setattr(triton, "__version__", "3.6.0")
+        assert launch.enabled()
+        monkeypatch.setattr(triton, "__version__", "3.9.0")
+        assert not launch.enabled()
     else:
         monkeypatch.setenv("TE_PROTO_FAST_LAUNCH", env)
         assert launch.enabled() == (env == "1")
