@@ -3,8 +3,9 @@
 Both ops return plain tensors only. Quantized tensors that backward needs (the columnwise input
 for wgrad, the columnwise weight for dgrad) leave the forward op as their flattened buffers; the
 fake impls build the same lists from `TensorProto`s, which `LinearPlan` derives from the call's
-flags (never from live `requires_grad`). The forward is functional (it returns amaxes instead of
-writing them); the backward op mutates the delayed-scaling amax history and `main_grad`.
+flags (never from live `requires_grad`). Both ops are functional: the forward returns the amaxes
+and the backward the gradient amax, and the autograd wrapper (`_backward`) writes the latter into
+the module's pending buffer (`record_grad_amax`) and accumulates `main_grad`.
 """
 from __future__ import annotations
 

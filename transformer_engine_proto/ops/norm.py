@@ -99,14 +99,14 @@ def _fused_current_scaling(q) -> bool:
 def norm_fp8_current(inp, weight, bias, eps: float, kind: str, zero_centered_gamma: bool, q):
     """(y, mu, rsigma, buffers): the norm and `q.quantize(y.reshape(-1, K)).get_buffers()` for a
     `Float8CurrentScalingQuantizer` q, with the amax taken by the norm kernel itself (no separate
-    pass over y). The buffers are named and ordered as the quantizer's tensor holds them."""
+    pass over y). The buffers are in the quantizer's `buffer_layout` order, the flattening order
+    (`TensorProto.inner_names`)."""
     y, mu, rsigma, data, transpose, scale_inv, _ = kernel("norm_fp8_current_quantize", inp.device)(
         inp, weight, bias, eps, kind, zero_centered_gamma, q.fp8_dtype, q.rowwise_usage,
         q.columnwise_usage, q.margin, q.force_pow_2_scales, q.amax_epsilon)
     shape = (inp.numel() // inp.shape[-1], inp.shape[-1])
     made = {"_data": data, "_transpose": transpose, "_scale_inv": scale_inv}
-    buffers = {name: made[name] for name in q.buffer_layout(shape)}
-    return y, mu, rsigma, list(q.make_tensor(buffers, shape, y.dtype, internal=True).get_buffers().values())
+    return y, mu, rsigma, [made[name] for name in q.buffer_layout(shape)]
 
 
 def _input_quantizer(key: str, columnwise: bool):
