@@ -152,9 +152,14 @@ if [ -n "$LINEAR_RO_SHAPES" ] && [ "$L1_SMOKE" != "1" ]; then
         --shapes "$LINEAR_RO_SHAPES" --modes reduce-overhead --max-minutes "$min_ro" --out "$OUT" --name bench_linear_ro
 fi
 
-# 5. FSDP2 / TP+SP all-gather bytes and step time, bf16 vs quantized (NCCL): only with >= 2 GPUs
+# 5. FSDP2 / TP+SP: the distributed tests on NCCL, then all-gather bytes and step time, bf16 vs quantized (NCCL): only with >= 2 GPUs
+DIST_TESTS=(tests/test_tensor_parallel.py tests/test_tp_amax_reduction.py tests/test_sp_quantized_gather.py
+            tests/test_fsdp.py tests/test_debug_distributed.py)
 NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 if [ "${NGPU:-0}" -ge 2 ]; then
+    # the 2-process distributed tests again, with NCCL and one GPU per rank (CI runs them on gloo)
+    run_step pytest_nccl "$PYTEST_TIMEOUT" env TE_PROTO_DIST_BACKEND=nccl HYPOTHESIS_PROFILE=gpu "$PYTHON" -m pytest \
+        -q -p no:cacheprovider "${DIST_TESTS[@]}"
     min_dist=$(minutes_left 0.3 60 45)
     run_step bench_distributed $(( ${min_dist%.*} * 60 + 240 )) "$PYTHON" benchmarks/bench_distributed.py \
         "${SMOKE[@]}" --max-minutes "$min_dist" --out "$OUT" --name bench_distributed

@@ -1,4 +1,5 @@
-"""Stats of LogTensorStats are reduced across ranks at debug_api.step() (2 CPU processes, gloo)."""
+"""Stats of LogTensorStats are reduced across ranks at debug_api.step() (2 processes: gloo, or NCCL
+with TE_PROTO_DIST_BACKEND=nccl, see dist_harness)."""
 import os
 import socket
 
@@ -7,6 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dist_harness import check_world, generator, init_worker, to_cpu
+
 CFG = {"s": {"enabled": True, "layers": {"layer_types": ["lin"]},
              "transformer_engine": {"LogTensorStats": {"enabled": True, "stats": ["min", "max", "mean", "std", "l2_norm"],
                                                        "tensors": ["activation", "weight"]}}}}
@@ -14,7 +17,7 @@ CFG = {"s": {"enabled": True, "layers": {"layer_types": ["lin"]},
 
 def _worker(rank, world, port, log_root, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_worker(rank, world)
     try:
         import nvdlfw_inspect.api as debug_api
 
@@ -31,7 +34,7 @@ def _worker(rank, world, port, log_root, results):
         x = torch.randn(4, 16) * (rank + 1)
         m(x).sum().backward()
         debug_api.step()
-        results[rank] = (x, m.weight.detach().clone(), last_logged_stats())
+        results[rank] = to_cpu((x, m.weight.detach().clone(), last_logged_stats()))
         debug_api.end_debug()
     finally:
         dist.destroy_process_group()
@@ -45,6 +48,7 @@ def _free_port():
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 def test_stats_reduced_across_ranks(tmp_path):
+    check_world(2)
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
@@ -74,7 +78,7 @@ TP_CFG = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "^(col|r
 def _tp_worker(rank, world, port, log_root, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_worker(rank, world)
     try:
         import nvdlfw_inspect.api as debug_api
 
@@ -82,7 +86,7 @@ def _tp_worker(rank, world, port, log_root, results):
         from transformer_engine_proto.debug import FEATURE_DIR, last_logged_stats, set_weight_tensor_tp_group_reduce
 
         group = dist.new_group(list(range(world)))
-        gen = torch.Generator().manual_seed(0)
+        gen = generator(0)
         w_col, w_row = torch.randn(64, 128, generator=gen), torch.randn(64, 128, generator=gen) * 3
         col = te.Linear(128, 64, parallel_mode="column", tp_group=group, name="col")
         row = te.Linear(128, 64, parallel_mode="row", tp_group=group, name="row")
@@ -100,7 +104,7 @@ def _tp_worker(rank, world, port, log_root, results):
             debug_api.step()
             logged.append(last_logged_stats())
         set_weight_tensor_tp_group_reduce(True)
-        results[rank] = (w_col, w_row, col.weight.detach().clone(), row.weight.detach().clone(), logged)
+        results[rank] = to_cpu((w_col, w_row, col.weight.detach().clone(), row.weight.detach().clone(), logged))
         debug_api.end_debug()
     finally:
         dist.destroy_process_group()
@@ -125,6 +129,7 @@ def _mxfp8_stats(w):
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 def test_weight_stats_reduced_over_tp_group(tmp_path):
+    check_world(2)
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 import transformer_engine_proto as te
-from dist_harness import spawn_and_collect
+from dist_harness import device_type, generator, init_worker, spawn_and_collect
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.distributed import fsdp as F
 
@@ -48,7 +48,7 @@ def _ctx(recipe):
 
 
 def _build(case, rid):
-    gen = torch.Generator().manual_seed(3)
+    gen = generator(3)
     if case == "linear":
         model = te.Linear(H, H)
         x, g = torch.randn(SEQ * BATCH, H, generator=gen), torch.randn(SEQ * BATCH, H, generator=gen)
@@ -240,10 +240,10 @@ def _worker(rank, init_file, out_dir):
     from torch.distributed.device_mesh import init_device_mesh
 
     warnings.filterwarnings("ignore")
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    init_worker(rank, WORLD, f"file://{init_file}")
     torch.manual_seed(0)
     try:
-        mesh = init_device_mesh("cpu", (WORLD,))
+        mesh = init_device_mesh(device_type(), (WORLD,))
         res = {}
         for rid in RECIPES:
             for case in ("linear", "linear_odd", "linear_bf16", "layers"):

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import transformer_engine_proto as te
-from dist_harness import compile_fresh, one_rank_group, spawn_and_collect  # noqa: F401  (fixture)
+from dist_harness import compile_fresh, generator, init_worker, one_rank_group, spawn_and_collect  # noqa: F401  (fixture)
 from test_linear_opcheck import fp8_harness  # noqa: F401  (opcheck on 1-byte float outputs)
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.distributed.sp_gather import (HP, input_gather_format,
@@ -71,7 +71,7 @@ def _run(case, group, rank, recipe, quantized, compiled, rows=M_LOCAL, steps=2, 
 
     m = _module(case, group)
     set_quantized_sequence_parallel_gather(m, quantized)
-    gen = torch.Generator().manual_seed(1 + rank)
+    gen = generator(1 + rank)
     shape = (rows // 2, 2, K) if case == "layer" else (rows, K)
     x = torch.randn(shape, generator=gen).requires_grad_(grad)
     run = m
@@ -101,7 +101,7 @@ def _max_diff(a, b):
 
 def _worker(rank, init_file, out_dir):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    init_worker(rank, WORLD, f"file://{init_file}")
     try:
         group = dist.new_group(list(range(WORLD)))
         _count_all_gathers()

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import transformer_engine_proto as te
-from dist_harness import compile_fresh, one_rank_group, spawn_and_collect  # noqa: F401  (fixture)
+from dist_harness import compile_fresh, generator, init_worker, one_rank_group, spawn_and_collect  # noqa: F401  (fixture)
 from transformer_engine_proto import recipe as R
 
 WORLD, TOKENS, IN, OUT = 2, 32, 64, 64
@@ -36,7 +36,7 @@ def _ctx(recipe):
 
 
 def _data():
-    gen = torch.Generator().manual_seed(0)
+    gen = generator(0)
     w = torch.randn(OUT, IN, generator=gen) * 0.1
     b = torch.randn(OUT, generator=gen)
     x = torch.randn(TOKENS, IN, generator=gen)
@@ -123,7 +123,7 @@ def _tp_case(mode, recipe, rank, group, compiled):
 
 
 def _worker(rank, init_file, out_dir):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    init_worker(rank, WORLD, f"file://{init_file}")
     try:
         group = dist.new_group(list(range(WORLD)))
         results = {}
@@ -264,7 +264,7 @@ def _mod_case(case, rank, group):
     rep = lambda t: t  # noqa: E731
     c0 = lambda t: _shard(t, 0, rank)  # noqa: E731
     c1 = lambda t: _shard(t, 1, rank)  # noqa: E731
-    gen = torch.Generator().manual_seed(1)
+    gen = generator(1)
     if case.startswith("lnl_column"):
         ref, m = te.LayerNormLinear(H, 2 * H), te.LayerNormLinear(H, 2 * H, parallel_mode="column", **kw)
         pmap = {"norm.weight": ("norm.weight", rep), "norm.bias": ("norm.bias", rep),
@@ -355,7 +355,7 @@ def _mod_worker_cases(rank, group):
 
 
 def _mod_worker(rank, init_file, out_dir):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    init_worker(rank, WORLD, f"file://{init_file}")
     try:
         group = dist.new_group(list(range(WORLD)))
         torch.save(_mod_worker_cases(rank, group), f"{out_dir}/mod_rank{rank}.pt")

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import test_tensor_parallel as TPT
 import transformer_engine_proto as te
-from dist_harness import compile_fresh, spawn_and_collect
+from dist_harness import compile_fresh, init_worker, spawn_and_collect
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.distributed.amax_reduction import enable_tp_amax_reduction
 
@@ -61,7 +61,7 @@ def _module_case(case, rank, group, compiled):
 
 
 def _worker(rank, init_file, out_dir):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=TPT.WORLD)
+    init_worker(rank, TPT.WORLD, f"file://{init_file}")
     try:
         group = dist.new_group(list(range(TPT.WORLD)))
         res = {}
