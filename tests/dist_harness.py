@@ -40,10 +40,16 @@ def init_worker(rank: int, world: int, init_method: str | None = None) -> None:
     it the default device)."""
     kw = {} if init_method is None else {"init_method": init_method}
     if BACKEND == "nccl":
+        # cuBLAS is bitwise reproducible across streams (FSDP gathers on side streams) only with a
+        # fixed workspace; the FSDP tests compare two modules bit for bit
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.cuda.set_device(rank)
         torch.set_default_device(f"cuda:{rank}")
         kw["device_id"] = torch.device("cuda", rank)
     dist.init_process_group(BACKEND, rank=rank, world_size=world, **kw)
+
+
+ON_GPU = BACKEND == "nccl"
 
 
 def device_type() -> str:

@@ -1,7 +1,8 @@
 """FSDP2 (`fully_shard`) on TE-proto modules with the weights all-gathered in the recipe's format.
 
-One spawn of 2 CPU processes (gloo) runs every distributed case; each rank compares with a
-single-process reference built from the same weights and saves its metrics, which the tests read:
+One spawn of 2 processes (gloo on CPU; NCCL on 2 GPUs, see dist_harness) runs every distributed
+case; each rank compares with a single-process reference built from the same weights and saves
+its metrics, which the tests read:
   * "same data" (both ranks see the same batch), 2 steps with an SGD update in between: output,
     input grad and every parameter's gradient (after FSDP's reduce-scatter, `full_tensor()`) must
     equal the single-process module bitwise -- the gathered quantized weight is bit-identical to

@@ -1,4 +1,5 @@
-"""Sequence parallel with the input all-gathered quantized (distributed/sp_gather.py), 2 gloo processes.
+"""Sequence parallel with the input all-gathered quantized (distributed/sp_gather.py), 2 processes
+(gloo, or NCCL: see dist_harness).
 
 Each rank runs a column-parallel + SP module twice from the same weights and inputs: with the
 quantized gather (the default) and with the high-precision gather (`set_quantized_sequence_

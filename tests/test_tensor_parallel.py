@@ -1,4 +1,5 @@
-"""Tensor-parallel Linear (column / row, optional sequence parallel) on 2 CPU processes (gloo).
+"""Tensor-parallel Linear (column / row, optional sequence parallel) on 2 processes (gloo on CPU, or
+NCCL on 2 GPUs with TE_PROTO_DIST_BACKEND=nccl).
 
 One spawn runs every case; each rank compares its result with two single-process references
 built from the same weights:
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import transformer_engine_proto as te
-from dist_harness import compile_fresh, generator, init_worker, one_rank_group, spawn_and_collect  # noqa: F401  (fixture)
+from dist_harness import ON_GPU, compile_fresh, generator, init_worker, one_rank_group, spawn_and_collect  # noqa: F401  (fixture)
 from transformer_engine_proto import recipe as R
 
 WORLD, TOKENS, IN, OUT = 2, 32, 64, 64
@@ -29,6 +30,13 @@ SAME_TOL = 1e-6  # max abs error vs the same-quantization reference (measured: 0
 # the full tensor); current scaling 0.074 (per-shard amax of the column-parallel grad_output and
 # the row-parallel input: dW 0.074, dx 0.058, y 0.023)
 FULL_TOL = {"high_precision": 1e-6, "current": 0.1, "mxfp8": 1e-6}
+# On GPU (NCCL) the MXFP8 GEMM is emulated in bf16 (Hopper has no block-scaled MMA): each product
+# is rounded to bf16 (2**-9 relative per element) at different points in the sharded and the full
+# module, so "full" differs by bf16 rounding. Measured on 2 H200: max 1.7e-3 (Linear), 4.5e-3
+# (TransformerLayer qkv.weight grad). The "same" comparisons stay exact (measured 0.0).
+BF16_GEMM_TOL = 2.0**-7
+if ON_GPU:
+    FULL_TOL["mxfp8"] = BF16_GEMM_TOL
 
 
 def _ctx(recipe):
@@ -225,7 +233,7 @@ def test_tp_module_deepcopies(one_rank_group):
     assert m2.tp_group is not None and m2._tp_group_name == m._tp_group_name
 
 
-# ---- LayerNormLinear / LayerNormMLP / TransformerLayer (2 ranks, gloo) --------------------------------
+# ---- LayerNormLinear / LayerNormMLP / TransformerLayer (2 ranks) ---------------------------------------
 # Each rank builds its TP module from the shards of a single-process reference's full weights, runs
 # forward + backward on its input shard and compares output, input grad and every parameter grad
 # with the reference's (sharded the same way). Grads of parameters marked `sequence_parallel`
@@ -235,7 +243,9 @@ def test_tp_module_deepcopies(one_rank_group):
 # Relative (Frobenius) errors measured, max over cases / tensors / ranks / eager+compiled:
 # high precision 3.3e-7 (mlp_sp norm.bias), MXFP8 (all shards 32-aligned, so each quantizes
 # exactly as its part of the full tensor) 7.7e-8 (layer_sp qkv.norm.weight) -- reduction order only.
-MOD_TOL = {"high_precision": 1e-6, "mxfp8": 1e-6}
+# On GPU the bf16 rounding of the emulated MXFP8 GEMM (see BF16_GEMM_TOL) reaches the norm weight
+# grads, which sum over every token: measured max 9.2e-3 (layer qkv.norm.weight) on 2 H200.
+MOD_TOL = {"high_precision": 1e-6, "mxfp8": 2.0**-6 if ON_GPU else 1e-6}
 MOD_RECIPES = {"high_precision": None, "mxfp8": R.MXFP8BlockScaling()}
 MOD_CASES = ["lnl_column", "lnl_column_sp", "lnl_row", "lnl_row_sp", "mlp", "mlp_sp", "layer", "layer_sp"]
 H, FFN, HEADS, SEQ, BATCH = 64, 128, 4, 16, 2  # 32 tokens

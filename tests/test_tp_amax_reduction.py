@@ -2,7 +2,7 @@
 
 Without it a TP current-scaling Linear differs from the full one by up to ~7% (per-shard amaxes,
 see test_tensor_parallel.FULL_TOL); with it every sharded operand is quantized with the whole
-tensor's amax, so only fp32 summation order differs. One spawn of 2 gloo processes runs the
+tensor's amax, so only fp32 summation order differs. One spawn of 2 processes (gloo, or NCCL: see dist_harness) runs the
 Linear modes and the TP modules of test_tensor_parallel, eager and compiled (aot_eager, fullgraph).
 """
 import pytest
@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import test_tensor_parallel as TPT
 import transformer_engine_proto as te
-from dist_harness import compile_fresh, init_worker, spawn_and_collect
+from dist_harness import ON_GPU, compile_fresh, init_worker, spawn_and_collect
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.distributed.amax_reduction import enable_tp_amax_reduction
 
@@ -19,6 +19,11 @@ RECIPE = R.Float8CurrentScaling()
 # relative (Frobenius) error vs the full module, measured max over cases / tensors / ranks:
 # 3.2e-7 (reduction order of the TP sums); without the reduction the same Linears reach 0.074
 TOL = 1e-6
+# On GPU the FP8 GEMMs run on Hopper tensor cores, whose FP8 accumulation is not fp32 per step
+# (cuBLAS promotes partial sums to fp32 every few K blocks), so splitting a reduction across ranks
+# moves the result by more than fp32 ordering: measured max 1.3e-4 on 2 H200 (mlp input grad)
+if ON_GPU:
+    TOL = 5e-4
 MOD_CASES = ["lnl_column_sp", "lnl_row", "mlp", "layer_sp"]
 
 
