@@ -10,6 +10,8 @@ by format and device:
 - CUDA, FP8 blockwise: `F.scaled_mm` with 1x128 / 128x128 block scales (the v2 API: the v1 API
   silently mis-reads 128x128 scales unless K/128 is a multiple of 4); 128x128 scales are padded
   to a multiple of 4 blocks along the reduction dim (a copy of a few KB).
+- CUDA, MXFP8/NVFP4 on GPUs with block-scaled MMA (compute capability 10.x / 12.x): one native
+  `F.scaled_mm` (`block_scaled_gemm.py`).
 - CUDA otherwise (MXFP8/NVFP4 on Hopper, shapes cuBLAS rejects): dequantize to bf16 and matmul.
   For the NVFP4 wgrad (both operands columnwise, reduced over the tokens) the columnwise buffers
   are dequantized as they are stored, op(x) = x^T already, and the random Hadamard transform is
@@ -25,9 +27,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .block_scaled_gemm import block_scaled_mm, native_layouts
 from .kernels import kernel
 from .tensor.float8 import Float8TensorStorage
 from .tensor.float8_blockwise import Float8BlockwiseQTensorStorage
+from .tensor.mxfp8 import MXFP8TensorStorage
 from .tensor.nvfp4 import NVFP4TensorStorage
 from .tensor.storage import QuantizedTensorStorage
 
@@ -173,8 +177,12 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype, trans_a: b
             out = _tensorwise(a, b, trans_a, trans_b, out_dtype, bias)
         elif isinstance(a, Float8BlockwiseQTensorStorage) and isinstance(b, Float8BlockwiseQTensorStorage):
             out = _blockwise(a, b, trans_a, trans_b, out_dtype, bias)
-        elif isinstance(a, NVFP4TensorStorage):
-            out = _nvfp4_wgrad(a, b, trans_a, trans_b, out_dtype, bias)
+        elif isinstance(a, (MXFP8TensorStorage, NVFP4TensorStorage)):
+            layouts = native_layouts(device)
+            if layouts is not None:
+                out = block_scaled_mm(a, b, trans_a, trans_b, out_dtype, bias, layouts)
+            if out is None and isinstance(a, NVFP4TensorStorage):
+                out = _nvfp4_wgrad(a, b, trans_a, trans_b, out_dtype, bias)
         if out is not None:
             return out
         if not a_quantized and not isinstance(b, QuantizedTensorStorage):

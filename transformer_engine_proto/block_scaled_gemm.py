@@ -1,0 +1,139 @@
+"""Native block-scaled GEMMs for MXFP8 and NVFP4 through `F.scaled_mm`, where the tensor cores
+apply the block scales themselves (compute capability 10.x and 12.x). Hopper has no such MMA:
+`gemm.py` emulates these formats there (dequantize + bf16 matmul) and never calls this.
+
+Operands come as they are stored, with no transpose copy:
+- NVFP4 keeps its columnwise copy transposed (rows of x^T), so every operand is K-major.
+- MXFP8 keeps its columnwise copy untransposed (blocks of 32 down the columns). A GEMM that
+  reduces over the stored rows (dgrad's weight, both wgrad operands) reads it as a transposed
+  view: an "NN"/"TT" layout that cuBLAS runs on 10.x but not on 12.x, whose block-scaled kernels
+  take only "TN" (cuBLAS docs, narrow-precision usage). There those GEMMs stay emulated.
+
+Our scale buffers keep the plain (rows, K/block) layout of the format spec; cuBLAS reads them in
+its swizzled 128x4-tile layout, so each GEMM swizzles a copy (1/32 or 1/16 of the data's bytes).
+NVFP4's second-level scale is the per-tensor decode factor 1/S_enc of the operand's amax.
+`TE_PROTO_NATIVE_BLOCK_GEMM=0` turns the native path off (emulated everywhere).
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .kernels.reference.common import true_div
+from .kernels.reference.nvfp4 import global_encode_scale
+from .tensor.mxfp8 import MXFP8TensorStorage
+from .tensor.nvfp4 import NVFP4TensorStorage
+
+__all__ = ["swizzle_block_scales", "native_layouts", "block_scaled_mm"]
+
+_TILE_ROWS, _TILE_COLS = 128, 4
+
+
+def swizzle_block_scales(scale: torch.Tensor) -> torch.Tensor:
+    """(rows, cols) block scales -> the flat layout cuBLAS block-scaled GEMMs read: zero-padded to
+    128x4 tiles, tiles in row-major order, and inside a tile the scale of (row r, col c) at byte
+    (r % 32) * 16 + (r // 32) * 4 + c."""
+    if scale.dim() != 2:
+        raise ValueError(f"swizzle_block_scales: expected a 2D (rows, K/block) scale, got shape {tuple(scale.shape)}")
+    rows, cols = scale.shape
+    prow, pcol = -(-rows // _TILE_ROWS) * _TILE_ROWS, -(-cols // _TILE_COLS) * _TILE_COLS
+    raw = scale.view(torch.uint8)  # 1-byte scales (E8M0 / E4M3): pad and permute as bytes
+    if (prow, pcol) != (rows, cols):
+        padded = raw.new_zeros((prow, pcol))
+        padded[:rows, :cols] = raw
+        raw = padded
+    tiles = raw.reshape(prow // _TILE_ROWS, 4, 32, pcol // _TILE_COLS, _TILE_COLS)  # (tr, r//32, r%32, tc, c)
+    return tiles.permute(0, 3, 2, 1, 4).reshape(-1).view(scale.dtype)
+
+
+def _env_allows() -> bool:
+    flag = os.environ.get("TE_PROTO_NATIVE_BLOCK_GEMM", "1")
+    if flag not in ("0", "1"):
+        raise ValueError(f"TE_PROTO_NATIVE_BLOCK_GEMM={flag!r}: expected 0 or 1")
+    return flag == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> Tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def native_layouts(device: torch.device) -> Optional[str]:
+    """"all" (every operand layout), "tn" (both operands K-major only) or None (no block-scaled
+    MMA, or turned off) for block-scaled GEMMs on `device`."""
+    if device.type != "cuda" or not _env_allows() or not hasattr(F, "scaled_mm"):
+        return None
+    major = _capability(device.index if device.index is not None else torch.cuda.current_device())[0]
+    return {10: "all", 12: "tn"}.get(major)
+
+
+def _nvfp4_decode_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The per-tensor factor decoded values carry: 1 / S_enc (correctly rounded)."""
+    return true_div(1.0, global_encode_scale(amax))
+
+
+def _operand(t, reduce_last: bool):
+    """(outer x K matrix of op(t) as stored, its (outer, K/block) scales, NVFP4 decode scale or
+    None, K-major?, RHT seed or None), or None when t lacks the usage the GEMM reduces along.
+    `reduce_last`: the GEMM reduces over t's last dim (rowwise buffers), else over its rows."""
+    if isinstance(t, MXFP8TensorStorage):
+        if reduce_last:
+            if t._rowwise_data is None:
+                return None
+            return t._rowwise_data.reshape(-1, t._shape[-1]), t._rowwise_scale_inv, None, True, None
+        if t._columnwise_data is None:
+            return None
+        data = t._columnwise_data.reshape(-1, t._shape[-1])  # (rows, cols), blocks down the rows
+        return data.t(), t._columnwise_scale_inv.t(), None, False, None
+    if reduce_last:
+        if t._rowwise_data is None:
+            return None
+        return (t._rowwise_data.view(torch.float4_e2m1fn_x2), t._rowwise_scale_inv,
+                _nvfp4_decode_scale(t._amax_rowwise), True, None)
+    if t._columnwise_data is None:
+        return None
+    rht = t.rht_seed if t.with_rht else None  # the RHT rotates the columnwise copy only
+    return (t._columnwise_data.view(torch.float4_e2m1fn_x2), t._columnwise_scale_inv,
+            _nvfp4_decode_scale(t._amax_columnwise), True, rht)
+
+
+def block_scaled_mm(a, b, trans_a: bool, trans_b: bool, out_dtype: torch.dtype, bias, layouts: str,
+                    scaled_mm=None) -> Optional[torch.Tensor]:
+    """op(a) @ op(b) (+ bias) in one block-scaled `scaled_mm`, or None when this pair cannot run
+    natively under `layouts` ("all" / "tn"), so the caller emulates it."""
+    fmt = type(a)
+    if fmt not in (MXFP8TensorStorage, NVFP4TensorStorage) or type(b) is not fmt:
+        return None
+    pa, pb = _operand(a, reduce_last=not trans_a), _operand(b, reduce_last=trans_b)
+    if pa is None or pb is None:
+        return None
+    mat_a, sa, ga, kmajor_a, rht_a = pa
+    rows_b, sb, gb, kmajor_b, rht_b = pb  # rows_b: op(b)^T, (N, K)
+    if layouts == "tn" and not (kmajor_a and kmajor_b):
+        return None
+    if rht_a != rht_b:
+        return None  # one rotated operand: the rotations must cancel (wgrad), else emulate
+    if mat_a.shape[1] != rows_b.shape[1] or sa.shape[1] != sb.shape[1]:
+        return None  # inner dims differ: the emulated path raises the error
+    m, n = mat_a.shape[0], rows_b.shape[0]
+    k = sa.shape[1] * (32 if fmt is MXFP8TensorStorage else 16)
+    if m % 16 or n % 16 or k % 32:
+        return None  # cuBLAS alignment (16-byte leading dims, whole 32-element K blocks)
+    st, sw = F.ScalingType, F.SwizzleType
+    if fmt is MXFP8TensorStorage:
+        scale_a, rec_a, swz_a = swizzle_block_scales(sa), st.BlockWise1x32, sw.SWIZZLE_32_4_4
+        scale_b, rec_b, swz_b = swizzle_block_scales(sb), st.BlockWise1x32, sw.SWIZZLE_32_4_4
+    else:
+        rec = [st.BlockWise1x16, st.TensorWise]
+        swz = [sw.SWIZZLE_32_4_4, sw.NO_SWIZZLE]
+        scale_a, rec_a, swz_a = [swizzle_block_scales(sa), ga], rec, swz
+        scale_b, rec_b, swz_b = [swizzle_block_scales(sb), gb], rec, swz
+    out = (scaled_mm or F.scaled_mm)(mat_a, rows_b.t(), scale_a, rec_a, scale_b, rec_b, swizzle_a=swz_a,
+                                     swizzle_b=swz_b, output_dtype=out_dtype)
+    if bias is not None:  # added in fp32 like the emulated path (no bias epilogue assumed for MX)
+        out = (out.float() + bias.float()).to(out_dtype)
+    return out
