@@ -136,6 +136,11 @@ def test_falls_back_when_it_cannot_run_natively():
                                never) is None
     mx = MXFP8Quantizer().quantize(torch.randn(N, K), internal=True)
     assert BSG.block_scaled_mm(x.only_usage(True), mx, False, True, torch.float32, None, "all", never) is None
+    # quantized tensors (not bare storages) take the same path
+    calls = []
+    assert BSG.block_scaled_mm(MXFP8Quantizer().quantize(torch.randn(M, K)), MXFP8Quantizer().quantize(torch.randn(N, K)),
+                               False, True, torch.float32, None, "all", _cublas_stand_in(calls)) is not None
+    assert len(calls) == 1
     q16 = NVFP4Quantizer(rowwise_usage=True, columnwise_usage=False)
     a, b = q16.quantize(torch.randn(M, 48), internal=True), q16.quantize(torch.randn(N, 48), internal=True)
     assert BSG.block_scaled_mm(a, b, False, True, torch.float32, None, "all", never) is None

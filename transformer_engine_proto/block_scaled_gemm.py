@@ -105,8 +105,8 @@ def block_scaled_mm(a, b, trans_a: bool, trans_b: bool, out_dtype: torch.dtype, 
                     scaled_mm=None) -> Optional[torch.Tensor]:
     """op(a) @ op(b) (+ bias) in one block-scaled `scaled_mm`, or None when this pair cannot run
     natively under `layouts` ("all" / "tn"), so the caller emulates it."""
-    fmt = type(a)
-    if fmt not in (MXFP8TensorStorage, NVFP4TensorStorage) or type(b) is not fmt:
+    fmt = next((f for f in (MXFP8TensorStorage, NVFP4TensorStorage) if isinstance(a, f)), None)
+    if fmt is None or not isinstance(b, fmt):
         return None
     pa, pb = _operand(a, reduce_last=not trans_a), _operand(b, reduce_last=trans_b)
     if pa is None or pb is None:
