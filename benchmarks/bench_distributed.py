@@ -3,6 +3,7 @@
     python benchmarks/bench_distributed.py                     # NCCL, one process per visible GPU (needs >= 2)
     python benchmarks/bench_distributed.py --out out/          # + out/bench_distributed.json
     python benchmarks/bench_distributed.py --backend gloo --device cpu --smoke   # tiny, 2 CPU processes
+    python benchmarks/bench_distributed.py --parallel fsdp --recipes current --profile 25   # where the time goes
 
 Setups (`--parallel`, each over all `--world` ranks, launched with torch.multiprocessing spawn):
   fsdp  FSDP2: `fully_shard` on every layer and the root (reshard after forward), data parallel
@@ -231,7 +232,27 @@ def run_variant(setup, recipe_name, gather, args, device, dtype, rank, world, co
     dist.all_reduce(ms, op=dist.ReduceOp.MAX)  # the slowest rank's median
     res = {"setup": setup, "recipe": recipe_name or "bf16", "gather": gather, "ms": float(ms.item()),
            "warmup_s": first_s, **counted, **C.compile_stats()}
+    if args.profile:
+        res["profile"] = profile_step(step, device, args.profile, record=rank == 0)
     return res
+
+
+def profile_step(step, device, top: int, record: bool):
+    """One more step under torch.profiler (every rank steps, for the collectives; `record` on one):
+    the `top` ops by self device time (CPU time without a GPU), to tell where a variant's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if not record:
+        step()
+        C.synchronize(device)
+        return None
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step()
+        C.synchronize(device)
+    attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, attr), reverse=True)[:top]
+    return [{"op": e.key[:90], "calls": e.count, "self_us": round(getattr(e, attr), 1)} for e in events]
 
 
 # ---- the per-rank worker -----------------------------------------------------------------------------
@@ -361,6 +382,8 @@ def main(argv=None):
     p.add_argument("--timeout-minutes", type=float, default=10.0, help="process-group timeout (a hang fails)")
     p.add_argument("--max-minutes", type=float, default=None,
                    help="soft budget: variants not started by then are reported as skipped")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after timing, profile one step per variant on rank 0 and print its N costliest ops")
     p.add_argument("--out", default=None, help="directory for <name>.json")
     p.add_argument("--name", default="bench_distributed")
     args = p.parse_args(argv)
@@ -418,6 +441,10 @@ def main(argv=None):
     for r, res in enumerate(results):  # bytes per rank may differ (uneven shards): report rank 0, keep all
         res["bytes_per_rank"] = [pr[r].get("bytes") for pr in per_rank if r < len(pr)]
     report(results, args)
+    for r in results:
+        if r.get("profile"):
+            print(f"\n{r['setup']}/{r['recipe']}/{r['gather']}: costliest ops of one profiled step (rank 0)")
+            print(C.markdown_table(["op", "calls", "self us"], [[e["op"], e["calls"], e["self_us"]] for e in r["profile"]]))
     if args.out:
         C.write_json(args.out, args.name, {"env": C.environment(torch.device(args.device)), "world": world,
                                            "args": vars(args), "results": results, "failure": failure})
