@@ -94,7 +94,7 @@ def fwd_args(recipe, *, bias, input_rg, weight_rg, cache_mode=L.CACHE_OFF, save_
     fuse = fuse_wgrad_accumulation and weight_rg
     main_grad = torch.zeros(OUT, IN, dtype=torch.float32) if fuse else None
     return (x, w, b, fp8_scales, grad_scale, grad_amax_state, cache, main_grad, key,
-            input_rg, weight_rg, cache_mode, save_original_input, fuse, [])
+            L.pack_flags(input_rg, weight_rg, cache_mode, save_original_input, fuse), [])
 
 
 GRAD_COMBOS = list(itertools.product([False, True], repeat=3))  # (bias, input_rg, weight_rg)
@@ -172,7 +172,8 @@ def bwd_args(recipe, *, bias, input_rg, weight_rg, cache_mode=L.CACHE_OFF, save_
     """Run linear_fwd for real, then assemble linear_bwd's argument list as `_backward` does."""
     a = fwd_args(recipe, bias=bias, input_rg=input_rg, weight_rg=weight_rg, cache_mode=cache_mode,
                  save_original_input=save_original_input, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
-    (x, w, b, scales, grad_scale, _grad_amax_state, cache, main_grad, key, irg, wrg, mode, soi, fuse, _prequantized) = a
+    (x, w, b, scales, grad_scale, _grad_amax_state, cache, main_grad, key, flags, _prequantized) = a
+    irg, wrg, mode, soi, fuse = L.unpack_flags(flags)
     with torch.no_grad():
         _, _, saved, _ = torch.ops.te_proto.linear_fwd(*a)
     plan = L._plan(key, x, w, irg, wrg, mode, soi)
@@ -220,5 +221,13 @@ def test_norm_quantize_and_prequantized_linear_opcheck(fp8_harness, rid):
     torch.library.opcheck(norm_quantize_fwd, (x, g, b, 1e-5, "LayerNorm", False, key, True))
     ln, _, _, bufs = norm_quantize_fwd(x.detach(), g.detach(), b.detach(), 1e-5, "LayerNorm", False, key, True)
     w = torch.randn(32, 64, requires_grad=True)
-    args = (ln.requires_grad_(), w, None, None, None, [], [], None, key, True, True, 0, False, False, bufs)
+    args = (ln.requires_grad_(), w, None, None, None, [], [], None, key, L.pack_flags(True, True, 0, False, False), bufs)
     torch.library.opcheck(linear_fwd, args)
+
+
+def test_flags_round_trip_and_bad_cache_mode():
+    for irg, wrg, mode, soi, fuse in itertools.product([False, True], [False, True], (0, 1, 2), [False, True],
+                                                       [False, True]):
+        assert L.unpack_flags(L.pack_flags(irg, wrg, mode, soi, fuse)) == (irg, wrg, mode, soi, fuse)
+    with pytest.raises(ValueError, match=r"cache_mode=3: expected CACHE_OFF, CACHE_FILL or CACHE_USE"):
+        L.pack_flags(True, True, 3, False, False)

@@ -21,10 +21,31 @@ from ..tensor import Float8Quantizer, TensorProto
 from ..tensor.storage import QuantizedTensorStorage
 from .recipe_registry import quantizers_from_key
 
-__all__ = ["linear", "LinearPlan", "CACHE_OFF", "CACHE_FILL", "CACHE_USE", "record_grad_amax",
+__all__ = ["linear", "LinearPlan", "CACHE_OFF", "CACHE_FILL", "CACHE_USE", "pack_flags", "unpack_flags", "record_grad_amax",
            "fold_pending_grad_amax"]
 
 CACHE_OFF, CACHE_FILL, CACHE_USE = 0, 1, 2  # weight quantization cache modes (is_first_microbatch)
+# linear_fwd takes its five flags as one int: torch's custom-op autograd wrapper re-reads the schema
+# per argument (`fill_defaults`, quadratic in the argument count), 15 -> 11 arguments saves about
+# 35 us per eager call (CPU, torch 2.13)
+_INPUT_RG, _WEIGHT_RG, _SAVE_ORIGINAL_INPUT, _FUSE_WGRAD, _CACHE_SHIFT = 1, 2, 4, 8, 4
+
+
+def pack_flags(input_requires_grad: bool, weight_requires_grad: bool, cache_mode: int,
+               save_original_input: bool, fuse_wgrad_accumulation: bool) -> int:
+    """linear_fwd's `flags` argument."""
+    if cache_mode not in (CACHE_OFF, CACHE_FILL, CACHE_USE):
+        raise ValueError(f"linear: cache_mode={cache_mode!r}: expected CACHE_OFF, CACHE_FILL or CACHE_USE (0, 1, 2)")
+    return (_INPUT_RG * bool(input_requires_grad) | _WEIGHT_RG * bool(weight_requires_grad)
+            | _SAVE_ORIGINAL_INPUT * bool(save_original_input) | _FUSE_WGRAD * bool(fuse_wgrad_accumulation)
+            | cache_mode << _CACHE_SHIFT)
+
+
+def unpack_flags(flags: int):
+    """(input_requires_grad, weight_requires_grad, cache_mode, save_original_input,
+    fuse_wgrad_accumulation) from linear_fwd's `flags`."""
+    return (bool(flags & _INPUT_RG), bool(flags & _WEIGHT_RG), flags >> _CACHE_SHIFT,
+            bool(flags & _SAVE_ORIGINAL_INPUT), bool(flags & _FUSE_WGRAD))
 # Delayed scaling state: fp8_scales (2,) for input/weight, used in forward only; grad_scale (1,)
 # is saved for backward, which records the grad amax into `grad_amax_state` (see record_grad_amax).
 
@@ -196,11 +217,10 @@ def make_plan(key, in_shape, weight_shape, *rest) -> LinearPlan:
 def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                fp8_scales: Optional[torch.Tensor], grad_scale: Optional[torch.Tensor],
                grad_amax_state: List[torch.Tensor], weight_cache: List[torch.Tensor],
-               main_grad: Optional[torch.Tensor], key: str,
-               input_requires_grad: bool, weight_requires_grad: bool, cache_mode: int,
-               save_original_input: bool, fuse_wgrad_accumulation: bool,
+               main_grad: Optional[torch.Tensor], key: str, flags: int,
                inp_quantized: List[torch.Tensor]
                ) -> tuple[torch.Tensor, torch.Tensor, List[torch.Tensor], List[torch.Tensor]]:
+    input_requires_grad, weight_requires_grad, cache_mode, save_original_input, _ = unpack_flags(flags)
     plan = _plan(key, inp, weight, input_requires_grad, weight_requires_grad, cache_mode, save_original_input,
                  inp_quantized)
     x2d = inp.reshape(-1, inp.shape[-1])
@@ -235,8 +255,8 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
 @linear_fwd.register_fake
 def _linear_fwd_fake(inp, weight, bias, fp8_scales, grad_scale, grad_amax_state, weight_cache, main_grad, key,
-                     input_requires_grad, weight_requires_grad, cache_mode, save_original_input,
-                     fuse_wgrad_accumulation, inp_quantized):
+                     flags, inp_quantized):
+    input_requires_grad, weight_requires_grad, cache_mode, save_original_input, _ = unpack_flags(flags)
     plan = _plan(key, inp, weight, input_requires_grad, weight_requires_grad, cache_mode, save_original_input,
                  inp_quantized)
     out = inp.new_empty(tuple(inp.shape[:-1]) + (weight.shape[0],))
@@ -348,13 +368,14 @@ def fold_pending_grad_amax(history: torch.Tensor, state: Sequence[torch.Tensor])
 
 # ---- autograd wiring ----------------------------------------------------------------------------
 _FWD_ARGS = ("inp", "weight", "bias", "fp8_scales", "grad_scale", "grad_amax_state", "weight_cache",
-             "main_grad", "key",
-             "input_requires_grad", "weight_requires_grad", "cache_mode", "save_original_input",
-             "fuse_wgrad_accumulation", "inp_quantized")
+             "main_grad", "key", "flags", "inp_quantized")
+_FLAG_NAMES = ("input_requires_grad", "weight_requires_grad", "cache_mode", "save_original_input",
+               "fuse_wgrad_accumulation")
 
 
 def _setup_context(ctx, inputs, output):
     a = dict(zip(_FWD_ARGS, inputs))
+    a.update(zip(_FLAG_NAMES, unpack_flags(a["flags"])))
     _, _, saved, _ = output
     plan = _plan(a["key"], a["inp"], a["weight"], a["input_requires_grad"], a["weight_requires_grad"],
                  a["cache_mode"], a["save_original_input"], a["inp_quantized"])
@@ -417,8 +438,9 @@ def linear(inp, weight, bias=None, *, key: str, fp8_scales=None, grad_scale=None
     grad_on = torch.is_grad_enabled()
     input_requires_grad = grad_on and inp.requires_grad
     weight_requires_grad = grad_on and weight.requires_grad
+    flags = pack_flags(input_requires_grad, weight_requires_grad, cache_mode, save_original_input,
+                       fuse_wgrad_accumulation and weight_requires_grad)
     out, amaxes, _, cache = linear_fwd(
         inp, weight, bias, fp8_scales, grad_scale, list(grad_amax_state), list(weight_cache), main_grad, key,
-        input_requires_grad, weight_requires_grad, cache_mode, save_original_input,
-        fuse_wgrad_accumulation and weight_requires_grad, list(inp_quantized))
+        flags, list(inp_quantized))
     return out, amaxes, cache
