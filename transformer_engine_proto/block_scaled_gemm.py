@@ -132,8 +132,10 @@ def block_scaled_mm(a, b, trans_a: bool, trans_b: bool, out_dtype: torch.dtype, 
         swz = [sw.SWIZZLE_32_4_4, sw.NO_SWIZZLE]
         scale_a, rec_a, swz_a = [swizzle_block_scales(sa), ga], rec, swz
         scale_b, rec_b, swz_b = [swizzle_block_scales(sb), gb], rec, swz
+    # bf16 out (what torch's block-scaled kernels are known to take; the Hopper emulation rounds its
+    # product to bf16 as well), widened afterwards when the caller wants fp32
     out = (scaled_mm or F.scaled_mm)(mat_a, rows_b.t(), scale_a, rec_a, scale_b, rec_b, swizzle_a=swz_a,
-                                     swizzle_b=swz_b, output_dtype=out_dtype)
+                                     swizzle_b=swz_b, output_dtype=torch.bfloat16)
     if bias is not None:  # added in fp32 like the emulated path (no bias epilogue assumed for MX)
-        out = (out.float() + bias.float()).to(out_dtype)
-    return out
+        return (out.float() + bias.float()).to(out_dtype)
+    return out.to(out_dtype)
