@@ -461,3 +461,34 @@ def test_quantizer_is_a_hashable_setting():
 def test_kernel_is_registered():
     out = kernel("nvfp4_quantize", "cpu")(torch.randn(16, 32), True, True)
     assert len(out) == 6 and all(o is not None for o in out)
+
+
+# ---- a given amax (FSDP quantizes a weight shard with the whole weight's amax) --------------------
+@pytest.mark.parametrize("two_d", [False, True])
+def test_given_amax_replaces_the_tensors_own(two_d):
+    from transformer_engine_proto.kernels.reference import nvfp4 as ref
+
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(5))
+    own = ref.nvfp4_quantize(x, True, True, two_d=two_d)
+    same = ref.nvfp4_quantize(x, True, True, two_d=two_d, amax=x.abs().amax().reshape(1))
+    for a, b in zip(own, same):
+        assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
+                           b.view(torch.uint8) if b.dtype.itemsize == 1 else b)
+    whole = torch.tensor([4.0 * x.abs().max().item()])  # a shard of a tensor with a larger amax
+    got = ref.nvfp4_quantize(x, True, True, two_d=two_d, amax=whole)
+    data, scale = ref.quantize_blocks(x, whole, two_d)
+    assert torch.equal(got[0], data) and torch.equal(got[1].view(torch.uint8), scale.view(torch.uint8))
+    assert torch.equal(got[4], whole) and torch.equal(got[5], whole)
+    assert not torch.equal(got[1].view(torch.uint8), own[1].view(torch.uint8))  # the scales did change
+
+
+def test_given_amax_bad_input():
+    from transformer_engine_proto.kernels.reference import nvfp4 as ref
+
+    x = torch.randn(32, 64)
+    with pytest.raises(ValueError, match=r"amax must be one float32 value, got torch.float64 of shape \(1,\)"):
+        ref.nvfp4_quantize(x, True, False, amax=torch.ones(1, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"amax must be one float32 value, got torch.float32 of shape \(2,\)"):
+        ref.nvfp4_quantize(x, True, False, amax=torch.ones(2))
+    with pytest.raises(ValueError, match=r"given amax cannot be combined with the RHT"):
+        ref.nvfp4_quantize(x, True, True, rht=True, amax=torch.ones(1))

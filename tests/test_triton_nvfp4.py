@@ -234,6 +234,14 @@ def test_interp_nvfp4_stochastic(mode):
 
 
 @interp
+@pytest.mark.parametrize("mode", ["1d", "2d"])
+def test_interp_nvfp4_given_amax(mode):
+    x = make_input((48, 64), "mixed", seed=4, device="cpu")
+    for amax in (x.float().abs().amax().reshape(1), torch.tensor([3.0e4]), torch.tensor([1e-30])):
+        check_nvfp4(x, (True, True), mode, amax=amax)
+
+
+@interp
 @pytest.mark.parametrize("seed", SEEDS_RHT)
 def test_interp_rht_seeds(seed):
     check_nvfp4(make_input((32, 16), "normal", seed=seed, device="cpu"), (True, True), "rht", rht_seed=seed)
@@ -360,6 +368,15 @@ def test_every_bf16_value(soft, monkeypatch):
     x = finite_bf16_sweep("cuda")
     for mode in MODES:
         check_nvfp4(x, (True, True), mode)
+
+
+@cuda
+@pytest.mark.parametrize("mode", ["1d", "2d"])
+def test_nvfp4_given_amax(mode):
+    x = make_input((1056, 2080), "mixed", seed=4)
+    for amax in (x.float().abs().amax().reshape(1), torch.tensor([3.0e4], device="cuda"),
+                 torch.tensor([1e-30], device="cuda")):
+        check_nvfp4(x, (True, True), mode, amax=amax)
 
 
 @cuda

@@ -54,7 +54,8 @@ from torch.utils._pytree import tree_map, tree_map_only
 from .. import recipe as R
 from ..autocast import get_fp8_recipe_key
 from ..kernels.reference.common import fp8_max, scale_from_amax, transpose_2d
-from ..kernels.reference.nvfp4 import quantize_blocks, transpose_2d_blocks
+from ..kernels import kernel
+from ..kernels.reference.nvfp4 import transpose_2d_blocks
 from ..ops import linear as _linear_ops
 from ..ops.recipe_registry import HIGH_PRECISION_KEY, quantizers_from_key, recipe_from_key
 from ..tensor import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, MXFP8Quantizer,
@@ -215,7 +216,7 @@ class FSDPWeight(torch.Tensor):
             t = q.with_usage(rowwise=True, columnwise=False).quantize(x)
             return (t._rowwise_data.view(torch.uint8), t._rowwise_scale_inv.view(torch.uint8)), meta
         amax = self._global_amax(group, dtype)  # nvfp4 (2D): one global amax for the whole weight
-        data, scale = quantize_blocks(x.float(), amax, True)
+        data, scale = kernel("nvfp4_quantize", x.device)(x, True, False, two_d=True, amax=amax)[:2]
         return (data, scale.view(torch.uint8)), meta + (amax,)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):

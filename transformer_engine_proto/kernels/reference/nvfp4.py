@@ -24,6 +24,7 @@ from .common import FLOAT32_MAX, FP4_E2M1_MAX, FP8_MAX, saturating_cast, transpo
 __all__ = [
     "BLOCK", "E2M1_VALUES", "fp4_encode", "fp4_decode", "pack_fp4", "unpack_fp4_codes", "unpack_fp4",
     "global_encode_scale", "rht_matrix", "quantize_blocks", "dequantize_blocks", "transpose_2d_blocks",
+    "check_given_amax",
 ]
 
 BLOCK = 16
@@ -218,10 +219,23 @@ def _amax(x: torch.Tensor) -> torch.Tensor:
     return x.abs().amax().float().reshape(1)
 
 
+def check_given_amax(amax: Optional[torch.Tensor], rht: bool) -> None:
+    """An amax handed to nvfp4_quantize must be one float32 value, and cannot stand in for the
+    rotated tensor's amax."""
+    if amax is None:
+        return
+    if amax.numel() != 1 or amax.dtype != torch.float32:
+        raise ValueError(f"nvfp4_quantize: amax must be one float32 value, got {amax.dtype} of shape {tuple(amax.shape)}")
+    if rht:
+        raise ValueError("nvfp4_quantize: a given amax cannot be combined with the RHT (the columnwise "
+                         "amax is the rotated tensor's)")
+
+
 @register_kernel("nvfp4_quantize")
 def nvfp4_quantize(x: torch.Tensor, rowwise: bool, columnwise: bool, two_d: bool = False,
                    rht: bool = False, rht_seed: int = 0, stochastic: bool = False,
-                   rand: Optional[torch.Tensor] = None, rand_columnwise: Optional[torch.Tensor] = None):
+                   rand: Optional[torch.Tensor] = None, rand_columnwise: Optional[torch.Tensor] = None,
+                   amax: Optional[torch.Tensor] = None):
     """Quantize x viewed as (M, K). Returns (rowwise_data (M, K/2), rowwise_scale_inv (M, K/16),
     columnwise_data (K, M/2), columnwise_scale_inv (K, M/16), amax_rowwise (1,),
     amax_columnwise (1,)), None for a usage not asked for.
@@ -229,9 +243,12 @@ def nvfp4_quantize(x: torch.Tensor, rowwise: bool, columnwise: bool, two_d: bool
     Columnwise quantizes x^T, after the RHT when `rht`. With `stochastic`, `rand` (M, K) and
     `rand_columnwise` (K, M) are the uniform draws (None: drawn with torch.rand). 2D blocks use
     one rounding of x for both usages (columnwise is the exact transpose), so only `rand`.
+    `amax` (fp32, (1,)) replaces x's own amax for every usage: an FSDP shard of a weight is
+    quantized with the whole weight's amax. Not with `rht` (the columnwise amax is the rotated one's).
     """
     if two_d and rht:
         raise ValueError("nvfp4_quantize: the RHT cannot be combined with 2D (16x16) quantization")
+    check_given_amax(amax, rht)
     m, k = x.numel() // x.shape[-1], x.shape[-1]
     x2d = x.reshape(m, k).float()
     rand = rand.reshape(m, k) if rand is not None else None
@@ -240,8 +257,9 @@ def nvfp4_quantize(x: torch.Tensor, rowwise: bool, columnwise: bool, two_d: bool
         rand = torch.rand((m, k), device=x.device)
     rand_row = rand if stochastic else None
     row_data = row_scale = col_data = col_scale = amax_row = amax_col = None
+    own = _amax if amax is None else (lambda _: amax.float().reshape(1).clone())
     if two_d:
-        amax_row = _amax(x2d)
+        amax_row = own(x2d)
         data, scale = quantize_blocks(x2d, amax_row, True, rand_row)
         if rowwise:
             row_data, row_scale = data, scale
@@ -250,7 +268,7 @@ def nvfp4_quantize(x: torch.Tensor, rowwise: bool, columnwise: bool, two_d: bool
             amax_col = amax_row.clone()
         return row_data, row_scale, col_data, col_scale, (amax_row if rowwise else None), amax_col
     if rowwise:
-        amax_row = _amax(x2d)
+        amax_row = own(x2d)
         row_data, row_scale = quantize_blocks(x2d, amax_row, False, rand_row)
     if columnwise:
         xt = transpose_2d(x2d)
@@ -258,7 +276,7 @@ def nvfp4_quantize(x: torch.Tensor, rowwise: bool, columnwise: bool, two_d: bool
             xt = _apply_rht(xt, rht_seed)
         if stochastic and rand_columnwise is None:
             rand_columnwise = torch.rand((k, m), device=x.device)
-        amax_col = _amax(xt)
+        amax_col = own(xt)
         col_data, col_scale = quantize_blocks(xt, amax_col, False, rand_columnwise if stochastic else None)
     return row_data, row_scale, col_data, col_scale, amax_row, amax_col
 

@@ -476,13 +476,38 @@ def nvfp4_dequantize_to(rowwise_data, rowwise_scale_inv, amax_rowwise, columnwis
     return out
 
 
+def _amax_pass(xk, bf16_bits, m, k, row: bool, col: bool, rht: bool, rht_seed: int):
+    """(rowwise amax, columnwise amax) as int32 views, None where not wanted; the columnwise one of
+    the rotated tensor when `rht`."""
+    dev = xk.device
+    amax_r = torch.zeros((1,), dtype=torch.int32, device=dev) if row else None
+    amax_c = torch.zeros((1,), dtype=torch.int32, device=dev) if col else None
+    if rht:
+        ca = CONFIG["amax_rht"]
+        n_k = triton.cdiv(k, ca["BK"])
+        _amax_rht_kernel[(triton.cdiv(m, 16 * ca["G"]) * n_k,)](
+            xk, amax_r if amax_r is not None else amax_c, amax_c, m, k, n_k, SIGNS=_signs_mask(rht_seed),
+            ROWWISE=amax_r is not None, BF16_BITS=bf16_bits, G=ca["G"], BK=ca["BK"], num_warps=ca["num_warps"])
+    else:
+        cm = CONFIG["amax"]
+        _amax_kernel[(triton.cdiv(m * k, cm["BLOCK"]),)](
+            xk, amax_r if amax_r is not None else amax_c, m * k, BF16_BITS=bf16_bits, BLOCK=cm["BLOCK"],
+            num_warps=cm["num_warps"])
+        if amax_r is not None and amax_c is not None:
+            amax_c = amax_r.clone()  # the same values: x^T has x's amax
+    return amax_r, amax_c
+
+
 @register_kernel("nvfp4_quantize", backend="triton")
 def nvfp4_quantize(x: torch.Tensor, rowwise: bool, columnwise: bool, two_d: bool = False,
                    rht: bool = False, rht_seed: int = 0, stochastic: bool = False,
-                   rand: Optional[torch.Tensor] = None, rand_columnwise: Optional[torch.Tensor] = None):
+                   rand: Optional[torch.Tensor] = None, rand_columnwise: Optional[torch.Tensor] = None,
+                   amax: Optional[torch.Tensor] = None):
     """Same outputs as the reference: (rowwise_data, rowwise_scale_inv, columnwise_data,
     columnwise_scale_inv, amax_rowwise, amax_columnwise). Missing draws for stochastic rounding
-    are made with torch.rand exactly as the reference makes them (same shapes, same order)."""
+    are made with torch.rand exactly as the reference makes them (same shapes, same order). A
+    given `amax` skips the amax pass (see the reference)."""
+    _ref.check_given_amax(amax, rht)
     m, k = flat_2d(x)
     cfg, ca = CONFIG["cast"], CONFIG["amax_rht"]
     g, nb = cfg["G"], cfg["NB"]
@@ -493,7 +518,7 @@ def nvfp4_quantize(x: torch.Tensor, rowwise: bool, columnwise: bool, two_d: bool
               and 16 * max(g, ca["G"]) * k < INT32_LIMIT and max(16 * nb, ca["BK"]) * m < INT32_LIMIT)
     if not usable:
         return _ref.nvfp4_quantize(x, rowwise, columnwise, two_d, rht, rht_seed, stochastic, rand,
-                                   rand_columnwise)
+                                   rand_columnwise, amax)
     dev = x.device
     rand = rand.reshape(m, k) if rand is not None else None
     rand_columnwise = rand_columnwise.reshape(k, m) if rand_columnwise is not None else None
@@ -507,20 +532,13 @@ def nvfp4_quantize(x: torch.Tensor, rowwise: bool, columnwise: bool, two_d: bool
     rand_columnwise = rand_columnwise.to(dev).float().contiguous() if col_sr else None
 
     xk, bf16_bits = as_kernel_input(x.contiguous().reshape(m, k))
-    amax_r = torch.zeros((1,), dtype=torch.int32, device=dev) if (rowwise or two_d) else None
-    amax_c = torch.zeros((1,), dtype=torch.int32, device=dev) if (columnwise and not two_d) else None
-    if rht and columnwise:
-        n_k = triton.cdiv(k, ca["BK"])
-        _amax_rht_kernel[(triton.cdiv(m, 16 * ca["G"]) * n_k,)](
-            xk, amax_r if amax_r is not None else amax_c, amax_c, m, k, n_k, SIGNS=_signs_mask(rht_seed),
-            ROWWISE=amax_r is not None, BF16_BITS=bf16_bits, G=ca["G"], BK=ca["BK"], num_warps=ca["num_warps"])
+    if amax is not None:  # the given value, in the int32 view the kernels keep amaxes in
+        given = amax.to(dev).float().reshape(1).view(torch.int32)
+        amax_r = given.clone() if (rowwise or two_d) else None
+        amax_c = given.clone() if (columnwise and not two_d) else None
     else:
-        cm = CONFIG["amax"]
-        _amax_kernel[(triton.cdiv(m * k, cm["BLOCK"]),)](
-            xk, amax_r if amax_r is not None else amax_c, m * k, BF16_BITS=bf16_bits, BLOCK=cm["BLOCK"],
-            num_warps=cm["num_warps"])
-        if amax_r is not None and amax_c is not None:
-            amax_c = amax_r.clone()  # the same values: x^T has x's amax
+        amax_r, amax_c = _amax_pass(xk, bf16_bits, m, k, rowwise or two_d, columnwise and not two_d,
+                                    rht and columnwise, rht_seed)
 
     u8 = torch.uint8
     e4m3 = torch.float8_e4m3fn
