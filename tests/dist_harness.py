@@ -25,13 +25,14 @@ import transformer_engine_proto as te
 BACKEND = os.environ.get("TE_PROTO_DIST_BACKEND", "gloo")
 if BACKEND not in ("gloo", "nccl"):
     raise ValueError(f"TE_PROTO_DIST_BACKEND={BACKEND!r}: expected 'gloo' (CPU) or 'nccl' (one GPU per rank)")
+ON_GPU = BACKEND == "nccl"
 
 
 def check_world(world: int) -> None:
     """Under NCCL each rank needs its own GPU: fail (not skip) when there are fewer."""
     if not dist.is_available():
         pytest.skip("torch.distributed not available")
-    if BACKEND == "nccl" and torch.cuda.device_count() < world:
+    if ON_GPU and torch.cuda.device_count() < world:
         raise RuntimeError(f"TE_PROTO_DIST_BACKEND=nccl needs {world} GPUs, found {torch.cuda.device_count()}")
 
 
@@ -39,7 +40,7 @@ def init_worker(rank: int, world: int, init_method: str | None = None) -> None:
     """Join the process group with the suite's backend (NCCL: bind this rank to cuda:rank and make
     it the default device)."""
     kw = {} if init_method is None else {"init_method": init_method}
-    if BACKEND == "nccl":
+    if ON_GPU:
         # cuBLAS is bitwise reproducible across streams (FSDP gathers on side streams) only with a
         # fixed workspace; the FSDP tests compare two modules bit for bit
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -49,12 +50,9 @@ def init_worker(rank: int, world: int, init_method: str | None = None) -> None:
     dist.init_process_group(BACKEND, rank=rank, world_size=world, **kw)
 
 
-ON_GPU = BACKEND == "nccl"
-
-
 def device_type() -> str:
     """The device type of a device mesh over the ranks."""
-    return "cuda" if BACKEND == "nccl" else "cpu"
+    return "cuda" if ON_GPU else "cpu"
 
 
 def generator(seed: int) -> torch.Generator:

@@ -300,7 +300,8 @@ def _read_on_this_stream(t: torch.Tensor) -> torch.Tensor:
     `fsdp_pre_all_gather` on its copy-in stream and drops the metadata (our scale / amax) right
     after `fsdp_post_all_gather` queued its reads on the compute stream; without this the caching
     allocator hands that block to the next unit's copy-in while the read is still queued (seen on
-    2 H200: FSDP current / NVFP4 results off by 0.7% in 1 of 3 runs, never with CUDA_LAUNCH_BLOCKING=1)."""
+    2 H200: FSDP current / NVFP4 results off by up to 0.7% in 7 of 8 runs, never with
+    CUDA_LAUNCH_BLOCKING=1)."""
     if t.is_cuda:
         t.record_stream(torch.cuda.current_stream(t.device))
     return t
@@ -402,7 +403,8 @@ def _linear_fwd_prequantized(func, args, kwargs):
     names = [a.name for a in func._schema.arguments]
     bound = dict(zip(names, args), **kwargs)
     others = [v for n, v in bound.items() if n != "weight"]
-    if _linear_ops.unpack_flags(bound["flags"])[2] != _linear_ops.CACHE_USE or any(isinstance(t, QuantizedTensor) for t in _leaves(others)):
+    cache_mode = _linear_ops.unpack_flags(bound["flags"])[2]
+    if cache_mode != _linear_ops.CACHE_USE or any(isinstance(t, QuantizedTensor) for t in _leaves(others)):
         return NotImplemented
     bound["weight"] = _stand_in(bound["weight"])
     return func(*(bound[n] for n in names))

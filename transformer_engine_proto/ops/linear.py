@@ -21,10 +21,13 @@ from ..tensor import Float8Quantizer, TensorProto
 from ..tensor.storage import QuantizedTensorStorage
 from .recipe_registry import quantizers_from_key
 
-__all__ = ["linear", "LinearPlan", "CACHE_OFF", "CACHE_FILL", "CACHE_USE", "pack_flags", "unpack_flags", "record_grad_amax",
-           "fold_pending_grad_amax"]
+__all__ = ["linear", "LinearPlan", "CACHE_OFF", "CACHE_FILL", "CACHE_USE", "pack_flags", "unpack_flags",
+           "record_grad_amax", "fold_pending_grad_amax"]
 
 CACHE_OFF, CACHE_FILL, CACHE_USE = 0, 1, 2  # weight quantization cache modes (is_first_microbatch)
+# Delayed scaling state: fp8_scales (2,) for input/weight, used in forward only; grad_scale (1,)
+# is saved for backward, which records the grad amax into `grad_amax_state` (see record_grad_amax).
+
 # linear_fwd takes its five flags as one int: torch's custom-op autograd wrapper re-reads the schema
 # per argument (`fill_defaults`, quadratic in the argument count), 15 -> 11 arguments saves about
 # 35 us per eager call (CPU, torch 2.13)
@@ -46,8 +49,6 @@ def unpack_flags(flags: int):
     fuse_wgrad_accumulation) from linear_fwd's `flags`."""
     return (bool(flags & _INPUT_RG), bool(flags & _WEIGHT_RG), flags >> _CACHE_SHIFT,
             bool(flags & _SAVE_ORIGINAL_INPUT), bool(flags & _FUSE_WGRAD))
-# Delayed scaling state: fp8_scales (2,) for input/weight, used in forward only; grad_scale (1,)
-# is saved for backward, which records the grad amax into `grad_amax_state` (see record_grad_amax).
 
 
 def _memo(method):
