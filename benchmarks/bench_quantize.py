@@ -162,6 +162,18 @@ def close(a, b):
     return torch.allclose(a[0].float(), b[0].float(), rtol=2 * eps, atol=2 * eps)
 
 
+def byte_transpose(f8, fn):
+    """fn run with the fp8 cast's int32-packed transpose off (the byte transpose kernel)."""
+    def run():
+        saved = f8.CONFIG["pack_transpose"]
+        f8.CONFIG["pack_transpose"] = False
+        try:
+            return fn()
+        finally:
+            f8.CONFIG["pack_transpose"] = saved
+    return run
+
+
 def sweep(x, tri, log):
     """Try launch configs of each Triton kernel; set the best into the modules' CONFIG and
     return {kernel: (best config, seconds)}."""
@@ -171,9 +183,15 @@ def sweep(x, tri, log):
     plans = [
         ("f8.amax", f8.CONFIG, "amax", lambda: f8.amax(x),
          [dict(BLOCK=b, num_warps=w) for b in (4096, 8192, 16384, 32768) for w in (4, 8, 16)]),
-        ("f8.cast", f8.CONFIG, "cast", lambda: f8.fp8_quantize_delayed(x, scale, amax, E4M3, True, True),
+        ("f8.cast", f8.CONFIG, "cast",
+         byte_transpose(f8, lambda: f8.fp8_quantize_delayed(x, scale, amax, E4M3, True, True)),
          [dict(BM=bm, BK=bk, num_warps=w) for bm, bk in ((64, 64), (64, 128), (128, 64), (128, 128),
                                                          (64, 256), (256, 64), (32, 128))
+          for w in (4, 8)]),
+        ("f8.cast_packed", f8.CONFIG, "cast_packed",
+         lambda: f8.fp8_quantize_delayed(x, scale, amax, E4M3, True, True),
+         [dict(BM=bm, BK=bk, num_warps=w) for bm, bk in ((32, 128), (64, 64), (64, 128), (128, 64),
+                                                         (128, 128), (256, 64), (64, 256), (128, 256))
           for w in (4, 8)]),
         ("f8.cast_rowwise", f8.CONFIG, "cast_rowwise",
          lambda: f8.fp8_quantize_delayed(x, scale, amax, E4M3, True, False),

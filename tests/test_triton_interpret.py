@@ -52,7 +52,7 @@ def test_amax(shape, kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES + [(132, 300), (2, 6, 40)], ids=str)  # M % 4 == 0: packed
 @pytest.mark.parametrize("usage", USAGES)
 def test_current_scaling(shape, kind, usage):
     x = cpu_input(shape, kind)
@@ -76,8 +76,10 @@ def test_current_scaling_options(margin, power_2, epsilon, kind):
 
 @pytest.mark.parametrize("usage", USAGES + [(False, False)])
 @pytest.mark.parametrize("scale_value,amax_init", [(3.7, 0.5), (1e-30, 1e30), (3.4028234663852886e38, 0.0)])
-def test_delayed_scaling(usage, scale_value, amax_init):
-    x = cpu_input((130, 300), "mixed")
+@pytest.mark.parametrize("shape,kind", [((130, 300), "mixed"), ((132, 300), "mixed"), ((132, 40), "nan"),
+                                        ((4, 3, 72), "inf")], ids=str)  # M % 4 == 0: packed, tile amax
+def test_delayed_scaling(usage, scale_value, amax_init, shape, kind):
+    x = cpu_input(shape, kind)
     for fp8_dtype in FP8:
         scale = torch.tensor([scale_value])
         a_ref, a_tri = torch.tensor([amax_init]), torch.tensor([amax_init])

@@ -200,6 +200,9 @@ ALT_CONFIGS = [
     (tri_f8.CONFIG, "cast", [dict(BM=64, BK=64, num_warps=4), dict(BM=32, BK=128, num_warps=4),
                              dict(BM=256, BK=64, num_warps=8)]),
     (tri_f8.CONFIG, "cast_rowwise", [dict(BM=8, BK=1024, num_warps=8), dict(BM=64, BK=128, num_warps=4)]),
+    (tri_f8.CONFIG, "cast_packed", [dict(BM=64, BK=64, num_warps=4), dict(BM=256, BK=64, num_warps=8),
+                                    dict(BM=16, BK=128, num_warps=4)]),
+    (tri_f8.CONFIG, "pack_transpose", [False]),  # the byte transpose for every M
     (tri_f8.CONFIG, "amax", [dict(BLOCK=1024, num_warps=4), dict(BLOCK=32768, num_warps=16)]),
     (tri_bw.CONFIG, (1, True, True), [dict(BM=128, BK=128, CH=128, num_warps=8),
                                       dict(BM=128, BK=128, CH=64, num_warps=4)]),

@@ -126,6 +126,15 @@ def scale_from_amax(amax, FMAX: tl.constexpr, MARGIN_MUL: tl.constexpr, POW2: tl
 
 
 @triton.jit
+def pack4(q0, q1, q2, q3):
+    """int32 words of four uint8 tiles of one shape, q0 in the lowest byte: stored through an int32
+    pointer they lay the bytes q0, q1, q2, q3 side by side (little-endian). A transposed store of
+    words moves 4 bytes per element through the layout change instead of 1."""
+    return (q0.to(tl.int32) | (q1.to(tl.int32) << 8) | (q2.to(tl.int32) << 16)
+            | (q3.to(tl.int32) << 24))
+
+
+@triton.jit
 def reciprocal(s):
     """Correctly rounded 1 / s (torch's `reciprocal`)."""
     return tl.math.div_rn(tl.zeros_like(s) + 1.0, s)
