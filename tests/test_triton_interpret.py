@@ -17,8 +17,8 @@ if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
     pytest.skip("set TRITON_INTERPRET=1 to run the Triton kernels on CPU", allow_module_level=True)
 pytest.importorskip("triton")
 
-from test_triton_kernels import (ALT_CONFIGS, assert_bitwise, block_exponent_walk, make_input,  # noqa: E402
-                                 run_alt_config)
+from test_triton_kernels import (ALT_CONFIGS, assert_bitwise, block_exponent_walk,  # noqa: E402
+                                 check_scale_helpers, make_input, run_alt_config)
 
 from transformer_engine_proto.kernels.reference import blockwise as ref_bw  # noqa: E402
 from transformer_engine_proto.kernels.reference import float8 as ref_f8  # noqa: E402
@@ -37,6 +37,10 @@ SHAPES = [(1, 16), (17, 48), (130, 300), (3, 5, 96)]
 
 def cpu_input(shape, kind, dtype=torch.bfloat16, seed=0):
     return make_input(shape, kind, dtype, seed, device="cpu")
+
+
+def test_scale_helpers():
+    check_scale_helpers("cpu")
 
 
 def test_interpreter_uses_soft_cast():

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
 
 from transformer_engine_proto.kernels import kernel  # noqa: E402
 from transformer_engine_proto.kernels.reference import blockwise as ref_bw  # noqa: E402
@@ -19,6 +20,7 @@ from transformer_engine_proto.kernels.reference import mxfp8 as ref_mx  # noqa: 
 from transformer_engine_proto.kernels.triton import blockwise as tri_bw  # noqa: E402
 from transformer_engine_proto.kernels.triton import float8 as tri_f8  # noqa: E402
 from transformer_engine_proto.kernels.triton import mxfp8 as tri_mx  # noqa: E402
+from transformer_engine_proto.kernels.triton._common import scale_from_amax, scale_reciprocal  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -310,6 +312,49 @@ def test_mxfp8_one_usage_odd_other_dim(shape, usage):
     for fp8_dtype in FP8:
         assert_bitwise(tri_mx.mxfp8_quantize(x, fp8_dtype, *usage),
                        ref_mx.mxfp8_quantize(x, fp8_dtype, *usage), "mxfp8")
+
+
+@triton.jit
+def _scale_probe_kernel(amax_ptr, scale_ptr, inv_ptr, n, FMAX: tl.constexpr, MARGIN_MUL: tl.constexpr,
+                        POW2: tl.constexpr, EPS: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    s = scale_from_amax(tl.load(amax_ptr + offs, mask=ok, other=1.0), FMAX, MARGIN_MUL, POW2, EPS)
+    tl.store(scale_ptr + offs, s, mask=ok)
+    tl.store(inv_ptr + offs, scale_reciprocal(s, POW2), mask=ok)
+
+
+def amax_edge_values():
+    """fp32 amaxes: every exponent (subnormals included) with mantissas at, one ulp around and far
+    from those of 448 (e4m3) and 57344 (e5m2) (both 1.75 * 2**k), plus 0, Inf, NaN, FLOAT32_MAX."""
+    mant = torch.tensor([0, 1, 0x5FFFFF, 0x600000, 0x600001, 0x7FFFFF, 0x2AAAAA], dtype=torch.int32)
+    expo = torch.arange(0, 255, dtype=torch.int32)
+    bits = (expo[:, None] << 23) | mant[None, :]
+    special = torch.tensor([0.0, float("inf"), float("nan"), 3.4028234663852886e38, 1e-45, 448.0])
+    return torch.cat([bits.reshape(-1).view(torch.float32), special])
+
+
+def check_scale_helpers(device):
+    """`scale_from_amax` and `scale_reciprocal` (the division-free power-of-two path included)
+    bitwise against the reference's scale and torch's reciprocal."""
+    from transformer_engine_proto.kernels.reference.common import scale_from_amax as ref_scale
+    amax = amax_edge_values().to(device)
+    n = amax.numel()
+    for fmax in (448.0, 57344.0, 6.0):
+        for margin, pow2, eps in ((0, True, 0.0), (0, False, 0.0), (1, True, 0.0), (0, True, 1e-12)):
+            scale, inv = torch.empty_like(amax), torch.empty_like(amax)
+            _scale_probe_kernel[(triton.cdiv(n, 512),)](amax, scale, inv, n, FMAX=fmax,
+                                                        MARGIN_MUL=2.0 ** -margin, POW2=pow2,
+                                                        EPS=eps, BLOCK=512)
+            want = ref_scale(amax, fmax, margin, pow2, eps)
+            what = f"fmax={fmax} margin={margin} pow2={pow2} eps={eps}"
+            assert_bitwise((scale,), (want,), "scale " + what)
+            assert_bitwise((inv,), (torch.reciprocal(want),), "scale_inv " + what)
+
+
+@pytest.mark.cuda
+def test_scale_helpers():
+    check_scale_helpers("cuda")
 
 
 def block_exponent_walk(device="cuda"):

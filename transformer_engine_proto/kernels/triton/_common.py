@@ -9,7 +9,8 @@ Numerics follow `kernels/reference/common.py` bit for bit:
   fp32 adds and bit ops (also usable on the GPU, for cross-checks).
 - `scale_from_amax`: `fp8_max / amax` as a correctly rounded fp32 division (`div_rn`), times
   2**-margin (exact), the edge rules of the reference, optional power-of-two floor by masking
-  the mantissa.
+  the mantissa; a power-of-two scale without margin (the blockwise default) and its reciprocal
+  are computed from exponent bits, without a division.
 """
 from __future__ import annotations
 
@@ -106,11 +107,31 @@ def abs_bits(x):
 
 
 @triton.jit
+def _pow2_scale_from_amax(amax, FMAX: tl.constexpr):
+    """`scale_from_amax` with POW2 and no margin, without a division: the power-of-two floor of
+    the correctly rounded FMAX / amax is 2**e, e read off the exponent and mantissa bits. With
+    amax = ma * 2**ea and FMAX = mf * 2**ef (ma, mf in [1, 2)), mf / ma lies in (1/2, 2) and
+    rounding never carries it across 1 or 2 (the largest quotient under 1 is 1 - 1/Ma for a
+    24-bit integer mantissa Ma, below the rounding midpoint 1 - 2**-25), so e = ef - ea - (ma > mf).
+    Division overflow (e > 127, or any fp32-subnormal amax) gives 2**127, as the reference's
+    clamp to FLOAT32_MAX then mask; zero, Inf and NaN amax give 1."""
+    ab = amax.to(tl.int32, bitcast=True)  # amax >= 0
+    fb = (tl.zeros_like(amax) + FMAX).to(tl.int32, bitcast=True)
+    ea = (ab >> 23) & 0xFF
+    e = ((fb >> 23) & 0xFF) - ea - ((ab & 0x7FFFFF) > (fb & 0x7FFFFF)).to(tl.int32)
+    e = tl.where(ea == 0, 127, tl.minimum(e, 127))  # subnormal amax (zero is patched below)
+    scale = tl.where(e < -126, 0.0, ((tl.maximum(e, -126) + 127) << 23).to(tl.float32, bitcast=True))
+    return tl.where((amax == 0) | (ea == 0xFF), 1.0, scale)
+
+
+@triton.jit
 def scale_from_amax(amax, FMAX: tl.constexpr, MARGIN_MUL: tl.constexpr, POW2: tl.constexpr,
                     EPS: tl.constexpr):
     """`reference.common.scale_from_amax` elementwise on fp32 `amax` (>= 0, Inf or NaN)."""
     if EPS > 0.0:
         amax = tl.where(amax < EPS, EPS, amax)  # torch.clamp(min=eps): NaN stays NaN
+    if POW2 and MARGIN_MUL == 1.0:
+        return _pow2_scale_from_amax(amax, FMAX)
     scale = tl.math.div_rn(tl.zeros_like(amax) + FMAX, amax)
     if MARGIN_MUL != 1.0:
         scale = scale * MARGIN_MUL  # exact power of two, as torch's tensor / python scalar
@@ -138,6 +159,18 @@ def pack4(q0, q1, q2, q3):
 def reciprocal(s):
     """Correctly rounded 1 / s (torch's `reciprocal`)."""
     return tl.math.div_rn(tl.zeros_like(s) + 1.0, s)
+
+
+@triton.jit
+def scale_reciprocal(s, POW2: tl.constexpr):
+    """`reciprocal(s)`; for a POW2 scale (a power of two or zero) from its exponent bits, without
+    a division: 1 / 2**k = 2**-k, fp32-subnormal 2**-127 for k = 127, Inf for 0."""
+    if POW2:
+        es = (s.to(tl.int32, bitcast=True) >> 23) & 0xFF
+        r = tl.where(es == 254, 0x00400000, (254 - es) << 23).to(tl.float32, bitcast=True)
+        return tl.where(es == 0, float("inf"), r)
+    else:
+        return reciprocal(s)
 
 
 def flat_2d(x: torch.Tensor):

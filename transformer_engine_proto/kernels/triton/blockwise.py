@@ -23,8 +23,8 @@ import triton.language as tl
 from .. import register_kernel
 from ..reference import blockwise as _ref
 from .launch import fast_launch
-from ._common import (INT32_LIMIT, abs_bits, as_kernel_input, fp8_bits, fp8_params, reciprocal,
-                      scale_from_amax, soft_cast, to_f32)
+from ._common import (INT32_LIMIT, abs_bits, as_kernel_input, fp8_bits, fp8_params,
+                      scale_from_amax, scale_reciprocal, soft_cast, to_f32)
 
 TILE = 128
 
@@ -65,7 +65,7 @@ def _rowwise_1x128(x, mask, base, rows, row_ptr, row_si_ptr, pid_k, M, K, rc, rk
     q = fp8_bits(x * rscale[:, None], FMAX, E4M3, SOFT)
     tl.store(row_ptr + base + rc[:, None] * K + rk[None, :], q, mask=mask)
     # scale_inv (M, n_k) with strides (1, M)
-    tl.store(row_si_ptr + pid_k.to(tl.int64) * M + rows, reciprocal(rscale), mask=rows < M)
+    tl.store(row_si_ptr + pid_k.to(tl.int64) * M + rows, scale_reciprocal(rscale, POW2), mask=rows < M)
 
 
 @fast_launch
@@ -104,7 +104,7 @@ def _blockwise_kernel(x_ptr, row_ptr, row_si_ptr, col_ptr, col_si_ptr, M, K, n_m
                 acc = tl.maximum(acc, tl.max(abs_bits(xc), axis=0))
             amax_bits = tl.max(acc, axis=0)
         scale = scale_from_amax(amax_bits.to(tl.float32, bitcast=True), FMAX, 1.0, POW2, EPS)
-        si = reciprocal(scale)
+        si = scale_reciprocal(scale, POW2)
         if ROWWISE:
             tl.store(row_si_ptr + pid_m * n_k + pid_k, si)
         if COLWISE:
@@ -144,7 +144,7 @@ def _blockwise_kernel(x_ptr, row_ptr, row_si_ptr, col_ptr, col_si_ptr, M, K, n_m
         if COLWISE:  # BM == 128: this program is m-tile pid_m
             cscale = scale_from_amax(cacc.to(tl.float32, bitcast=True), FMAX, 1.0, POW2, EPS)
             # scale_inv (K, n_m) with strides (1, K)
-            tl.store(col_si_ptr + pid_m.to(tl.int64) * K + k0 + rk, reciprocal(cscale), mask=k_ok)
+            tl.store(col_si_ptr + pid_m.to(tl.int64) * K + k0 + rk, scale_reciprocal(cscale, POW2), mask=k_ok)
             if NCH == 1:
                 _store_t(col_ptr, col_base, 0, offs_t, fp8_bits(x * cscale[None, :], FMAX, E4M3, SOFT), mask)
             else:
