@@ -49,11 +49,16 @@ def float_bits(v: float) -> int:
 
 @triton.jit
 def fp8_bits(v, FMAX: tl.constexpr, E4M3: tl.constexpr, SOFT: tl.constexpr):
-    """uint8 fp8 bytes of fp32 `v`: clamp to +-FMAX, round to nearest even; NaN -> 0x7F|sign."""
-    c = tl.minimum(tl.maximum(v, -FMAX), FMAX)  # NaN is patched below whatever this gives
+    """uint8 fp8 bytes of fp32 `v`: clamp to +-FMAX, round to nearest even; NaN -> 0x7F|sign.
+
+    FMAX must be the format's largest finite value (every caller's): the hardware cast
+    (`cvt.rn.satfinite`) saturates to it by itself, so only the software path clamps. Dropping the
+    explicit clamp there took the blockwise and MXFP8 rw+cw kernels 6-8% faster on an H100
+    (bitwise equal on huge, Inf and NaN inputs; benchmarks/results/h100-2026-11-24-s12)."""
     vb = v.to(tl.int32, bitcast=True)
     sign = (vb >> 24) & 0x80
     if SOFT:
+        c = tl.minimum(tl.maximum(v, -FMAX), FMAX)
         if E4M3:
             MANT: tl.constexpr = 3
             BIAS: tl.constexpr = 7
@@ -76,9 +81,9 @@ def fp8_bits(v, FMAX: tl.constexpr, E4M3: tl.constexpr, SOFT: tl.constexpr):
         q = q.to(tl.uint8)
     else:
         if E4M3:
-            q = c.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            q = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         else:
-            q = c.to(tl.float8e5).to(tl.uint8, bitcast=True)
+            q = v.to(tl.float8e5).to(tl.uint8, bitcast=True)
     return tl.where(v != v, (sign | 0x7F).to(tl.uint8), q)
 
 
