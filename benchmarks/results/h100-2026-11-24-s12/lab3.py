@@ -51,6 +51,12 @@ def check():
     print("bitwise ok", n)
 
 if sys.argv[1] == "base":
+    times("base"); check(); times("base2")
+elif sys.argv[1] == "noclamp_first":
+    for mod in (f8, bw, mx):
+        mod.fp8_bits = fp8_bits_noclamp
+    times("noclamp"); check(); times("noclamp2")
+elif False:
     times("clamp")
 else:
     for mod in (f8, bw, mx):
