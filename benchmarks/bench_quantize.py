@@ -162,15 +162,15 @@ def close(a, b):
     return torch.allclose(a[0].float(), b[0].float(), rtol=2 * eps, atol=2 * eps)
 
 
-def byte_transpose(f8, fn):
-    """fn run with the fp8 cast's int32-packed transpose off (the byte transpose kernel)."""
+def with_config(table, key, value, fn):
+    """fn run with table[key] = value (to time a kernel that a newer one replaced by default)."""
     def run():
-        saved = f8.CONFIG["pack_transpose"]
-        f8.CONFIG["pack_transpose"] = False
+        saved = table[key]
+        table[key] = value
         try:
             return fn()
         finally:
-            f8.CONFIG["pack_transpose"] = saved
+            table[key] = saved
     return run
 
 
@@ -184,7 +184,8 @@ def sweep(x, tri, log):
         ("f8.amax", f8.CONFIG, "amax", lambda: f8.amax(x),
          [dict(BLOCK=b, num_warps=w) for b in (4096, 8192, 16384, 32768) for w in (4, 8, 16)]),
         ("f8.cast", f8.CONFIG, "cast",
-         byte_transpose(f8, lambda: f8.fp8_quantize_delayed(x, scale, amax, E4M3, True, True)),
+         with_config(f8.CONFIG, "pack_transpose", False,
+                     lambda: f8.fp8_quantize_delayed(x, scale, amax, E4M3, True, True)),
          [dict(BM=bm, BK=bk, num_warps=w) for bm, bk in ((64, 64), (64, 128), (128, 64), (128, 128),
                                                          (64, 256), (256, 64), (32, 128))
           for w in (4, 8)]),
@@ -205,8 +206,11 @@ def sweep(x, tri, log):
          [dict(BM=128, BK=bk, num_warps=w) for bk in (32, 64, 128) for w in (4, 8)]),
         ("bw.128x128 rw+cw", bw.CONFIG, (2, True, True), lambda: bw.fp8_blockwise_quantize(x, E4M3, 2, True, True),
          [dict(BM=128, BK=128, CH=ch, num_warps=w) for ch in (16, 32, 64, 128) for w in (4, 8)]),
-        ("mx rw+cw", mx.CONFIG, (True, True), lambda: mx.mxfp8_quantize(x, E4M3, True, True),
+        ("mx rw+cw", mx.CONFIG, (True, True),
+         with_config(mx.CONFIG, "quarters", False, lambda: mx.mxfp8_quantize(x, E4M3, True, True)),
          [dict(MB=a, NB=b, num_warps=w) for a in (1, 2, 4) for b in (2, 4, 8) for w in (4, 8)]),
+        ("mx quarters rw+cw", mx.CONFIG, "quarters", lambda: mx.mxfp8_quantize(x, E4M3, True, True),
+         [dict(NB=b, num_warps=w) for b in (1, 2, 4, 8) for w in (1, 2, 4, 8)]),
         ("mx rw", mx.CONFIG, (True, False), lambda: mx.mxfp8_quantize(x, E4M3, True, False),
          [dict(MB=a, NB=b, num_warps=w) for a in (1, 2, 4) for b in (2, 4, 8) for w in (4, 8)]),
     ]

@@ -218,12 +218,16 @@ ALT_CONFIGS = [
     (tri_mx.CONFIG, (True, True), [dict(MB=1, NB=1, num_warps=4), dict(MB=4, NB=8, num_warps=8),
                                    dict(MB=2, NB=4, num_warps=8)]),
     (tri_mx.CONFIG, (True, False), [dict(MB=1, NB=8, num_warps=4)]),
+    (tri_mx.CONFIG, "quarters", [False, dict(NB=1, num_warps=4), dict(NB=2, num_warps=1),
+                                 dict(NB=8, num_warps=8)]),
     (tri_mx.CONFIG, (False, True), [dict(MB=4, NB=2, num_warps=4)]),
 ]
 
 
 def run_alt_config(table, key, cfg, device, monkeypatch):
     monkeypatch.setitem(table, key, cfg)
+    if table is tri_mx.CONFIG and isinstance(key, tuple):
+        monkeypatch.setitem(table, "quarters", False)  # the (MB, NB) configs are `_mxfp8_kernel`'s
     for shape, kind in (((96, 288), "mixed"), ((33, 130), "nan"), ((256, 160), "zero_rows")):
         x = make_input(shape, kind, device=device)
         for fp8_dtype in FP8:
@@ -236,8 +240,10 @@ def run_alt_config(table, key, cfg, device, monkeypatch):
                 assert_bitwise(tri_bw.fp8_blockwise_quantize(x, fp8_dtype, dim, *usage),
                                ref_bw.fp8_blockwise_quantize(x, fp8_dtype, dim, *usage), f"bw {key} {cfg}")
             elif shape[0] % 32 == 0 and shape[1] % 32 == 0:
-                assert_bitwise(tri_mx.mxfp8_quantize(x, fp8_dtype, *key),
-                               ref_mx.mxfp8_quantize(x, fp8_dtype, *key), f"mx {key} {cfg}")
+                # the "quarters" entry serves both usages with a columnwise part
+                for usage in [key] if isinstance(key, tuple) else [(True, True), (False, True)]:
+                    assert_bitwise(tri_mx.mxfp8_quantize(x, fp8_dtype, *usage),
+                                   ref_mx.mxfp8_quantize(x, fp8_dtype, *usage), f"mx {key} {cfg}")
 
 
 @pytest.mark.parametrize("table,key,cfg", [(t, k, c) for t, k, cs in ALT_CONFIGS for c in cs],

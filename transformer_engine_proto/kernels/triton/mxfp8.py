@@ -4,6 +4,9 @@
 A program loads a (MB*32) x (NB*32) tile as a 4-D block [MB, 32, NB, 32] (row block, row in
 block, column block, column in block): the rowwise block amax is the max over axis 3, the
 columnwise one the max over axis 1, both from the same registers and without any reshape.
+With a columnwise usage, the quarters kernel (the default) loads a 32-row tile as four
+interleaved quarters instead, so a column block's 32-row amax is an elementwise max of the
+quarters and a reduction over 8 rows.
 
 The block exponent is computed exactly from the amax bits: with amax = s * 2**E (s in [1, 2))
 and fmt_max = s_max * 2**E_max, the smallest e with amax <= fmt_max * 2**e is
@@ -33,6 +36,9 @@ CONFIG = {
     (True, True): dict(MB=1, NB=2, num_warps=4),
     (True, False): dict(MB=2, NB=4, num_warps=8),
     (False, True): dict(MB=2, NB=4, num_warps=8),
+    # with a columnwise usage: the quarters kernel, tile 32 x (NB*32) (False: `_mxfp8_kernel`).
+    # H100, 8192^2 bf16: rw+cw 137.5 us (NB 2 / 4 warps: 153; `_mxfp8_kernel`: 187), cw 89 (167)
+    "quarters": dict(NB=4, num_warps=2),
 }
 
 
@@ -106,6 +112,78 @@ def _mxfp8_kernel(x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, M, K, n_k,
         tl.store(col_s_ptr + s_base + ib3 * K + c3, (e + 127).to(tl.uint8), mask=s_mask)
 
 
+@triton.jit
+def _load_quarter(x_ptr, base, i, j: tl.constexpr, c, K, cmask, BF16_BITS: tl.constexpr):
+    """Rows 4 i + j of the tile, [8, NB, 32]: fp32 values and NaN-less |x| bits."""
+    x = to_f32(tl.load(x_ptr + base + (4 * i + j) * K + c, mask=cmask, other=0), BF16_BITS)
+    bits = abs_bits(x)
+    return x, tl.where(bits > 0x7F800000, 0, bits)  # NaN ignored in the block amax
+
+
+@triton.jit
+def _rowwise_quarter(x, bits, row_ptr, row_s_ptr, base, m0, k0, i, j: tl.constexpr, c, jb, K, cmask,
+                     FMAX: tl.constexpr, FMAX_EXP: tl.constexpr, FMAX_MANT: tl.constexpr,
+                     E4M3: tl.constexpr, SOFT: tl.constexpr):
+    """Rowwise blocks of the quarter's rows: data and the (M, K/32) e8m0 scales."""
+    e = _block_exponent(tl.max(bits, axis=2), FMAX_EXP, FMAX_MANT)  # [8, NB]
+    s1, s2 = _pow2_neg(e)
+    q = fp8_bits((x * s1[:, :, None]) * s2[:, :, None], FMAX, E4M3, SOFT)
+    tl.store(row_ptr + base + (4 * i + j) * K + c, q, mask=cmask)
+    rows = m0 + 4 * tl.arange(0, 8)[:, None] + j  # [8, 1]
+    tl.store(row_s_ptr + rows.to(tl.int64) * (K // 32) + k0 // 32 + jb, (e + 127).to(tl.uint8),
+             mask=(k0 // 32 + jb) < K // 32)
+
+
+@triton.jit
+def _colwise_quarter(x, s1, s2, col_ptr, base, i, j: tl.constexpr, c, K, cmask,
+                     FMAX: tl.constexpr, E4M3: tl.constexpr, SOFT: tl.constexpr):
+    q = fp8_bits((x * s1[None, :, :]) * s2[None, :, :], FMAX, E4M3, SOFT)
+    tl.store(col_ptr + base + (4 * i + j) * K + c, q, mask=cmask)
+
+
+@fast_launch
+@triton.jit
+def _mxfp8_quarters_kernel(x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, M, K, n_k,
+                           FMAX: tl.constexpr, FMAX_EXP: tl.constexpr, FMAX_MANT: tl.constexpr,
+                           E4M3: tl.constexpr, SOFT: tl.constexpr, ROWWISE: tl.constexpr,
+                           BF16_BITS: tl.constexpr, NB: tl.constexpr):
+    """Columnwise (and rowwise) blocks of a 32 x (NB*32) tile (M % 32 == 0), its rows loaded as
+    four interleaved quarters (rows 4i + j, i < 8): a column block's amax is the elementwise max
+    of the quarters reduced over 8 rows, where `_mxfp8_kernel` reduces 32 rows across warps."""
+    pid = tl.program_id(0)
+    m0 = (pid // n_k) * 32
+    k0 = (pid % n_k) * (NB * 32)
+    i = tl.arange(0, 8)[:, None, None]
+    jb = tl.arange(0, NB)[None, :]
+    c = jb[:, :, None] * 32 + tl.arange(0, 32)[None, None, :]  # [1, NB, 32] tile column
+    cmask = (k0 + c) < K
+    base = m0.to(tl.int64) * K + k0
+    x0, b0 = _load_quarter(x_ptr, base, i, 0, c, K, cmask, BF16_BITS)
+    x1, b1 = _load_quarter(x_ptr, base, i, 1, c, K, cmask, BF16_BITS)
+    x2, b2 = _load_quarter(x_ptr, base, i, 2, c, K, cmask, BF16_BITS)
+    x3, b3 = _load_quarter(x_ptr, base, i, 3, c, K, cmask, BF16_BITS)
+    if ROWWISE:
+        _rowwise_quarter(x0, b0, row_ptr, row_s_ptr, base, m0, k0, i, 0, c, jb, K, cmask,
+                         FMAX, FMAX_EXP, FMAX_MANT, E4M3, SOFT)
+        _rowwise_quarter(x1, b1, row_ptr, row_s_ptr, base, m0, k0, i, 1, c, jb, K, cmask,
+                         FMAX, FMAX_EXP, FMAX_MANT, E4M3, SOFT)
+        _rowwise_quarter(x2, b2, row_ptr, row_s_ptr, base, m0, k0, i, 2, c, jb, K, cmask,
+                         FMAX, FMAX_EXP, FMAX_MANT, E4M3, SOFT)
+        _rowwise_quarter(x3, b3, row_ptr, row_s_ptr, base, m0, k0, i, 3, c, jb, K, cmask,
+                         FMAX, FMAX_EXP, FMAX_MANT, E4M3, SOFT)
+    cmax = tl.max(tl.maximum(tl.maximum(b0, b1), tl.maximum(b2, b3)), axis=0)  # [NB, 32]
+    e = _block_exponent(cmax, FMAX_EXP, FMAX_MANT)
+    s1, s2 = _pow2_neg(e)
+    _colwise_quarter(x0, s1, s2, col_ptr, base, i, 0, c, K, cmask, FMAX, E4M3, SOFT)
+    _colwise_quarter(x1, s1, s2, col_ptr, base, i, 1, c, K, cmask, FMAX, E4M3, SOFT)
+    _colwise_quarter(x2, s1, s2, col_ptr, base, i, 2, c, K, cmask, FMAX, E4M3, SOFT)
+    _colwise_quarter(x3, s1, s2, col_ptr, base, i, 3, c, K, cmask, FMAX, E4M3, SOFT)
+    # scale (M/32, K): element (m0/32, k0 + c2)
+    c2 = tl.arange(0, NB)[:, None] * 32 + tl.arange(0, 32)[None, :]
+    tl.store(col_s_ptr + (m0 // 32).to(tl.int64) * K + k0 + c2, (e + 127).to(tl.uint8),
+             mask=(k0 + c2) < K)
+
+
 @register_kernel("mxfp8_quantize", backend="triton")
 def mxfp8_quantize(x: torch.Tensor, fp8_dtype, rowwise: bool, columnwise: bool
                    ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor],
@@ -131,9 +209,22 @@ def mxfp8_quantize(x: torch.Tensor, fp8_dtype, rowwise: bool, columnwise: bool
         col_data = torch.empty(x.shape, dtype=fp8_dtype, device=dev)
         col_scale = torch.empty((m // BLOCK, k), dtype=torch.uint8, device=dev)
     dummy = row_scale if rowwise else col_scale
+    xk, bf16_bits = as_kernel_input(x2d)
+    quarters = CONFIG["quarters"]
+    if columnwise and quarters:
+        nb = quarters["NB"]
+        n_k = triton.cdiv(k, nb * 32)
+        _mxfp8_quarters_kernel[(m // 32 * n_k,)](
+            xk,
+            row_data.view(torch.uint8) if rowwise else dummy, row_scale if rowwise else dummy,
+            col_data.view(torch.uint8), col_scale, m, k, n_k,
+            FMAX=fmax, FMAX_EXP=((fb >> 23) & 0xFF) - 127, FMAX_MANT=fb & 0x7FFFFF,
+            E4M3=e4m3, SOFT=soft_cast(), ROWWISE=bool(rowwise), BF16_BITS=bf16_bits, NB=nb,
+            num_warps=quarters["num_warps"],
+        )
+        return _mxfp8_outputs(row_data, row_scale, col_data, col_scale)
     mb, nb = cfg["MB"], cfg["NB"]
     n_m, n_k = triton.cdiv(m, mb * 32), triton.cdiv(k, nb * 32)
-    xk, bf16_bits = as_kernel_input(x2d)
     _mxfp8_kernel[(n_m * n_k,)](
         xk,
         row_data.view(torch.uint8) if rowwise else dummy, row_scale if rowwise else dummy,
@@ -143,6 +234,10 @@ def mxfp8_quantize(x: torch.Tensor, fp8_dtype, rowwise: bool, columnwise: bool
         E4M3=e4m3, SOFT=soft_cast(), ROWWISE=bool(rowwise), COLWISE=bool(columnwise),
         BF16_BITS=bf16_bits, MB=mb, NB=nb, num_warps=cfg["num_warps"],
     )
+    return _mxfp8_outputs(row_data, row_scale, col_data, col_scale)
+
+
+def _mxfp8_outputs(row_data, row_scale, col_data, col_scale):
     e8m0 = torch.float8_e8m0fnu
-    return (row_data, row_scale.view(e8m0) if rowwise else None,
-            col_data, col_scale.view(e8m0) if columnwise else None)
+    return (row_data, row_scale.view(e8m0) if row_scale is not None else None,
+            col_data, col_scale.view(e8m0) if col_scale is not None else None)
