@@ -358,7 +358,6 @@ def check_scale_helpers(device):
             assert_bitwise((inv,), (torch.reciprocal(want),), "scale_inv " + what)
 
 
-@pytest.mark.cuda
 def test_scale_helpers():
     check_scale_helpers("cuda")
 
