@@ -11,7 +11,9 @@ their first call, so what is timed is our Python (plans, quantized-tensor object
 torch's custom-op and autograd machinery and the compiled graph's wrappers. The baseline
 `nn.Linear` keeps its real (small) matmuls, in float32 on CPU (CPU bf16 matmuls are slow enough to
 dominate; params are bf16 on CUDA). Numbers depend on the host CPU: compare variants within one run.
-Reported: the best of `--repeats` timings of `--steps` steps each (the least disturbed run).
+Reported: the best of `--repeats` timings of `--steps` steps each (the least disturbed run), and
+the Python function calls into this library during one step (`sys.setprofile`; under inductor the
+ops are inlined, so what remains is the eager code around the compiled region, e.g. autocast).
 """
 from __future__ import annotations
 
@@ -107,6 +109,7 @@ def host_us(variant, shape, compiled, steps, repeats, device, dtype):
 
     for _ in range(5):
         step()
+    calls = library_calls(step)
     best = float("inf")
     for _ in range(repeats):
         C.synchronize(device)
@@ -114,7 +117,27 @@ def host_us(variant, shape, compiled, steps, repeats, device, dtype):
         for _ in range(steps):
             step()
         best = min(best, (time.perf_counter() - t0) / steps)
-    return best * 1e6
+    return best * 1e6, calls
+
+
+def library_calls(fn) -> int:
+    """Python function calls into transformer_engine_proto during one `fn()` (sys.setprofile)."""
+    import transformer_engine_proto
+
+    root = os.path.dirname(transformer_engine_proto.__file__)
+    count = 0
+
+    def profile(frame, event, arg):
+        nonlocal count
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            count += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return count
 
 
 def main(argv=None):
@@ -139,8 +162,8 @@ def main(argv=None):
         for mode in modes:
             for v in variants:
                 try:
-                    us = host_us(v, shape, mode == "compiled", args.steps, args.repeats, device, dtype)
-                    results.append(dict(variant=v, mode=mode, host_us=us))
+                    us, calls = host_us(v, shape, mode == "compiled", args.steps, args.repeats, device, dtype)
+                    results.append(dict(variant=v, mode=mode, host_us=us, library_calls=calls))
                 except Exception as e:  # keep timing the others
                     results.append(dict(variant=v, mode=mode, error=C.report_exception(v, e)))
     base = {r["mode"]: r["host_us"] for r in results if r["variant"] == "nn.Linear" and "host_us" in r}
@@ -148,12 +171,13 @@ def main(argv=None):
     for r in results:
         if "host_us" in r:
             ratio = f"{r['host_us'] / base[r['mode']]:.1f}x" if r["mode"] in base else "-"
-            rows.append([r["mode"], r["variant"], f"{r['host_us']:.0f}", ratio])
+            rows.append([r["mode"], r["variant"], f"{r['host_us']:.0f}", ratio, r["library_calls"]])
         else:
-            rows.append([r["mode"], r["variant"], r["error"], "-"])
+            rows.append([r["mode"], r["variant"], r["error"], "-", "-"])
     print(f"\n## Host us per Linear fwd+bwd, {args.shape}, device work stubbed ({device}), "
           f"best of {args.repeats} x {args.steps} steps\n")
-    print(C.markdown_table(["mode", "variant", "host us/step", f"vs nn.Linear ({dtype})"], rows))
+    print(C.markdown_table(["mode", "variant", "host us/step", f"vs nn.Linear ({dtype})",
+                            "library Python calls/step"], rows))
     if args.out:
         C.write_json(args.out, args.name, dict(env=C.environment(device), shape=shape, results=results))
         plt = C.try_pyplot()

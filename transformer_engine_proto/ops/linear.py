@@ -19,6 +19,7 @@ import torch
 from ..gemm import gemm
 from ..tensor import Float8Quantizer, TensorProto
 from ..tensor.storage import QuantizedTensorStorage
+from .inductor_lowering import inline_in_inductor
 from .recipe_registry import quantizers_from_key
 
 __all__ = ["linear", "LinearPlan", "CACHE_OFF", "CACHE_FILL", "CACHE_USE", "pack_flags", "unpack_flags",
@@ -429,6 +430,8 @@ def _backward(ctx, grad_out, _grad_amaxes, _grad_saved, _grad_cache):
 
 
 linear_fwd.register_autograd(_backward, setup_context=_setup_context)
+inline_in_inductor(torch.ops.te_proto.linear_fwd.default, linear_fwd._init_fn)
+inline_in_inductor(torch.ops.te_proto.linear_bwd.default, linear_bwd._init_fn)
 
 
 def linear(inp, weight, bias=None, *, key: str, fp8_scales=None, grad_scale=None, grad_amax_state=(),

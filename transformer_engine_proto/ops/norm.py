@@ -14,6 +14,7 @@ import torch
 
 from ..kernels import kernel
 from ..kernels.reference.norm import NORMALIZATIONS
+from .inductor_lowering import inline_in_inductor
 
 __all__ = ["norm", "NORMALIZATIONS"]
 
@@ -62,6 +63,8 @@ def _backward(ctx, grad_out, _grad_mu, _grad_rsigma):
 
 
 norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+inline_in_inductor(torch.ops.te_proto.norm_fwd.default, norm_fwd._init_fn)
+inline_in_inductor(torch.ops.te_proto.norm_bwd.default, norm_bwd._init_fn)
 
 
 def norm(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, kind: str,
@@ -138,6 +141,7 @@ def _quantize_backward(ctx, grad_out, grad_mu, grad_rsigma, _grad_buffers):
 
 
 norm_quantize_fwd.register_autograd(_quantize_backward, setup_context=_setup_quantize_context)
+inline_in_inductor(torch.ops.te_proto.norm_quantize_fwd.default, norm_quantize_fwd._init_fn)
 
 
 def norm_quantize(inp, weight, bias, eps: float, kind: str, zero_centered_gamma: bool, key: str,

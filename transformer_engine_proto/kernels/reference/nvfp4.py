@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .. import register_kernel
 from .common import FLOAT32_MAX, FP4_E2M1_MAX, FP8_MAX, saturating_cast, transpose_2d, true_div
@@ -114,8 +115,9 @@ def _rht_values(seed: int) -> Tuple[Tuple[float, ...], ...]:
     """H as nested tuples, cached per seed: a compile-time constant (run at trace time, since a
     torch.Generator cannot be created inside a graph)."""
     if seed not in _RHT_CACHE:
-        g = torch.Generator().manual_seed(seed)
-        signs = (torch.randint(0, 2, (BLOCK,), generator=g) * 2 - 1).tolist()
+        with _disable_current_modes():  # real tensors even while an op body is being traced
+            g = torch.Generator().manual_seed(seed)
+            signs = (torch.randint(0, 2, (BLOCK,), generator=g) * 2 - 1).tolist()
         _RHT_CACHE[seed] = tuple(
             tuple((-1.0 if bin(i & j).count("1") % 2 else 1.0) * signs[j] / 4.0 for j in range(BLOCK))
             for i in range(BLOCK)

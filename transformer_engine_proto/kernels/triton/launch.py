@@ -20,6 +20,10 @@ is a multiple of 16; every constexpr value; every launch option; the current dev
 kernel is only reused where Triton would have picked the same binary. The first call of a class,
 calls under the interpreter (TRITON_INTERPRET=1), calls with unusual argument types and calls
 while a Triton launch hook is installed (profilers) take Triton's own path.
+
+While torch traces the call (fake tensors: inductor inlining a library op, make_fx), the launch
+goes through `torch.library.wrap_triton`, so the kernel becomes a node of the graph that the
+generated code launches itself (see `ops/inductor_lowering.py`).
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ import os
 
 import torch
 import triton
+
+from torch._subclasses.fake_tensor import is_fake
 
 from ._common import interpreting
 
@@ -85,6 +91,8 @@ class fast_launch:
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
 
     def _launch(self, grid, args, kwargs):
+        if any(isinstance(a, torch.Tensor) and is_fake(a) for a in args):
+            return torch.library.wrap_triton(self.fn)[tuple(grid)](*args, **kwargs)
         if not enabled() or interpreting() or hooks_installed():
             return self.fn[grid](*args, **kwargs)
         names = self.arg_names

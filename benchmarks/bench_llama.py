@@ -1,0 +1,196 @@
+"""Training step of a Hugging Face Llama with every `nn.Linear` swapped: bf16 vs torchao float8 vs te recipes.
+
+    python benchmarks/bench_llama.py --out out/          # hidden 2048, 4 layers, 4 x 2048 tokens (CUDA)
+    python benchmarks/bench_llama.py --smoke             # tiny, CPU-friendly check
+
+The model is `transformers.LlamaForCausalLM` (random init, bf16 params; hidden 2048, 4 layers, 16
+heads, intermediate 5632, vocab 32768 by default). A te variant replaces every `nn.Linear` (lm_head
+included) with a `te.Linear` holding the same weights; torchao's variant is
+`convert_to_float8_training` with its recipe. A step is forward with the labels (the model's own
+loss), backward, grad-norm clipping to 1.0 and a foreach AdamW step, with `te.autocast` entered
+every step around the forward, as a training loop does. Compiled variants are
+`torch.compile(model)` (default mode, or reduce-overhead with `cudagraph_mark_step_begin`), each on a
+fresh model after `torch._dynamo.reset()`; graph breaks are counted and reported. Every variant
+runs in this process, so the ratios compare like with like.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _p in (_HERE, os.path.dirname(_HERE)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import torch  # noqa: E402
+
+import _common as C  # noqa: E402
+
+DEFAULT_VARIANTS = ["bf16", "torchao:tensorwise", "te:current", "te:delayed", "te:blockwise", "te:mxfp8"]
+DEFAULT_MODES = ["eager", "default", "reduce-overhead"]
+
+
+def build_llama(args, device, dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.ffn, num_hidden_layers=args.layers,
+                         num_attention_heads=args.heads, num_key_value_heads=args.heads,
+                         vocab_size=args.vocab, max_position_embeddings=args.seq)
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config).to(device=device, dtype=dtype)
+
+
+def swap_linears(model: torch.nn.Module, dtype) -> torch.nn.Module:
+    """Every nn.Linear -> te.Linear with the same weights (and bias)."""
+    import transformer_engine_proto as te
+
+    for name, child in list(model.named_children()):
+        if type(child) is torch.nn.Linear:
+            new = te.Linear(child.in_features, child.out_features, bias=child.bias is not None,
+                            params_dtype=dtype, device=child.weight.device)
+            with torch.no_grad():
+                new.weight.copy_(child.weight)
+                if child.bias is not None:
+                    new.bias.copy_(child.bias)
+            setattr(model, name, new)
+        else:
+            swap_linears(child, dtype)
+    return model
+
+
+def make_variant(variant: str, args, device, dtype):
+    """(model, te recipe or None)."""
+    model = build_llama(args, device, dtype)
+    if variant == "bf16":
+        return model, None
+    if variant.startswith("torchao:"):
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        config = Float8LinearConfig.from_recipe_name(variant.split(":", 1)[1])
+        return convert_to_float8_training(model, config=config), None
+    return swap_linears(model, dtype), C.make_recipe(variant.split(":", 1)[1])
+
+
+def run_variant(variant, mode, args, device, dtype):
+    import transformer_engine_proto as te
+
+    C.reset_compile_state(device)
+    model, recipe = make_variant(variant, args, device, dtype)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    fwd = model if mode == "eager" else torch.compile(model, mode=None if mode == "default" else mode)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
+    losses = []
+
+    def step():
+        if mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        ctx = te.autocast(recipe=recipe) if recipe is not None else contextlib.nullcontext()
+        with ctx:
+            loss = fwd(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+
+    t0 = time.perf_counter()
+    step()
+    C.synchronize(device)
+    res = {"variant": variant, "mode": mode, "first_step_s": time.perf_counter() - t0}
+    for _ in range(2):
+        step()
+    C.synchronize(device)
+    res["ms"] = C.bench_ms(step, device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+                           cpu_warmup=args.cpu_warmup, cpu_reps=args.cpu_reps)
+    res["last_loss"] = float(losses[-1])
+    res.update(C.compile_stats())
+    del fwd, model, params, opt
+    return res
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES))
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--ffn", type=int, default=5632)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of the wiring)")
+    C.add_run_args(p, "bench_llama", warmup_ms=100.0, rep_ms=600.0)
+    args = p.parse_args(argv)
+    device = C.device_from_arg(args.device)
+    if args.smoke:
+        args.hidden, args.ffn, args.layers, args.heads, args.vocab, args.seq, args.batch = 64, 128, 2, 4, 256, 32, 2
+    dtype = torch.bfloat16
+    C.configure_dynamo()
+    variants = [v for v in args.variants.split(",") if v]
+    if device.type != "cuda":  # torchao float8 training and reduce-overhead need CUDA
+        variants = [v for v in variants if not v.startswith("torchao:")]
+    modes = [m for m in args.modes.split(",") if m and (device.type == "cuda" or m != "reduce-overhead")]
+    budget = C.Budget(args.max_minutes)
+    results = []
+    for mode in modes:
+        for v in variants:
+            if budget.exhausted():
+                results.append(dict(variant=v, mode=mode, error="skipped (budget)"))
+                continue
+            try:
+                results.append(run_variant(v, mode, args, device, dtype))
+            except Exception as e:  # keep measuring the others
+                results.append(dict(variant=v, mode=mode, error=C.report_exception(f"{v} {mode}", e)))
+            r = results[-1]
+            print(f"{mode:16s} {v:20s} " + (f"{r['ms']:8.2f} ms  breaks {r['graph_breaks']}" if "ms" in r else r["error"]),
+                  flush=True)
+    base = {r["mode"]: r["ms"] for r in results if r["variant"] == "bf16" and "ms" in r}
+    rows = []
+    for r in results:
+        if "ms" in r:
+            ratio = f"{base[r['mode']] / r['ms']:.2f}x" if r["mode"] in base else "-"
+            rows.append([r["mode"], r["variant"], f"{r['ms']:.2f}", ratio, f"{r['last_loss']:.3f}",
+                         r["graph_breaks"], r["cudagraph_skips"]])
+        else:
+            rows.append([r["mode"], r["variant"], r["error"], "-", "-", "-", "-"])
+    print(f"\n## HF Llama train step (hidden {args.hidden}, {args.layers} layers, ffn {args.ffn}, "
+          f"{args.batch}x{args.seq} tokens, {device})\n")
+    print(C.markdown_table(["mode", "variant", "ms/step", "speed vs bf16", "loss", "graph breaks",
+                            "cudagraph skips"], rows))
+    if args.out:
+        C.write_json(args.out, args.name, dict(env=C.environment(device), args=vars(args), results=results))
+        plt = C.try_pyplot()
+        if plt is not None:
+            fig, ax = plt.subplots(figsize=(9, 4))
+            width = 0.8 / max(len(variants), 1)
+            for i, v in enumerate(variants):
+                xs, ys = [], []
+                for j, mode in enumerate(modes):
+                    r = next((r for r in results if r["variant"] == v and r["mode"] == mode and "ms" in r), None)
+                    if r is not None and mode in base:
+                        xs.append(j + i * width)
+                        ys.append(base[mode] / r["ms"])
+                ax.bar(xs, ys, width=width, label=v)
+            ax.axhline(1.0, color="k", lw=0.8)
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(modes))], modes)
+            ax.set_ylabel("speed vs bf16 (same mode)")
+            ax.legend(fontsize=7, ncol=2)
+            fig.tight_layout()
+            path = os.path.join(args.out, f"{args.name}.png")
+            fig.savefig(path, dpi=120)
+            print(f"wrote {path}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Inductor sees through the library's custom ops.
+
+Each op registers its own eager body as an inductor decomposition. The op keeps its fake impl
+and stays one opaque node for eager, `aot_eager`, opcheck and the CUDA-graph backends (so those
+run exactly the eager code), while inductor traces the body once at compile time: the plan,
+quantizer and storage objects exist only while tracing, our Triton kernels become graph nodes
+(`kernels/triton/launch.py` launches through `torch.library.wrap_triton` under fake tensors),
+the GEMMs are aten ops, and the generated code launches them with no library Python per step,
+fusing the elementwise work around them.
+
+`set_inductor_inlining(False)` makes the ops opaque to inductor again (compiles after the call
+see it): the generated code then calls the op's Python body on every step.
+
+Inductor's caches key a compiled graph on the graph before decomposition, not on the bodies: the
+library tags the cache key (`torch.compiler.config.cache_key_tag`) with a hash of its own source
+and the inlining setting, so an artifact built from other bodies is never reused.
+"""
+from __future__ import annotations
+
+import hashlib
+import pathlib
+from typing import Callable, Dict
+
+import torch
+import torch.utils._pytree as pytree
+from torch._functorch._aot_autograd.functional_utils import from_fun, to_fun
+from torch._inductor import decomposition as _inductor_decomp
+from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+__all__ = ["inline_in_inductor", "set_inductor_inlining", "inductor_inlining_enabled"]
+
+_BODIES: Dict[object, Callable] = {}
+_enabled = True
+
+
+def inline_in_inductor(op, body: Callable) -> None:
+    """Let inductor trace `body` (the op's eager implementation, same signature and outputs) in
+    place of the opaque `op` (an OpOverload)."""
+    _BODIES[op] = body
+    if _enabled:
+        _inductor_decomp.decompositions[op] = _functional(body)
+    _table_changed()
+
+
+def set_inductor_inlining(enabled: bool) -> None:
+    global _enabled
+    _enabled = bool(enabled)
+    for op, body in _BODIES.items():
+        if _enabled:
+            _inductor_decomp.decompositions[op] = _functional(body)
+        else:
+            _inductor_decomp.decompositions.pop(op, None)
+    _table_changed()
+
+
+def inductor_inlining_enabled() -> bool:
+    return _enabled
+
+
+def _functional(body: Callable) -> Callable:
+    """`body` with its in-place writes functionalized: inductor applies decompositions below AOT
+    autograd's functionalization, and its graphs must be functional. The body's writes go into
+    buffers it allocates itself (the ops mutate none of their inputs), so nothing is copied back."""
+
+    def run(*args, **kwargs):
+        with FunctionalTensorMode():
+            args, kwargs = pytree.tree_map(to_fun, (args, kwargs))
+            out = body(*args, **kwargs)
+        return pytree.tree_map(from_fun, out)
+
+    return run
+
+
+def _source_hash() -> str:
+    root = pathlib.Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+_SOURCE_HASH = _source_hash()
+
+
+def _table_changed() -> None:
+    """Inductor caches a copy of its table (`fast_random_decomps`): drop it so the next compile
+    reads the current one; and tag the cache key with this source and setting."""
+    cached = getattr(_inductor_decomp, "fast_random_decomps", None)
+    if hasattr(cached, "cache_clear"):
+        cached.cache_clear()
+    config = torch.compiler.config
+    if hasattr(config, "cache_key_tag"):
+        tags = [t for t in config.cache_key_tag.split("|") if t and not t.startswith("te_proto:")]
+        config.cache_key_tag = "|".join(tags + [f"te_proto:{_SOURCE_HASH}:{int(_enabled)}"])
