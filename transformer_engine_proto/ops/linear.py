@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ..gemm import gemm
 from ..tensor import Float8Quantizer, TensorProto
@@ -190,8 +191,18 @@ def _with_state(q: Float8Quantizer, scale: torch.Tensor, amax: torch.Tensor) -> 
     return bound
 
 
-def _bind_delayed(q, scales, amaxes, slot: int):
-    return _with_state(q, scales[slot:slot + 1], amaxes[slot:slot + 1])
+def _scale_slot(scales: torch.Tensor, slot: int) -> torch.Tensor:
+    """scales[slot] as a (1,) tensor for a quantize kernel. While inductor traces the op a fresh
+    copy: inductor cannot pass a slice of a buffer computed in the graph (the in-graph scale
+    update) to a user Triton kernel."""
+    scale = scales[slot:slot + 1]
+    return scale.clone() if is_fake(scales) else scale
+
+
+def _bind_delayed(q, scales, slot: int):
+    """(q bound to scales[slot] and a fresh amax, that amax (1,): the quantize records into it)."""
+    amax = torch.zeros(1, dtype=torch.float32, device=scales.device)
+    return _with_state(q, _scale_slot(scales, slot), amax), amax
 
 
 def _plan(key, inp, weight, input_requires_grad, weight_requires_grad, cache_mode, save_original_input,
@@ -230,21 +241,22 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     if not plan.quantized:
         out = gemm(x2d, weight, trans_b=True, bias=bias, out_dtype=inp.dtype)
         return out.view(out_shape), inp.new_empty(0, dtype=torch.float32), [], []
-    amaxes = torch.zeros(2 if plan.delayed else 0, dtype=torch.float32, device=inp.device)
+    amaxes = [torch.zeros(1, dtype=torch.float32, device=inp.device) for _ in range(2 if plan.delayed else 0)]
     if plan.prequantized:
         xq = rebuild(plan.prequantized_input(), inp_quantized)
     else:
         iq = plan.input_quantizer()
         if plan.delayed:
-            iq = _bind_delayed(iq, fp8_scales, amaxes, 0)
+            iq, amaxes[0] = _bind_delayed(iq, fp8_scales, 0)
         xq = iq.quantize(x2d, internal=True)
     if cache_mode == CACHE_USE:
         wq = rebuild(plan.cached_weight(), weight_cache)
     else:
         wq = plan.weight_quantizer()
         if plan.delayed:
-            wq = _bind_delayed(wq, fp8_scales, amaxes, 1)
+            wq, amaxes[1] = _bind_delayed(wq, fp8_scales, 1)
         wq = wq.quantize(weight, internal=True)
+    amaxes = torch.cat(amaxes) if amaxes else inp.new_empty(0, dtype=torch.float32)
     out = gemm(xq.only_usage(True), wq.only_usage(True), trans_b=True, bias=bias, out_dtype=inp.dtype)
     cache = list(wq.get_buffers().values()) if cache_mode == CACHE_FILL else []
     saved = []
@@ -307,7 +319,7 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
         if plan.save_original_input and weight_requires_grad:
             iq = plan.quantizers.input.with_usage(rowwise=False, columnwise=True)
             if plan.delayed:  # reuse the forward's scale; the amax was recorded in forward
-                iq = _with_state(iq, fp8_scales[0:1], torch.zeros(1, device=dy.device))
+                iq = _with_state(iq, _scale_slot(fp8_scales, 0), torch.zeros(1, device=dy.device))
             x = iq.quantize(x, internal=True)
     grads = []
     if input_requires_grad:

@@ -18,6 +18,7 @@ import os
 import struct
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 import triton
 import triton.language as tl
 
@@ -99,8 +100,10 @@ def to_f32(x, BF16_BITS: tl.constexpr):
 def as_kernel_input(x: torch.Tensor):
     """(tensor to pass, BF16_BITS): bf16 goes in as int16 bits and is widened by a shift, which
     is what the GPU does anyway and is exact for subnormals also in the interpreter (whose own
-    bf16 -> fp32 conversion mangles them)."""
-    if x.dtype == torch.bfloat16:
+    bf16 -> fp32 conversion mangles them). While torch traces the call (inductor) bf16 goes in as
+    itself: inductor cannot hand a user kernel a dtype view of a buffer it computed, and on the GPU
+    the kernel's own bf16 -> fp32 conversion is the same exact widening."""
+    if x.dtype == torch.bfloat16 and not is_fake(x):
         return x.view(torch.int16), True
     return x, False
 
