@@ -123,7 +123,7 @@ def _fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mu_ptr, rs_ptr, amax_ptr, M, K, eps,
             d = tl.where(mask, _load_f32(x_ptr, base + ccols[None, :], mask, X_BF16) - mu[:, None], 0.0)
             s += d * d
         var = _row_mean(s, K)
-    rs = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), tl.math.sqrt_rn(var + eps.to(tl.float32)))
+    rs = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), tl.math.sqrt_rn(var + tl.cast(eps, tl.float32)))
     tl.store(mu_ptr + rows, mu, mask=rmask)
     tl.store(rs_ptr + rows, rs, mask=rmask)
 
