@@ -139,7 +139,7 @@ if [ "$L1_SKIP_TRAIN" != "1" ]; then
 fi
 
 # 4. Linear fwd+bwd vs bf16 and torchao (compile default, all shapes), then reduce-overhead on the
-#    small shapes where launch overhead matters; 5. distributed (>= 2 GPUs); 6. the TransformerLayer stack
+#    small shapes where launch overhead matters; 5. distributed (>= 2 GPUs); 6. the HF Llama; 7. the TransformerLayer stack
 LIN_ARGS=()
 [ -n "$LINEAR_SHAPES" ] && LIN_ARGS+=(--shapes "$LINEAR_SHAPES")
 min_lin=$(minutes_left 0.35 60 0)
@@ -166,6 +166,16 @@ if [ "${NGPU:-0}" -ge 2 ]; then
 else
     echo "=== [bench_distributed] needs >= 2 GPUs (found ${NGPU:-0}): skipped"
     SUMMARY+=("$(printf '%-22s %s' bench_distributed 'needs >= 2 GPUs')")
+fi
+
+# 6. a Hugging Face Llama with every Linear swapped (needs transformers; torchao when present)
+if "$PYTHON" -c "import transformers" 2>/dev/null; then
+    min_llama=$(minutes_left 0.4 90 45)
+    run_step bench_llama $(( ${min_llama%.*} * 60 + 240 )) "$PYTHON" benchmarks/bench_llama.py "${SMOKE[@]}" \
+        --max-minutes "$min_llama" --out "$OUT" --name bench_llama
+else
+    echo "=== [bench_llama] transformers not importable: skipped"
+    SUMMARY+=("$(printf '%-22s %s' bench_llama 'no transformers')")
 fi
 
 min_tr=$(minutes_left 1.0 60 45)

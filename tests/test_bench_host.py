@@ -19,4 +19,5 @@ def test_bench_host_times_variants_and_restores_the_kernels():
                                "--steps", "2", "--repeats", "1"])
     assert [r["variant"] for r in results] == ["nn.Linear", "te:current", "te:blockwise"]
     assert all(r.get("host_us", 0) > 0 for r in results), results
+    assert all(r["library_calls"] > 0 for r in results), results  # eager: the op bodies run
     assert kernels._KERNELS == before and linear_ops.gemm is gemm
