@@ -381,8 +381,7 @@ def fold_pending_grad_amax(history: torch.Tensor, state: Sequence[torch.Tensor])
 
 
 # ---- autograd wiring ----------------------------------------------------------------------------
-_FWD_ARGS = ("inp", "weight", "bias", "fp8_scales", "grad_scale", "grad_amax_state", "weight_cache",
-             "main_grad", "key", "flags", "inp_quantized")
+_FWD_ARGS = tuple(a.name for a in torch.ops.te_proto.linear_fwd.default._schema.arguments)
 _FLAG_NAMES = ("input_requires_grad", "weight_requires_grad", "cache_mode", "save_original_input",
                "fuse_wgrad_accumulation")
 
@@ -426,8 +425,8 @@ def _backward(ctx, grad_out, _grad_amaxes, _grad_saved, _grad_cache):
     raw_inp, raw_w, scales, grad_scale = (next(it) if h else None for h in ctx.has)
     main_grad = ctx.main_grad
     args = ctx.args
-    grads = iter(linear_bwd(grad_out.contiguous(), saved, raw_inp, raw_w, cache, scales, grad_scale,
-                            main_grad, **args))
+    grads = iter(linear_bwd(grad_out.contiguous(), saved=saved, inp=raw_inp, weight=raw_w, weight_cache=cache,
+                            fp8_scales=scales, grad_scale=grad_scale, main_grad=main_grad, **args))
     dgrad = next(grads) if args["input_requires_grad"] else None
     wgrad = next(grads) if args["weight_requires_grad"] else None
     dbias = next(grads) if args["bias_requires_grad"] else None
@@ -436,9 +435,10 @@ def _backward(ctx, grad_out, _grad_amaxes, _grad_saved, _grad_cache):
     if args["fuse_wgrad_accumulation"] and wgrad is not None:
         main_grad.add_(wgrad)
         wgrad = None
-    # one grad per input: None for the state tensors, a list of Nones for the weight-cache list
-    return ((dgrad, wgrad, dbias, None, None, [None] * len(ctx.grad_amax_state), [None] * ctx.n_cache_in) + (None,) * (len(_FWD_ARGS) - 8)
-            + ([None] * ctx.n_prequantized,))
+    # one grad per linear_fwd argument, by name: None for the others (a list of Nones for a list)
+    grads_by_name = dict(inp=dgrad, weight=wgrad, bias=dbias, grad_amax_state=[None] * len(ctx.grad_amax_state),
+                         weight_cache=[None] * ctx.n_cache_in, inp_quantized=[None] * ctx.n_prequantized)
+    return tuple(grads_by_name.get(name) for name in _FWD_ARGS)
 
 
 linear_fwd.register_autograd(_backward, setup_context=_setup_context)
