@@ -1,5 +1,6 @@
 """Inductor sees through the library's ops (ops/inductor_lowering.py): a compiled training step
 runs no library Python per Linear, and the opaque fallback still works."""
+import os
 import sys
 
 import pytest
@@ -9,25 +10,10 @@ import transformer_engine_proto as te
 from transformer_engine_proto.ops import inductor_lowering
 from linear_cases import RECIPES, fresh_dynamo, recipe_ctx
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from bench_host import library_calls  # noqa: E402
+
 LAYERS = 2
-
-
-def library_calls(fn) -> int:
-    """Python function calls into transformer_engine_proto during `fn()`."""
-    root = te.__file__.rsplit("/", 1)[0]
-    count = 0
-
-    def profile(frame, event, arg):
-        nonlocal count
-        if event == "call" and frame.f_code.co_filename.startswith(root):
-            count += 1
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return count
 
 
 def _compiled_step_calls(recipe) -> int:

@@ -16,6 +16,7 @@ from typing import List, Optional, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..gemm import gemm
 from ..tensor import Float8Quantizer, TensorProto
@@ -425,7 +426,8 @@ def _backward(ctx, grad_out, _grad_amaxes, _grad_saved, _grad_cache):
     raw_inp, raw_w, scales, grad_scale = (next(it) if h else None for h in ctx.has)
     main_grad = ctx.main_grad
     args = ctx.args
-    grads = iter(linear_bwd(grad_out.contiguous(), saved=saved, inp=raw_inp, weight=raw_w, weight_cache=cache,
+    backward_op = getattr(ctx, "backward_op", linear_bwd)
+    grads = iter(backward_op(grad_out.contiguous(), saved=saved, inp=raw_inp, weight=raw_w, weight_cache=cache,
                             fp8_scales=scales, grad_scale=grad_scale, main_grad=main_grad, **args))
     dgrad = next(grads) if args["input_requires_grad"] else None
     wgrad = next(grads) if args["weight_requires_grad"] else None
@@ -446,6 +448,34 @@ inline_in_inductor(torch.ops.te_proto.linear_fwd.default, linear_fwd._init_fn)
 inline_in_inductor(torch.ops.te_proto.linear_bwd.default, linear_bwd._init_fn)
 
 
+class _EagerLinear(torch.autograd.Function):
+    """The ops' bodies and autograd wiring without the custom-op dispatcher, for eager calls on
+    plain tensors: the same code and results, minus the dispatcher's per-call argument handling
+    (schema defaults, pytree flattening, two redispatches per op). List arguments and outputs
+    are not tracked by autograd; their grads are None either way."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = linear_fwd._init_fn(*inputs)
+        _setup_context(ctx, inputs, output)
+        ctx.backward_op = linear_bwd._init_fn
+        ctx.mark_non_differentiable(output[1])
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_amaxes, *_):
+        grads = _backward(ctx, grad_out, None, None, None)
+        return tuple(None if isinstance(g, list) else g for g in grads)
+
+
+def _takes_eager_path(*tensors) -> bool:
+    """Plain tensors outside any tracing or dispatch mode: anything else (torch.compile, make_fx,
+    fake tensors, tensor subclasses such as FSDP2's quantized weights) goes through the op."""
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return False
+    return all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors if t is not None)
+
+
 def linear(inp, weight, bias=None, *, key: str, fp8_scales=None, grad_scale=None, grad_amax_state=(),
            weight_cache=(),
            main_grad=None, cache_mode: int = CACHE_OFF, save_original_input: bool = False,
@@ -456,7 +486,8 @@ def linear(inp, weight, bias=None, *, key: str, fp8_scales=None, grad_scale=None
     weight_requires_grad = grad_on and weight.requires_grad
     flags = pack_flags(input_requires_grad, weight_requires_grad, cache_mode, save_original_input,
                        fuse_wgrad_accumulation and weight_requires_grad)
-    out, amaxes, _, cache = linear_fwd(
-        inp, weight, bias, fp8_scales, grad_scale, list(grad_amax_state), list(weight_cache), main_grad, key,
-        flags, list(inp_quantized))
+    args = (inp, weight, bias, fp8_scales, grad_scale, list(grad_amax_state), list(weight_cache), main_grad, key,
+            flags, list(inp_quantized))
+    op = _EagerLinear.apply if _takes_eager_path(inp, weight, bias) else linear_fwd
+    out, amaxes, _, cache = op(*args)
     return out, amaxes, cache
