@@ -16,11 +16,11 @@ from typing import List, Optional, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..gemm import gemm
 from ..tensor import Float8Quantizer, TensorProto
 from ..tensor.storage import QuantizedTensorStorage
+from .eager_path import eager_function, takes_eager_path
 from .inductor_lowering import inline_in_inductor
 from .recipe_registry import quantizers_from_key
 
@@ -448,32 +448,7 @@ inline_in_inductor(torch.ops.te_proto.linear_fwd.default, linear_fwd._init_fn)
 inline_in_inductor(torch.ops.te_proto.linear_bwd.default, linear_bwd._init_fn)
 
 
-class _EagerLinear(torch.autograd.Function):
-    """The ops' bodies and autograd wiring without the custom-op dispatcher, for eager calls on
-    plain tensors: the same code and results, minus the dispatcher's per-call argument handling
-    (schema defaults, pytree flattening, two redispatches per op). List arguments and outputs
-    are not tracked by autograd; their grads are None either way."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        output = linear_fwd._init_fn(*inputs)
-        _setup_context(ctx, inputs, output)
-        ctx.backward_op = linear_bwd._init_fn
-        ctx.mark_non_differentiable(output[1])
-        return output
-
-    @staticmethod
-    def backward(ctx, grad_out, _grad_amaxes, *_):
-        grads = _backward(ctx, grad_out, None, None, None)
-        return tuple(None if isinstance(g, list) else g for g in grads)
-
-
-def _takes_eager_path(*tensors) -> bool:
-    """Plain tensors outside any tracing or dispatch mode: anything else (torch.compile, make_fx,
-    fake tensors, tensor subclasses such as FSDP2's quantized weights) goes through the op."""
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
-        return False
-    return all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors if t is not None)
+_eager_linear = eager_function(linear_fwd, _setup_context, _backward, linear_bwd._init_fn, non_differentiable=(1,))
 
 
 def linear(inp, weight, bias=None, *, key: str, fp8_scales=None, grad_scale=None, grad_amax_state=(),
@@ -488,6 +463,6 @@ def linear(inp, weight, bias=None, *, key: str, fp8_scales=None, grad_scale=None
                        fuse_wgrad_accumulation and weight_requires_grad)
     args = (inp, weight, bias, fp8_scales, grad_scale, list(grad_amax_state), list(weight_cache), main_grad, key,
             flags, list(inp_quantized))
-    op = _EagerLinear.apply if _takes_eager_path(inp, weight, bias) else linear_fwd
+    op = _eager_linear if takes_eager_path(inp, weight, bias) else linear_fwd
     out, amaxes, _, cache = op(*args)
     return out, amaxes, cache

@@ -1,0 +1,51 @@
+"""Eager calls skip the custom-op dispatcher.
+
+A `torch.library` custom op pays, per eager call, for the dispatcher's argument handling (schema
+defaults, pytree flattening of the arguments, a redispatch below autograd). For plain tensors
+outside any compile, tracing or dispatch mode the library runs the same op body and the same
+autograd wiring (`setup_context` / `backward`) through an `autograd.Function` instead; everything
+else (torch.compile, make_fx, fake tensors, tensor subclasses such as FSDP2's quantized weights,
+whose handlers are registered on the op) goes through the op.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+__all__ = ["takes_eager_path", "eager_function"]
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def takes_eager_path(*tensors) -> bool:
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return False
+    return all(type(t) in _PLAIN for t in tensors if t is not None)
+
+
+def eager_function(op, setup_context: Callable, backward: Callable, backward_body: Callable,
+                   non_differentiable=()) -> Callable:
+    """`apply` of an autograd.Function running `op`'s body. `backward` is the op's registered
+    backward; it finds the body of the backward op in `ctx.backward_op` (the op itself when the
+    custom op's own autograd runs). `non_differentiable`: indices of tensor outputs."""
+    body = op._init_fn
+    n_outputs = len(op._opoverload._schema.returns)
+
+    def forward(ctx, *inputs):
+        output = body(*inputs)
+        setup_context(ctx, inputs, output)
+        ctx.backward_op = backward_body
+        ctx.mark_non_differentiable(*(output[i] for i in non_differentiable))
+        return output
+
+    def backward_(ctx, *grads):
+        # one grad per op output (None where autograd tracked none: lists); list inputs get None
+        grads = (list(grads) + [None] * n_outputs)[:n_outputs]
+        return tuple(None if isinstance(g, list) else g for g in backward(ctx, *grads))
+
+    name = "Eager_" + op._name.split("::")[-1]  # autograd nodes show as Eager_<op>Backward
+    cls = type(name, (torch.autograd.Function,),
+               {"forward": staticmethod(forward), "backward": staticmethod(backward_)})
+    return cls.apply
