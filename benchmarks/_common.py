@@ -277,6 +277,15 @@ def try_pyplot():
         return None
 
 
+def save_figure(fig, out_dir: str, name: str) -> str:
+    """Lay out `fig`, write it as <out_dir>/<name>.png and say so."""
+    fig.tight_layout()
+    path = os.path.join(out_dir, f"{name}.png")
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+    return path
+
+
 def add_run_args(p, name: str, warmup_ms: float, rep_ms: float) -> None:
     """The device, timing, budget and output options every benchmark script takes."""
     p.add_argument("--device", default=None, help="default: cuda if available else cpu")

@@ -190,10 +190,7 @@ def main(argv=None):
                 ax.set_xticks([j + 0.2 for j in range(len(rs))], [r["variant"] for r in rs], rotation=30)
             ax.set_ylabel("host us per fwd+bwd")
             ax.legend()
-            fig.tight_layout()
-            path = os.path.join(args.out, f"{args.name}.png")
-            fig.savefig(path, dpi=120)
-            print(f"wrote {path}")
+            C.save_figure(fig, args.out, args.name)
     return results
 
 

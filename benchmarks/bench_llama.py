@@ -112,7 +112,6 @@ def run_variant(variant, mode, args, device, dtype):
                            cpu_warmup=args.cpu_warmup, cpu_reps=args.cpu_reps)
     res["last_loss"] = float(losses[-1])
     res.update(C.compile_stats())
-    del fwd, model, params, opt
     return res
 
 
@@ -185,10 +184,7 @@ def main(argv=None):
             ax.set_xticks([j + 0.4 - width / 2 for j in range(len(modes))], modes)
             ax.set_ylabel("speed vs bf16 (same mode)")
             ax.legend(fontsize=7, ncol=2)
-            fig.tight_layout()
-            path = os.path.join(args.out, f"{args.name}.png")
-            fig.savefig(path, dpi=120)
-            print(f"wrote {path}")
+            C.save_figure(fig, args.out, args.name)
     return results
 
 
