@@ -1,4 +1,5 @@
-"""`autocast(enabled=True, recipe=...)` (alias `fp8_autocast`): which recipe modules use now.
+"""`autocast(enabled=True, recipe=...)` and TE's older `fp8_autocast(enabled=True, fp8_recipe=...)`:
+which recipe modules use now.
 
 The state is a plain Python object that torch.compile reads and guards on, so entering autocast
 with another recipe recompiles instead of silently reusing a graph traced for the old one.
@@ -55,6 +56,9 @@ def _default_recipe() -> _recipe.Recipe:
 def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[_recipe.Recipe] = None,
              amax_reduction_group=None, _graph: bool = False):
     """Run the enclosed TE-proto modules in low precision with `recipe` (default DelayedScaling)."""
+    if isinstance(enabled, _recipe.Recipe):
+        raise TypeError(f"autocast: the first argument is `enabled`, got the recipe {type(enabled).__name__}; "
+                        f"pass it by keyword: autocast(recipe=...)")
     if calibrating:
         raise NotImplementedError("calibrating=True is not supported by transformer_engine_proto")
     if recipe is None:
@@ -79,4 +83,12 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[_
         FP8GlobalState.state = saved
 
 
-fp8_autocast = autocast
+def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Optional[_recipe.Recipe] = None,
+                 fp8_group=None, _graph: bool = False):
+    """TE's older name and keywords for `autocast` (`fp8_recipe` is `recipe`, `fp8_group` is
+    `amax_reduction_group`)."""
+    if isinstance(enabled, _recipe.Recipe):
+        raise TypeError(f"fp8_autocast: the first argument is `enabled`, got the recipe {type(enabled).__name__}; "
+                        f"pass it by keyword: fp8_autocast(fp8_recipe=...)")
+    return autocast(enabled=enabled, calibrating=calibrating, recipe=fp8_recipe, amax_reduction_group=fp8_group,
+                    _graph=_graph)
