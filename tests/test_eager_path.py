@@ -6,14 +6,13 @@ import pytest
 import torch
 
 import transformer_engine_proto as te
-from transformer_engine_proto.ops import linear as linear_ops, norm as norm_ops
+from transformer_engine_proto.ops import eager_path
 from linear_cases import RECIPE_IDS, RECIPES, recipe_ctx
 
 
-def _run(model, recipe, x, dy, eager_path: bool, monkeypatch):
-    takes = (lambda *t: False) if not eager_path else linear_ops.takes_eager_path
-    monkeypatch.setattr(linear_ops, "takes_eager_path", takes)
-    monkeypatch.setattr(norm_ops, "takes_eager_path", takes)
+def _run(model, recipe, x, dy, use_eager_path: bool, monkeypatch):
+    if not use_eager_path:
+        monkeypatch.setattr(eager_path, "takes_eager_path", lambda *args: False)
     x = x.clone().requires_grad_()
     outs, fns = [], set()
     for _ in range(2):  # a second step: delayed scaling reads the state the first one wrote
@@ -49,10 +48,11 @@ def test_eager_path_equals_the_op_path(rid, monkeypatch):
 def test_subclass_and_tracing_inputs_take_the_op():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    assert linear_ops.takes_eager_path(torch.ones(1), torch.nn.Parameter(torch.ones(1)), None)
+    assert eager_path.takes_eager_path(torch.ones(1), torch.nn.Parameter(torch.ones(1)), None)
     with FakeTensorMode():
-        assert not linear_ops.takes_eager_path(torch.ones(1))
+        assert not eager_path.takes_eager_path(torch.ones(1))
     from transformer_engine_proto.tensor import Float8CurrentScalingQuantizer
 
     qt = Float8CurrentScalingQuantizer(torch.float8_e4m3fn)(torch.randn(16, 16))
-    assert not linear_ops.takes_eager_path(torch.ones(1), qt)
+    assert not eager_path.takes_eager_path(torch.ones(1), qt)
+    assert not eager_path.takes_eager_path(torch.ones(1), [torch.ones(1), qt], "key", 3)

@@ -52,13 +52,18 @@ def _default_recipe() -> _recipe.Recipe:
     return _recipe.DelayedScaling()
 
 
+def _reject_recipe_as_enabled(enabled, fix: str) -> None:
+    if isinstance(enabled, _recipe.Recipe):
+        name = fix.split("(")[0]
+        raise TypeError(f"{name}: the first argument is `enabled`, got the recipe {type(enabled).__name__}; "
+                        f"pass it by keyword: {fix}")
+
+
 @contextlib.contextmanager
 def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[_recipe.Recipe] = None,
              amax_reduction_group=None, _graph: bool = False):
     """Run the enclosed TE-proto modules in low precision with `recipe` (default DelayedScaling)."""
-    if isinstance(enabled, _recipe.Recipe):
-        raise TypeError(f"autocast: the first argument is `enabled`, got the recipe {type(enabled).__name__}; "
-                        f"pass it by keyword: autocast(recipe=...)")
+    _reject_recipe_as_enabled(enabled, "autocast(recipe=...)")
     if calibrating:
         raise NotImplementedError("calibrating=True is not supported by transformer_engine_proto")
     if recipe is None:
@@ -87,8 +92,6 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Op
                  fp8_group=None, _graph: bool = False):
     """TE's older name and keywords for `autocast` (`fp8_recipe` is `recipe`, `fp8_group` is
     `amax_reduction_group`)."""
-    if isinstance(enabled, _recipe.Recipe):
-        raise TypeError(f"fp8_autocast: the first argument is `enabled`, got the recipe {type(enabled).__name__}; "
-                        f"pass it by keyword: fp8_autocast(fp8_recipe=...)")
+    _reject_recipe_as_enabled(enabled, "fp8_autocast(fp8_recipe=...)")
     return autocast(enabled=enabled, calibrating=calibrating, recipe=fp8_recipe, amax_reduction_group=fp8_group,
                     _graph=_graph)

@@ -19,15 +19,21 @@ __all__ = ["takes_eager_path", "eager_function"]
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def takes_eager_path(*tensors) -> bool:
+def takes_eager_path(*args) -> bool:
+    """Whether a call with these arguments (tensors, lists of tensors, anything else) may skip the op."""
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         return False
-    return all(type(t) in _PLAIN for t in tensors if t is not None)
+    for a in args:
+        for t in (a if isinstance(a, list) else (a,)):
+            if isinstance(t, torch.Tensor) and type(t) not in _PLAIN:
+                return False
+    return True
 
 
 def eager_function(op, setup_context: Callable, backward: Callable, backward_body: Callable,
                    non_differentiable=()) -> Callable:
-    """`apply` of an autograd.Function running `op`'s body. `backward` is the op's registered
+    """A callable with `op`'s signature: an autograd.Function running `op`'s body where
+    `takes_eager_path` allows, `op` itself otherwise. `backward` is the op's registered
     backward; it finds the body of the backward op in `ctx.backward_op` (the op itself when the
     custom op's own autograd runs). `non_differentiable`: indices of tensor outputs."""
     body = op._init_fn
@@ -48,4 +54,8 @@ def eager_function(op, setup_context: Callable, backward: Callable, backward_bod
     name = "Eager_" + op._name.split("::")[-1]  # autograd nodes show as Eager_<op>Backward
     cls = type(name, (torch.autograd.Function,),
                {"forward": staticmethod(forward), "backward": staticmethod(backward_)})
-    return cls.apply
+
+    def call(*args):
+        return (cls.apply if takes_eager_path(*args) else op)(*args)
+
+    return call

@@ -37,9 +37,7 @@ def inline_in_inductor(op, body: Callable) -> None:
     """Let inductor trace `body` (the op's eager implementation, same signature and outputs) in
     place of the opaque `op` (an OpOverload)."""
     _BODIES[op] = body
-    if _enabled:
-        _inductor_decomp.decompositions[op] = _functional(body)
-    _table_changed()
+    set_inductor_inlining(_enabled)
 
 
 def set_inductor_inlining(enabled: bool) -> None:

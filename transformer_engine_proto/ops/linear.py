@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import is_fake
 from ..gemm import gemm
 from ..tensor import Float8Quantizer, TensorProto
 from ..tensor.storage import QuantizedTensorStorage
-from .eager_path import eager_function, takes_eager_path
+from .eager_path import eager_function
 from .inductor_lowering import inline_in_inductor
 from .recipe_registry import quantizers_from_key
 
@@ -448,7 +448,7 @@ inline_in_inductor(torch.ops.te_proto.linear_fwd.default, linear_fwd._init_fn)
 inline_in_inductor(torch.ops.te_proto.linear_bwd.default, linear_bwd._init_fn)
 
 
-_eager_linear = eager_function(linear_fwd, _setup_context, _backward, linear_bwd._init_fn, non_differentiable=(1,))
+_linear_fwd_call = eager_function(linear_fwd, _setup_context, _backward, linear_bwd._init_fn, non_differentiable=(1,))
 
 
 def linear(inp, weight, bias=None, *, key: str, fp8_scales=None, grad_scale=None, grad_amax_state=(),
@@ -463,6 +463,5 @@ def linear(inp, weight, bias=None, *, key: str, fp8_scales=None, grad_scale=None
                        fuse_wgrad_accumulation and weight_requires_grad)
     args = (inp, weight, bias, fp8_scales, grad_scale, list(grad_amax_state), list(weight_cache), main_grad, key,
             flags, list(inp_quantized))
-    op = _eager_linear if takes_eager_path(inp, weight, bias) else linear_fwd
-    out, amaxes, _, cache = op(*args)
+    out, amaxes, _, cache = _linear_fwd_call(*args)
     return out, amaxes, cache

@@ -14,7 +14,7 @@ import torch
 
 from ..kernels import kernel
 from ..kernels.reference.norm import NORMALIZATIONS
-from .eager_path import eager_function, takes_eager_path
+from .eager_path import eager_function
 from .inductor_lowering import inline_in_inductor
 
 __all__ = ["norm", "NORMALIZATIONS"]
@@ -57,8 +57,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, _grad_mu, _grad_rsigma):
     inp, mu, rsigma, weight = ctx.saved_tensors
-    grads = getattr(ctx, "backward_op", norm_bwd)(grad_out.contiguous(), inp, mu, rsigma, weight, ctx.kind, ctx.zero_centered_gamma,
-                     ctx.has_bias)
+    backward_op = getattr(ctx, "backward_op", norm_bwd)
+    grads = backward_op(grad_out.contiguous(), inp, mu, rsigma, weight, ctx.kind, ctx.zero_centered_gamma,
+                        ctx.has_bias)
     dbias = grads[2] if ctx.has_bias else None
     return grads[0], grads[1], dbias, None, None, None
 
@@ -66,7 +67,7 @@ def _backward(ctx, grad_out, _grad_mu, _grad_rsigma):
 norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 inline_in_inductor(torch.ops.te_proto.norm_fwd.default, norm_fwd._init_fn)
 inline_in_inductor(torch.ops.te_proto.norm_bwd.default, norm_bwd._init_fn)
-_eager_norm = eager_function(norm_fwd, _setup_context, _backward, norm_bwd._init_fn, non_differentiable=(1, 2))
+_norm_fwd_call = eager_function(norm_fwd, _setup_context, _backward, norm_bwd._init_fn, non_differentiable=(1, 2))
 
 
 def norm(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, kind: str,
@@ -75,8 +76,7 @@ def norm(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], 
         raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {kind!r}")
     if kind == "RMSNorm" and bias is not None:
         raise ValueError("RMSNorm has no bias")
-    op = _eager_norm if takes_eager_path(inp, weight, bias) else norm_fwd
-    out, _, _ = op(inp, weight, bias, float(eps), kind, zero_centered_gamma)
+    out, _, _ = _norm_fwd_call(inp, weight, bias, float(eps), kind, zero_centered_gamma)
     return out
 
 
@@ -145,13 +145,13 @@ def _quantize_backward(ctx, grad_out, grad_mu, grad_rsigma, _grad_buffers):
 
 norm_quantize_fwd.register_autograd(_quantize_backward, setup_context=_setup_quantize_context)
 inline_in_inductor(torch.ops.te_proto.norm_quantize_fwd.default, norm_quantize_fwd._init_fn)
-_eager_norm_quantize = eager_function(norm_quantize_fwd, _setup_quantize_context, _quantize_backward,
-                                      norm_bwd._init_fn, non_differentiable=(1, 2))
+_norm_quantize_fwd_call = eager_function(norm_quantize_fwd, _setup_quantize_context, _quantize_backward,
+                                         norm_bwd._init_fn, non_differentiable=(1, 2))
 
 
 def norm_quantize(inp, weight, bias, eps: float, kind: str, zero_centered_gamma: bool, key: str,
                   columnwise: bool):
     """(normalized output, its quantized buffers) -- see `norm_quantize_fwd`."""
-    op = _eager_norm_quantize if takes_eager_path(inp, weight, bias) else norm_quantize_fwd
-    out, _, _, buffers = op(inp, weight, bias, float(eps), kind, zero_centered_gamma, key, columnwise)
+    out, _, _, buffers = _norm_quantize_fwd_call(inp, weight, bias, float(eps), kind, zero_centered_gamma,
+                                                 key, columnwise)
     return out, buffers
