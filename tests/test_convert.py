@@ -303,3 +303,20 @@ def test_sharded_or_quantized_weights_are_left_alone():
 def test_no_transformers_hf_rmsnorm_check_is_false(monkeypatch):
     monkeypatch.setattr(convert_mod, "_llama_rmsnorm_code", lambda: None)
     assert not convert_mod._is_hf_llama_rmsnorm(_llama().model.norm)
+
+
+# ---- the example ----------------------------------------------------------------------------
+def test_hf_llama_example_runs():
+    from transformer_engine_proto.examples import hf_llama
+
+    results = hf_llama.main(["--steps", "2", "--no-compile", "--device", "cpu"])
+    assert list(results) == ["unconverted", "te + current"]
+    assert all(len(losses) == 2 and all(torch.isfinite(torch.tensor(losses))) for losses, _ in results.values())
+
+
+def test_hf_llama_example_names_the_extra_without_transformers(monkeypatch):
+    from transformer_engine_proto.examples import hf_llama
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(SystemExit, match=r'pip install -e "\.\[hf\]"'):
+        hf_llama.main(["--steps", "1", "--device", "cpu"])
