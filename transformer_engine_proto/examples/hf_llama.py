@@ -36,7 +36,7 @@ def build_llama(cfg: Config, device, dtype):
     torch.manual_seed(cfg.seed)
     config = LlamaConfig(hidden_size=cfg.hidden, intermediate_size=cfg.ffn, num_hidden_layers=cfg.layers,
                          num_attention_heads=cfg.heads, num_key_value_heads=cfg.heads, vocab_size=cfg.vocab,
-                         max_position_embeddings=cfg.seq + 1)
+                         max_position_embeddings=cfg.seq)
     config._attn_implementation = "sdpa"
     return LlamaForCausalLM(config).to(device=device, dtype=dtype)
 
@@ -48,7 +48,7 @@ def train(model, recipe, cfg: Config, backend, device):
     data = MarkovData(cfg, device)  # same seed: both models see the same batches
     losses, times = [], []
     for _ in range(cfg.steps):
-        tokens = data.batch()
+        tokens = data.batch()[:, :-1]  # seq tokens: batch x seq rows, as block recipes want (HF shifts labels)
         t0 = time.perf_counter()
         with te.autocast(enabled=recipe is not None, recipe=recipe):
             loss = fwd(input_ids=tokens, labels=tokens).loss
