@@ -90,16 +90,15 @@ def test_llama_same_output_and_grads_in_high_precision():
     assert n_norms == 3 and sum(isinstance(m, te.RMSNorm) for m in model.modules()) == n_norms
     assert not any(type(m) in (nn.Linear,) or type(m).__name__ == "LlamaRMSNorm" for m in model.modules())
     assert sum(isinstance(m, te.Linear) for m in model.modules()) == 8
-    assert model.model.norm.norm.eps == ref.model.norm.variance_epsilon
+    assert model.model.norm.eps == ref.model.norm.variance_epsilon
     ids = _ids()
     out_ref, out = ref(input_ids=ids, labels=ids), model(input_ids=ids, labels=ids)
     torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-6, atol=1e-6)
     out.loss.backward()
     out_ref.loss.backward()
     ref_grads = {name: p.grad for name, p in ref.named_parameters()}
-    grads = {name.replace(".norm.weight", ".weight") if name.endswith(".norm.weight") else name: p.grad
-             for name, p in model.named_parameters()}  # te norms keep gamma at <name>.norm.weight
-    assert grads.keys() == ref_grads.keys()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    assert list(grads) == list(ref_grads)  # the same parameter names, in the same order
     for name, g in grads.items():
         torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-6)
 
@@ -154,6 +153,25 @@ def test_bf16_llama():
         loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(model.lm_head.weight.grad).all()
+
+
+def test_state_dict_round_trips_with_the_unconverted_model():
+    """A converted model's checkpoint loads into the plain HF model (norms included) and back."""
+    model = _convert_quiet(_llama(), convert_norms=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # norms away from their init of ones
+    plain = _llama()
+    result = plain.load_state_dict(model.state_dict(), strict=False)
+    assert result.missing_keys == []
+    assert result.unexpected_keys and all(".gemm." in k for k in result.unexpected_keys)
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-6, atol=1e-6)
+    fresh = _convert_quiet(_llama(), convert_norms=True)
+    result = fresh.load_state_dict(plain.state_dict(), strict=False)
+    assert result.unexpected_keys == [] and all(".gemm." in k for k in result.missing_keys)
+    assert all(torch.equal(p, q) for p, q in zip(fresh.parameters(), model.parameters()))
 
 
 def test_to_dtype_after_conversion_equals_converting_a_bf16_model():
@@ -263,7 +281,7 @@ def test_torch_norms_match_and_rmsnorm_eps_none_is_float32_epsilon():
         model[1].bias.uniform_(-1, 1)
     ref = copy.deepcopy(model)
     _convert_quiet(model, convert_norms=True)
-    assert model[0].norm.eps == torch.finfo(torch.float32).eps and model[1].norm.eps == 1e-3
+    assert model[0].eps == torch.finfo(torch.float32).eps and model[1].eps == 1e-3
     x = torch.randn(8, 64) * 1e-3  # small values: eps matters (torch uses float32's eps for bf16 too)
     for dtype in (torch.float32, torch.bfloat16):
         model.to(dtype), ref.to(dtype)

@@ -136,9 +136,9 @@ def _new_linear(m: nn.Linear, fqn: str) -> Linear:
 def _new_norm(spec, m: nn.Module, fqn: str) -> nn.Module:
     cls, hidden, eps, weight, bias = spec
     new = cls(hidden, eps, params_dtype=weight.dtype, device=weight.device, name=fqn or None)
-    new.norm.weight = weight
+    new.weight = weight
     if bias is not None:
-        new.norm.bias = bias
+        new.bias = bias
     return new.train(m.training)
 
 
@@ -184,12 +184,13 @@ def convert_model(model: nn.Module, *, module_filter_fn: Optional[FilterFn] = No
     precision, listed with the reason in ONE `ConversionWarning`; a second call converts nothing
     new and repeats no warning. If `model` itself is a Linear / norm, the new module is returned.
 
-    Differences a user may see: a converted norm's parameters live at `<name>.norm.weight` (TE-proto's
-    layout) and te.Linear adds recipe state buffers under `<name>.gemm.*`, so load checkpoints
-    before converting. te norms compute in float32 and round once, where HF's RMSNorm rounds the
-    normalized value to the input dtype before scaling (<= 1 ulp apart in bf16), and return the
-    input's dtype (HF promotes to the weight's dtype when the two differ). Forward hooks registered
-    on a replaced module are not carried over.
+    Parameter names and state-dict keys stay those of the original model; te.Linear adds its
+    recipe state buffers under `<name>.gemm.*` (unexpected keys for the unconverted model: load a
+    plain checkpoint with strict=False, or before converting). te norms compute in float32 and
+    round once, where HF's RMSNorm rounds the normalized value to the input dtype before scaling
+    (about one bf16 ulp apart), and return the input's dtype (HF promotes to the weight's dtype
+    when the two differ). Hooks registered on a replaced module are not carried over: convert
+    before registering hooks, sharding (FSDP2 / TP) or compiling.
     """
     recipes = _recipe_list(recipe)
     memo = {}  # id(old module) -> its replacement: a module shared at two places is converted once
