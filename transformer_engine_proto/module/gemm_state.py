@@ -74,6 +74,16 @@ class QuantizedGemm(nn.Module):
         # (distributed/sp_gather.py); False gathers in high precision
         self.quantized_sp_gather = True
 
+    def _apply(self, fn, recurse=True):
+        """`model.to(torch.bfloat16)` / `.half()` move these buffers but keep their dtypes: the
+        scaling state is float32 (a bf16 generation counter stops at 256) and the weight cache
+        is in the recipe's format."""
+        def same_dtype(t):
+            new = fn(t)
+            return new if new.dtype == t.dtype else t.to(device=new.device)
+
+        return super()._apply(same_dtype, recurse)
+
     def _op_key(self, key: str) -> str:
         """The recipe key the Linear op gets (derived when TP amax reduction is on)."""
         if self.tp_amax_reduction is None:
