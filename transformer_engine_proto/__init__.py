@@ -10,7 +10,7 @@ from . import constants, quantization  # noqa: F401
 from .autocast import autocast, fp8_autocast, get_fp8_recipe, is_fp8_enabled  # noqa: F401
 from .capabilities import (get_device_compute_capability, is_bf16_available, is_fp8_available,  # noqa: F401
                            is_fp8_block_scaling_available, is_mxfp8_available, is_nvfp4_available)
-from .module import (ConversionWarning, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm,  # noqa: F401
+from .module import (ConversionWarning, GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm,  # noqa: F401
                      TransformerLayer, convert_model)
 from .tensor import QuantizedTensor, TensorProto, to_tensor_proto  # noqa: F401
 from .constants import DType  # noqa: F401

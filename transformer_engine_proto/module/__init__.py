@@ -1,6 +1,7 @@
-"""TE-style modules: Linear, LayerNormLinear, LayerNormMLP, LayerNorm, RMSNorm, TransformerLayer;
+"""TE-style modules: Linear, GroupedLinear, LayerNormLinear, LayerNormMLP, LayerNorm, RMSNorm, TransformerLayer;
 convert_model swaps a model's nn.Linear / norms for them."""
 from .linear import Linear  # noqa: F401
+from .grouped_linear import GroupedLinear  # noqa: F401
 from .normalization import LayerNorm, RMSNorm  # noqa: F401
 from .layernorm_linear import LayerNormLinear  # noqa: F401
 from .layernorm_mlp import LayerNormMLP  # noqa: F401

@@ -15,7 +15,7 @@ __all__ = ["TransformerEngineBaseModule"]
 
 _counter = itertools.count()
 # ---- precision debug tools (issue 5): TE-style default layer names (`layernorm_linear_3`, ...)
-_DEFAULT_NAMES = {"LayerNormLinear": "layernorm_linear", "LayerNormMLP": "layernorm_mlp",
+_DEFAULT_NAMES = {"GroupedLinear": "grouped_linear", "LayerNormLinear": "layernorm_linear", "LayerNormMLP": "layernorm_mlp",
                   "TransformerLayer": "transformer_layer", "RMSNorm": "rmsnorm", "LayerNorm": "layernorm"}
 # ---- end debug
 
