@@ -161,7 +161,7 @@ def test_compiled_tensor_splits_wrong_sum_raises(monkeypatch):
     cg = torch.compile(g, fullgraph=True, backend="aot_eager")
     with recipe_ctx(RECIPES["current"]):
         cg(torch.randn(96, K), torch.tensor([32, 64, 0]))
-        with pytest.raises(Exception, match="u0 \\+ u1 \\+ u2|96"):
+        with pytest.raises(RuntimeError, match="experts_up: m_splits do not sum to the input's token count"):
             cg(torch.randn(96, K), torch.tensor([32, 32, 0]))
 
 

@@ -145,6 +145,9 @@ class GroupedLinear(TransformerEngineBaseModule):
                 f"{self.name}: GroupedLinear with a tensor of m_splits under torch.compile reads the sizes into the "
                 "graph as data: set torch._dynamo.config.capture_scalar_outputs = True (or pass m_splits as a list "
                 "of ints: each new split then recompiles)")
+        # first, a check that names the layer (the graph's own assert on the SymInts only names symbols)
+        torch._assert_async(splits.sum() == tokens, f"{self.name}: m_splits do not sum to the input's token count "
+                                                    "(rows)")
         sizes = splits.tolist()
         align = _row_alignment(get_fp8_recipe())
         for s in sizes:
