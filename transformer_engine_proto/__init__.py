@@ -14,6 +14,7 @@ from .module import (ConversionWarning, GroupedLinear, LayerNorm, LayerNormLinea
                      TransformerLayer, convert_model)
 from .tensor import QuantizedTensor, TensorProto, to_tensor_proto  # noqa: F401
 from .constants import DType  # noqa: F401
+from .recompute import checkpoint  # noqa: F401
 from .quantization import fp8_model_init, get_default_recipe, quantized_model_init  # noqa: F401
 from .tensor import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, MXFP8Quantizer,  # noqa: F401
                      NVFP4Quantizer, Quantizer)

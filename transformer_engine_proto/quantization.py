@@ -107,6 +107,10 @@ class FP8GlobalStateManager:
         return torch.cuda.is_current_stream_capturing()
 
     @classmethod
+    def in_fp8_activation_recompute_phase(cls) -> bool:
+        return _autocast.in_activation_recompute_phase()
+
+    @classmethod
     def is_first_fp8_module(cls) -> bool:
         """True for the first caller inside each autocast region, False after."""
         state = _autocast.FP8GlobalState.state

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .. import recipe as R
-from ..autocast import get_fp8_recipe, get_fp8_recipe_key
+from ..autocast import get_fp8_recipe, get_fp8_recipe_key, in_activation_recompute_phase
 from ..debug import debug_gemm as _debug_gemm  # precision debug tools (issue 5)
 from ..distributed import amax_reduction as _amax_reduction
 from ..distributed import fsdp as _fsdp
@@ -184,7 +184,9 @@ class QuantizedGemm(nn.Module):
                 self._alloc_weight_cache(key, weight)
             cache = [getattr(self, n) for n in self._cache_names]
             cache_mode = linear_ops.CACHE_FILL if is_first_microbatch else linear_ops.CACHE_USE
-        if delayed and cache_mode != linear_ops.CACHE_USE:
+        # te.checkpoint's recompute: the first forward's scales, no history update, no amax recorded
+        record = delayed and not in_activation_recompute_phase()
+        if record and cache_mode != linear_ops.CACHE_USE:
             if recipe.amax_history_len > self.amax_history.shape[0]:
                 if torch.compiler.is_compiling():
                     raise RuntimeError(
@@ -218,7 +220,7 @@ class QuantizedGemm(nn.Module):
             save_original_input=save_original_input, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
             **extra,
         )
-        if delayed:
+        if record:
             slot = self.amax_history[0]
             slot.copy_(torch.maximum(slot, amaxes.detach()))
             if sp_amax is not None:  # the input was quantized before its gather: record its amax
