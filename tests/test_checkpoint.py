@@ -184,3 +184,21 @@ def test_unsupported_arguments():
         te.checkpoint(lin, x, distribute_saved_activations=True)
     with pytest.raises(NotImplementedError, match="get_rng_state_tracker"):
         te.checkpoint(lin, x, get_rng_state_tracker=lambda: None)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rid", RECIPE_IDS)
+def test_cuda_checkpoint_trains_like_the_plain_model(rid):
+    """On the GPU (Triton quantize kernels, torch._scaled_mm): te.checkpoint, eager, bit for bit."""
+    recipe = RECIPES[rid]
+    ref, ck = _pair("non_reentrant")
+    ref, ck = ref.to("cuda", torch.bfloat16), ck.to("cuda", torch.bfloat16)
+    torch.set_default_device("cuda")
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        r_ref = _train(ref, recipe, batch=128)
+        r_ck = _train(ck, recipe, batch=128)
+    finally:
+        torch.set_default_device(None)
+        torch.set_default_dtype(torch.float32)
+    _assert_same(ref, ck, r_ref, r_ck)

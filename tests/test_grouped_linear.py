@@ -1,5 +1,7 @@
 """te.GroupedLinear: every recipe equals a loop of per-expert te.Linear (same weights), empty
 experts, list and tensor splits, one graph for any split of the same total under torch.compile."""
+import copy
+
 import pytest
 import torch
 
@@ -195,3 +197,54 @@ def test_unsupported_arguments_are_errors():
         te.GroupedLinear(2, K, OUT, ub_overlap_ag=True)
     with pytest.raises(NotImplementedError, match="tensor parallelism"):
         te.GroupedLinear(2, K, OUT, tp_size=2, parallel_mode="column")
+
+
+# ---- GPU (qa/L1_gpu.sh): Triton quantize kernels, torch._grouped_mm on sm90, inductor with unbacked sizes ----
+@pytest.mark.cuda
+@pytest.mark.parametrize("rid", RECIPE_IDS)
+def test_cuda_matches_loop_of_linear(rid):
+    recipe = RECIPES[rid]
+    torch.manual_seed(0)
+    g = te.GroupedLinear(N, 128, 256, params_dtype=torch.bfloat16, device="cuda")
+    refs = [te.Linear(128, 256, params_dtype=torch.bfloat16, device="cuda") for _ in range(N)]
+    with torch.no_grad():
+        for i, r in enumerate(refs):
+            r.weight.copy_(getattr(g, f"weight{i}"))
+            r.bias.copy_(getattr(g, f"bias{i}").normal_())
+    for splits in ([128, 0, 256], [0, 384, 0], [96, 160, 128]):
+        if rid in ("mxfp8", "nvfp4") and any(s % 32 for s in splits):
+            continue  # MXFP8 needs multiples of 32 (NVFP4 16: kept to the same splits)
+        x = torch.randn(384, 128, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(384, 256, device="cuda", dtype=torch.bfloat16)
+        with recipe_ctx(recipe):
+            y, dx = _step(lambda t: g(t, torch.tensor(splits, device="cuda")), x, dy)
+            y_ref, dx_ref = _step(lambda t: _ref_loop(refs, t, splits), x, dy)
+        tol = dict(rtol=2e-2, atol=2e-2) if recipe is None else dict(rtol=0, atol=0)
+        torch.testing.assert_close(y, y_ref, **tol)
+        torch.testing.assert_close(dx, dx_ref, **tol)
+        for i, r in enumerate(refs):
+            torch.testing.assert_close(getattr(g, f"weight{i}").grad, r.weight.grad, **tol)
+            getattr(g, f"weight{i}").grad = None
+            r.weight.grad = None
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rid", ["high_precision", "delayed", "current", "block", "mxfp8"])
+def test_cuda_inductor_tensor_splits_one_graph(rid, monkeypatch):
+    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
+    recipe = RECIPES[rid]
+    torch.manual_seed(0)
+    g = te.GroupedLinear(N, 128, 256, params_dtype=torch.bfloat16, device="cuda")
+    ge = copy.deepcopy(g)
+    fresh_dynamo()
+    cg = torch.compile(g, fullgraph=True)
+    for splits in ([128, 0, 256], [256, 128, 0], [0, 0, 384]):
+        x = torch.randn(384, 128, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(384, 256, device="cuda", dtype=torch.bfloat16)
+        m = torch.tensor(splits, device="cuda")
+        with recipe_ctx(recipe):
+            y, dx = _step(lambda t: cg(t, m), x, dy)
+            y_e, dx_e = _step(lambda t: ge(t, m), x, dy)
+        torch.testing.assert_close(y, y_e, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(dx, dx_e, rtol=2e-2, atol=2e-2)
+    assert graph_breaks() == 0 and unique_graphs() == 1
