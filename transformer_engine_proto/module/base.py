@@ -9,6 +9,7 @@ from torch import nn
 
 from ..autocast import FP8GlobalState, get_fp8_recipe, get_fp8_recipe_key
 from ..debug import state as _debug_state  # precision debug tools (issue 5)
+from ..recipe import DelayedScaling
 from ..tensor.quantizer import HIGH_PRECISION_DTYPES
 
 __all__ = ["TransformerEngineBaseModule"]
@@ -52,6 +53,8 @@ class TransformerEngineBaseModule(nn.Module):
     def prepare_for_recipe(self, recipe) -> None:
         for gemm, weight in self._gemms():
             gemm.prepare_for_recipe(recipe, weight)
+            if isinstance(recipe, DelayedScaling):
+                gemm.poll_nonfinite(self.name)
 
     def _check_input(self, inp: torch.Tensor, features: int, what: str = "input") -> None:
         if not isinstance(inp, torch.Tensor):
