@@ -12,3 +12,7 @@ from .module import LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm, T
 from .tensor import QuantizedTensor, TensorProto, to_tensor_proto  # noqa: F401
 
 __version__ = "0.1.0"
+
+from .serialization import register_safe_globals as _register_safe_globals  # noqa: E402
+
+_register_safe_globals()  # torch.load's default weights_only=True loads quantized tensors (serialization.py)
