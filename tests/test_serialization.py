@@ -64,6 +64,21 @@ def test_state_dict_with_quantized_parameter_and_recipes_loads_weights_only():
     assert loaded["recipes"] == recipes and loaded["format"] is R.Format.HYBRID
 
 
+def test_fsdp_quantized_gather_model_state_dict_loads_weights_only():
+    from transformer_engine_proto.distributed.fsdp import FSDPWeight, enable_quantized_all_gather
+
+    model = torch.nn.Sequential(te.Linear(32, 32), te.LayerNormMLP(32, 64))
+    assert enable_quantized_all_gather(model) == 3
+    sd = model.state_dict()
+    loaded = _round_trip(sd)
+    assert isinstance(loaded["0.weight"], FSDPWeight) and loaded["0.weight"]._gemm_name == "gemm"
+    plain = torch.nn.Sequential(te.Linear(32, 32), te.LayerNormMLP(32, 64))
+    plain.load_state_dict(loaded)
+    for name, t in plain.state_dict().items():
+        ref = sd[name]._tensor if isinstance(sd[name], FSDPWeight) else sd[name]
+        assert torch.equal(t, ref), name
+
+
 def test_only_this_packages_classes_are_allow_listed():
     from transformer_engine_proto.serialization import safe_globals
 

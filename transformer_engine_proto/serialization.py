@@ -3,7 +3,7 @@ their quantizers and recipes.
 
 The weights-only unpickler rebuilds only allow-listed globals. Ours are plain data holders (the
 storage classes rebuild from their buffers and metadata, quantizers and recipes are frozen
-dataclasses, `Format` an enum of dtypes): none runs code on load beyond setting attributes, so
+dataclasses, `Format` an enum of dtypes, `FSDPWeight` a tensor and its GEMM's name): none runs code on load beyond setting attributes, so
 they are registered with `torch.serialization.add_safe_globals` at package import. Only classes
 defined in this package are registered (a user's subclass must be registered by its owner).
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import recipe as _recipe
+from .distributed.fsdp import FSDPWeight
 from .tensor.quantizer import Quantizer
 from .tensor.storage import QuantizedTensorStorage
 
@@ -25,8 +26,9 @@ def _subclasses(cls: type):
 
 
 def safe_globals() -> list:
-    """This package's storage / tensor classes, quantizers, recipes, `Format` and `QParams`."""
-    classes = [_recipe.Format, _recipe.QParams]
+    """This package's storage / tensor classes, quantizers, recipes, `Format`, `QParams` and the
+    FSDP2 weight wrapper (`enable_quantized_all_gather`'s parameters are in the state dict)."""
+    classes = [_recipe.Format, _recipe.QParams, FSDPWeight]
     for base in (QuantizedTensorStorage, Quantizer, _recipe.Recipe):
         classes += [base, *_subclasses(base)]
     own = __name__.rsplit(".", 1)[0] + "."
