@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import sys
 import time
@@ -80,6 +81,10 @@ def run_variant(variant, mode, args, device, dtype):
     import transformer_engine_proto as te
 
     C.reset_compile_state(device)
+    if device.type == "cuda":  # peak memory of this variant: what it allocates beyond what is left over
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
     model, recipe = make_variant(variant, args, device, dtype)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -111,6 +116,8 @@ def run_variant(variant, mode, args, device, dtype):
     res["ms"] = C.bench_ms(step, device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
                            cpu_warmup=args.cpu_warmup, cpu_reps=args.cpu_reps)
     res["last_loss"] = float(losses[-1])
+    if device.type == "cuda":
+        res["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     res.update(C.compile_stats())
     return res
 
@@ -154,18 +161,21 @@ def main(argv=None):
             print(f"{mode:16s} {v:20s} " + (f"{r['ms']:8.2f} ms  breaks {r['graph_breaks']}" if "ms" in r else r["error"]),
                   flush=True)
     base = {r["mode"]: r["ms"] for r in results if r["variant"] == "bf16" and "ms" in r}
+    base_mem = {r["mode"]: r["peak_gib"] for r in results if r["variant"] == "bf16" and "peak_gib" in r}
     rows = []
     for r in results:
         if "ms" in r:
             ratio = f"{base[r['mode']] / r['ms']:.2f}x" if r["mode"] in base else "-"
-            rows.append([r["mode"], r["variant"], f"{r['ms']:.2f}", ratio, f"{r['last_loss']:.3f}",
+            mem = f"{r['peak_gib']:.2f}" if "peak_gib" in r else "-"
+            mem_ratio = f"{r['peak_gib'] / base_mem[r['mode']]:.2f}x" if "peak_gib" in r and r["mode"] in base_mem else "-"
+            rows.append([r["mode"], r["variant"], f"{r['ms']:.2f}", ratio, mem, mem_ratio, f"{r['last_loss']:.3f}",
                          r["graph_breaks"], r["cudagraph_skips"]])
         else:
-            rows.append([r["mode"], r["variant"], r["error"], "-", "-", "-", "-"])
+            rows.append([r["mode"], r["variant"], r["error"], "-", "-", "-", "-", "-", "-"])
     print(f"\n## HF Llama train step (hidden {args.hidden}, {args.layers} layers, ffn {args.ffn}, "
           f"{args.batch}x{args.seq} tokens, {device})\n")
-    print(C.markdown_table(["mode", "variant", "ms/step", "speed vs bf16", "loss", "graph breaks",
-                            "cudagraph skips"], rows))
+    print(C.markdown_table(["mode", "variant", "ms/step", "speed vs bf16", "peak GiB", "memory vs bf16", "loss",
+                            "graph breaks", "cudagraph skips"], rows))
     if args.out:
         C.write_json(args.out, args.name, dict(env=C.environment(device), args=vars(args), results=results))
         plt = C.try_pyplot()

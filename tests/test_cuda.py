@@ -270,3 +270,22 @@ def test_block_scaled_gemm_path_follows_the_device(fmt):
         if native is not None:
             assert torch.equal(got, native)
         assert _rel(got, emulated_gemm(a, b, out_dtype=torch.float32, trans_a=ta, trans_b=tb)) < 1e-2
+
+
+@pytest.mark.parametrize("recipe", RECIPES[1:], ids=lambda r: type(r).__name__)
+def test_quantized_model_init_under_inductor_and_reduce_overhead(recipe):
+    """Weights stored quantized (`quantized_model_init`) through inductor and CUDA graphs: the
+    compiled steps match eager's losses."""
+    torch.manual_seed(0)
+    with te.quantized_model_init(enabled=True, recipe=recipe):
+        model = torch.nn.Sequential(te.Linear(256, 256, params_dtype=torch.bfloat16, device="cuda"),
+                                    te.LayerNormMLP(256, 512, params_dtype=torch.bfloat16, device="cuda"))
+    x = torch.randn(128, 256, dtype=torch.bfloat16, device="cuda")
+    losses = {}
+    for mode in ("eager", "default", "reduce-overhead"):
+        m = copy.deepcopy(model)
+        run = m if mode == "eager" else torch.compile(m, fullgraph=True, mode=mode)
+        with te.autocast(recipe=recipe):
+            losses[mode] = [run(x).float().pow(2).mean().item() for _ in range(3)]
+    for mode in ("default", "reduce-overhead"):
+        assert losses[mode] == pytest.approx(losses["eager"], rel=1e-2), (mode, losses)

@@ -29,7 +29,7 @@ def test_float8_quantizer_scale_is_not_read_under_compile():
     (lambda: R.Float8CurrentScaling(fp8_quant_bwd_grad=R.QParams(amax_epsilon=float("nan"))), "amax_epsilon"),
     (lambda: R.Float8BlockScaling(fp8_quant_fwd_weight=R.QParams(amax_epsilon=-1.0)), "amax_epsilon"),
     (lambda: R.MXFP8BlockScaling(margin=1), "MXFP8BlockScaling.margin is not used"),
-    (lambda: R.NVFP4BlockScaling(fp8_format="E4M3"), "fp8_format must be a recipe.Format"),
+    (lambda: R.NVFP4BlockScaling(fp8_format="E4M3"), "fp8_format must be an FP8 recipe.Format"),
 ])
 def test_recipe_fields_are_checked(make, match):
     with pytest.raises((ValueError, TypeError), match=match):

@@ -5,11 +5,17 @@ TE code ports by changing one import: `import transformer_engine_proto as te` gi
 `te.TransformerLayer`, `te.autocast` / `te.fp8_autocast` and `te.recipe`.
 """
 from . import recipe  # noqa: F401
+from . import constants, quantization  # noqa: F401
 from .autocast import autocast, fp8_autocast, get_fp8_recipe, is_fp8_enabled  # noqa: F401
 from .capabilities import (get_device_compute_capability, is_bf16_available, is_fp8_available,  # noqa: F401
                            is_fp8_block_scaling_available, is_mxfp8_available, is_nvfp4_available)
 from .module import LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm, TransformerLayer  # noqa: F401
 from .tensor import QuantizedTensor, TensorProto, to_tensor_proto  # noqa: F401
+from .constants import DType  # noqa: F401
+from .quantization import fp8_model_init, get_default_recipe, quantized_model_init  # noqa: F401
+from .tensor import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, MXFP8Quantizer,  # noqa: F401
+                     NVFP4Quantizer, Quantizer)
+from .tensor import Float8BlockwiseQTensor, Float8Tensor, MXFP8Tensor, NVFP4Tensor  # noqa: F401
 
 __version__ = "0.1.0"
 

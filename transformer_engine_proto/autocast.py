@@ -25,6 +25,8 @@ class _State:
     # The recipe's registry key (a string): compiled code reads this, so dynamo guards on a plain
     # constant and never has to rebuild a recipe object (torch 2.11 cannot for frozen dataclasses).
     key: str = "high_precision"
+    group: object = None  # amax_reduction_group / fp8_group, as given (FP8GlobalStateManager.get_fp8_group)
+    first_module_pending: bool = True  # FP8GlobalStateManager.is_first_fp8_module
 
 
 class FP8GlobalState:
@@ -81,7 +83,7 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[_
             module.prepare_for_recipe(recipe)
     saved = FP8GlobalState.state
     FP8GlobalState.state = _State(enabled=bool(enabled), recipe=recipe if enabled else None,
-                                  key=recipe_key(recipe if enabled else None))
+                                  key=recipe_key(recipe if enabled else None), group=amax_reduction_group)
     try:
         yield
     finally:

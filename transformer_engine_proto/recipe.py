@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -20,31 +21,47 @@ __all__ = [
     "MXFP8BlockScaling",
     "Float8BlockScaling",
     "NVFP4BlockScaling",
+    "CustomRecipe",
+    "QuantizerRole",
 ]
 
 
-class Format(Enum):
-    """FP8 format per pass: (forward dtype, backward dtype). HYBRID = E4M3 forward, E5M2 grads."""
+class _FormatHelper(NamedTuple):
+    """A format's largest finite value per pass (TE's `Format.X.value.max_fwd`), and its dtypes."""
 
-    E4M3 = (torch.float8_e4m3fn, torch.float8_e4m3fn)
-    E5M2 = (torch.float8_e5m2, torch.float8_e5m2)
-    HYBRID = (torch.float8_e4m3fn, torch.float8_e5m2)
+    max_fwd: float
+    max_bwd: float
+    fwd_dtype: torch.dtype
+    bwd_dtype: torch.dtype
+
+
+class Format(Enum):
+    """Low-precision format per pass. HYBRID = E4M3 forward, E5M2 gradients."""
+
+    E2M1 = _FormatHelper(6.0, 6.0, torch.float4_e2m1fn_x2, torch.float4_e2m1fn_x2)
+    E4M3 = _FormatHelper(448.0, 448.0, torch.float8_e4m3fn, torch.float8_e4m3fn)
+    E5M2 = _FormatHelper(57344.0, 57344.0, torch.float8_e5m2, torch.float8_e5m2)
+    HYBRID = _FormatHelper(448.0, 57344.0, torch.float8_e4m3fn, torch.float8_e5m2)
 
     @property
     def fwd_dtype(self) -> torch.dtype:
-        return self.value[0]
+        return self.value.fwd_dtype
 
     @property
     def bwd_dtype(self) -> torch.dtype:
-        return self.value[1]
+        return self.value.bwd_dtype
 
 
 @dataclass(frozen=True)
 class QParams:
-    """Per-tensor-role knobs of current/blockwise scaling (TE's `QParams`)."""
+    """Per-tensor-role knobs (TE's `QParams`): current/blockwise scaling use the first two, NVFP4
+    the last three."""
 
     power_2_scale: bool = False
     amax_epsilon: float = 0.0
+    random_hadamard_transform: bool = False
+    stochastic_rounding: bool = False
+    fp4_2d_quantization: bool = False
 
 
 class Recipe:
@@ -68,10 +85,13 @@ class Recipe:
     def float8_per_tensor_scaling(self) -> bool:
         return self.delayed() or self.float8_current_scaling()
 
+    def custom(self) -> bool:
+        return isinstance(self, CustomRecipe)
+
 
 def _check_format(fmt) -> None:
-    if not isinstance(fmt, Format):
-        raise TypeError(f"fp8_format must be a recipe.Format, got {fmt!r}")
+    if not isinstance(fmt, Format) or fmt is Format.E2M1:
+        raise TypeError(f"fp8_format must be an FP8 recipe.Format (E4M3, E5M2, HYBRID), got {fmt!r}")
 
 
 def _check_margin(recipe) -> None:
@@ -124,6 +144,7 @@ class Float8CurrentScaling(Recipe):
     fp8_quant_fwd_inp: QParams = field(default_factory=QParams)
     fp8_quant_fwd_weight: QParams = field(default_factory=QParams)
     fp8_quant_bwd_grad: QParams = field(default_factory=QParams)
+    use_power_2_scales: bool = False  # TE's switch: power-of-two scales for every role
     margin: int = 0
     fp8_dpa: bool = False
     fp8_mha: bool = False
@@ -159,6 +180,7 @@ class Float8BlockScaling(Recipe):
     fp8_quant_fwd_inp: QParams = field(default_factory=lambda: QParams(power_2_scale=True))
     fp8_quant_fwd_weight: QParams = field(default_factory=lambda: QParams(power_2_scale=True))
     fp8_quant_bwd_grad: QParams = field(default_factory=lambda: QParams(power_2_scale=True))
+    use_f32_scales: bool = False  # TE's switch: scales not rounded to powers of two, every role
     x_block_scaling_dim: int = 1
     w_block_scaling_dim: int = 2
     grad_block_scaling_dim: int = 1
@@ -181,7 +203,7 @@ class NVFP4BlockScaling(Recipe):
     columnwise (wgrad) operands of activations and gradients get a random Hadamard transform.
     """
 
-    fp4_format: str = "E2M1"
+    fp4_format: Format = Format.E2M1
     fp8_format: Format = Format.E4M3
     disable_rht: bool = False
     disable_stochastic_rounding: bool = False
@@ -190,9 +212,55 @@ class NVFP4BlockScaling(Recipe):
     fp8_mha: bool = False
 
     def __post_init__(self):
-        if self.fp4_format != "E2M1":
-            raise ValueError(f"NVFP4 supports fp4_format='E2M1' only, got {self.fp4_format!r}")
+        if self.fp4_format == "E2M1":  # the string this package took before TE's Format.E2M1
+            object.__setattr__(self, "fp4_format", Format.E2M1)
+        if self.fp4_format is not Format.E2M1:
+            raise ValueError(f"NVFP4 supports fp4_format=Format.E2M1 only, got {self.fp4_format!r}")
         _check_format(self.fp8_format)
+
+    # TE's per-role view of the switches above (what each role's quantizer does)
+    @property
+    def fp4_quant_fwd_inp(self) -> QParams:
+        return QParams(random_hadamard_transform=not self.disable_rht)
+
+    @property
+    def fp4_quant_fwd_weight(self) -> QParams:
+        return QParams(fp4_2d_quantization=not self.disable_2d_quantization)
+
+    @property
+    def fp4_quant_bwd_grad(self) -> QParams:
+        return QParams(random_hadamard_transform=not self.disable_rht,
+                       stochastic_rounding=not self.disable_stochastic_rounding)
+
+
+@dataclass(frozen=True)
+class QuantizerRole:
+    """Which tensor a `CustomRecipe` factory is asked to quantize (TE's `QuantizerRole`)."""
+
+    module_type: str = ""
+    tensor_type: str = ""
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class CustomRecipe(Recipe):
+    """A quantizer per GEMM operand from the user's factory: `qfactory(role)` gets a
+    `quantization.QuantizerRole` (`module_type="linear"`, `tensor_type` "input", "weight" or
+    "grad_output"; `name` is empty: quantizers are per recipe here, not per layer) and returns a
+    stateless quantizer. The three must be one format (the GEMM takes operands of one format);
+    delayed scaling keeps its state in the modules, so it is `DelayedScaling`, not a factory."""
+
+    qfactory: Callable[[Any], Any]
+    fp8_format: Format = Format.HYBRID
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+    quantization_alignment: int = 128
+
+    def __post_init__(self):
+        if not callable(self.qfactory):
+            raise TypeError(f"CustomRecipe: qfactory must be callable, got {type(self.qfactory).__name__}")
+        if self.quantization_alignment <= 0:
+            raise ValueError(f"CustomRecipe: quantization_alignment must be positive, got {self.quantization_alignment}")
 
 
 def replace(recipe: Recipe, **changes) -> Recipe:

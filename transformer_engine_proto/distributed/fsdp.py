@@ -356,19 +356,33 @@ def _rebuild_buffers(kind, q, outputs, extra, n: int):
 
 # ---- the gathered weight inside the module -------------------------------------------------------------
 def gathered_weight_cache(owner: str, weight: QuantizedTensor, key: str, is_first_microbatch) -> List[torch.Tensor]:
-    """The buffers of an FSDP2-gathered quantized weight in the order the Linear op's weight cache
-    takes them (both usages), after checking it suits this call."""
+    """The buffers of a quantized weight (an FSDP2 quantized all-gather, or a parameter made by
+    `quantized_model_init`) in the order the Linear op's weight cache takes them (both usages;
+    one stored usage is relayed out into the other where the format allows), after checking
+    it suits this call."""
     if key == HIGH_PRECISION_KEY:
-        raise RuntimeError(f"{owner}: the weight arrived quantized ({type(weight).__name__}, an FSDP2 "
-                           "quantized all-gather) but no recipe is active")
+        raise RuntimeError(f"{owner}: the weight is quantized ({type(weight).__name__}: an FSDP2 quantized "
+                           "all-gather or quantized_model_init) but no recipe is active")
     if is_first_microbatch is not None:
-        raise ValueError(f"{owner}: is_first_microbatch is not supported with an FSDP2 quantized all-gather "
-                         "(the weight is gathered, already quantized, at every forward)")
+        raise ValueError(f"{owner}: is_first_microbatch is not supported with a quantized weight (FSDP2 "
+                         "quantized all-gather or quantized_model_init): it is quantized already")
     names = _weight_cache_names(key, tuple(weight.shape))
     if type(weight).__qualname__ != names[0]:
         raise RuntimeError(f"{owner}: the gathered weight is a {type(weight).__name__}, recipe {key} "
                            f"takes a {names[0]}")
-    return [getattr(weight, n) for n in names[1]]
+    stored = _stored_buffer_names(weight._quantizer, tuple(weight.shape))
+    buffers = {n: getattr(weight, n) for n in stored}
+    if any(n not in buffers for n in names[1]):  # attribute reads only: dynamo traces them
+        meta = {m: getattr(weight, m) for m in type(weight)._META_FIELDS}
+        storage = type(weight).storage_class._from_buffers(buffers, shape=tuple(weight.shape), dtype=weight.dtype,
+                                                           quantizer=weight._quantizer, **meta)
+        buffers = storage.update_usage(rowwise_usage=True, columnwise_usage=True).get_buffers()
+    return [buffers[n] for n in names[1]]
+
+
+@torch._dynamo.assume_constant_result
+def _stored_buffer_names(quantizer, shape) -> Tuple[str, ...]:
+    return tuple(quantizer.buffer_layout(shape))
 
 
 @torch._dynamo.assume_constant_result

@@ -7,6 +7,7 @@ import torch
 
 from ..distributed import tp as _tp
 from .gemm_state import QuantizedGemm
+from .quantized_params import quantize_new_weights
 from .linear import init_parallel_linear
 from .normalization import NormFusedModule, NormParams
 
@@ -51,6 +52,7 @@ class LayerNormLinear(NormFusedModule):
             for p in self.norm.parameters():
                 p.sequence_parallel = True
         self.gemm = QuantizedGemm(device)
+        quantize_new_weights(self)  # inside quantized_model_init: weights stored quantized
 
     def _gemms(self):
         return [(self.gemm, self.weight)]

@@ -10,6 +10,7 @@ from torch import nn
 
 from ..distributed import tp as _tp
 from .gemm_state import QuantizedGemm
+from .quantized_params import quantize_new_weights
 from .linear import _init_weight
 from .normalization import NormFusedModule, NormParams
 
@@ -96,6 +97,7 @@ class LayerNormMLP(NormFusedModule):
                 p.sequence_parallel = True
         self.fc1 = QuantizedGemm(device)
         self.fc2 = QuantizedGemm(device)
+        quantize_new_weights(self)  # inside quantized_model_init: weights stored quantized
 
 
     @staticmethod

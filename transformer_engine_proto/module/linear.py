@@ -10,6 +10,7 @@ from torch import nn
 from ..distributed import tp as _tp
 from .base import TransformerEngineBaseModule
 from .gemm_state import QuantizedGemm
+from .quantized_params import quantize_new_weights
 
 __all__ = ["Linear"]
 
@@ -68,6 +69,7 @@ class Linear(TransformerEngineBaseModule):
         init_parallel_linear(self, in_features, out_features, bias, tp_group, tp_size, parallel_mode,
                              sequence_parallel, params_dtype or torch.get_default_dtype(), device, init_method)
         self.gemm = QuantizedGemm(device)
+        quantize_new_weights(self)  # inside quantized_model_init: weights stored quantized
 
 
     def _gemms(self):

@@ -15,7 +15,8 @@ import torch
 from ..kernels import kernel
 from ..kernels.reference.common import fp8_max, transpose_2d
 from .quantized_tensor import QuantizedTensor
-from .quantizer import BufferSpec, Quantizer, flat_2d
+from ..constants import DType
+from .quantizer import BufferSpec, Quantizer, flat_2d, te_constructor
 from .storage import QuantizedTensorStorage
 
 __all__ = [
@@ -38,6 +39,10 @@ class Float8TensorStorage(QuantizedTensorStorage):
     _META_FIELDS = ("fp8_dtype",)
     _LOGICAL_SHAPE_BUFFERS = ("_data",)
 
+    @property
+    def _transpose_invalid(self) -> bool:  # TE's attribute
+        return self._transpose is None
+
     def has_rowwise(self) -> bool:
         return self._data is not None
 
@@ -50,6 +55,9 @@ class Float8TensorStorage(QuantizedTensorStorage):
         else:
             values = self._transpose.float().t().reshape(self._shape)
         return (values * self._scale_inv).to(dtype)
+
+    def derives_usages(self) -> bool:
+        return True
 
     def _make_columnwise_from_rowwise(self) -> None:
         self._transpose = transpose_2d(self._data.reshape(-1, self._shape[-1]))
@@ -89,6 +97,11 @@ class _Float8QuantizerBase(Quantizer):
     def metadata(self):
         return {"fp8_dtype": self.fp8_dtype}
 
+    @property
+    def dtype(self) -> DType:
+        """TE's name: the FP8 format as a `DType`."""
+        return DType.cast(self.fp8_dtype)
+
     def buffer_layout(self, shape) -> Dict[str, BufferSpec]:
         m, k = flat_2d(shape)
         out = {}
@@ -120,6 +133,7 @@ def _check_scale_value(scale: Optional[torch.Tensor]) -> None:
                          f"reciprocal is the dequantize scale), got {scale.item()}")
 
 
+@te_constructor("scale", "amax", "fp8_dtype")
 @dataclass(frozen=True)
 class Float8Quantizer(_Float8QuantizerBase):
     """Delayed scaling: quantizes with a given `scale` and records the amax into `amax`.
@@ -172,6 +186,8 @@ class Float8Quantizer(_Float8QuantizerBase):
         return self._pack(data, transpose, scale_inv)
 
 
+@te_constructor("fp8_dtype", "device", te_only={"with_amax_reduction": (False,), "amax_reduction_group": (None,),
+                                                "use_existing_amax": (False,)})
 @dataclass(frozen=True)
 class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
     """Current scaling: scale = fp8_max / amax(x) / 2**margin, computed at quantize time."""

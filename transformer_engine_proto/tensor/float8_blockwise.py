@@ -51,7 +51,8 @@ import torch
 from ..kernels import kernel
 from ..kernels.reference.common import fp8_max, transpose_2d
 from .quantized_tensor import QuantizedTensor
-from .quantizer import BufferSpec, Quantizer, flat_2d
+from ..constants import DType
+from .quantizer import BufferSpec, Quantizer, flat_2d, te_constructor
 from .storage import QuantizedTensorStorage
 
 __all__ = ["Float8BlockQuantizer", "Float8BlockwiseQTensorStorage", "Float8BlockwiseQTensor"]
@@ -87,6 +88,10 @@ class Float8BlockwiseQTensorStorage(QuantizedTensorStorage):
         return self._columnwise_data is not None
 
     @property
+    def _is_2D_scaled(self) -> bool:  # TE's attribute
+        return self.block_scaling_dim == 2
+
+    @property
     def _block_rows(self) -> int:
         return 1 if self.block_scaling_dim == 1 else BLOCK
 
@@ -100,6 +105,9 @@ class Float8BlockwiseQTensorStorage(QuantizedTensorStorage):
         if self._rowwise_data is None:
             out = transpose_2d(out)
         return out.view(self._shape)
+
+    def derives_usages(self) -> bool:
+        return self.block_scaling_dim == 2  # a 128x128 tile is its own transpose
 
     def _make_columnwise_from_rowwise(self) -> None:
         if self.block_scaling_dim != 2:
@@ -138,6 +146,7 @@ class Float8BlockwiseQTensor(Float8BlockwiseQTensorStorage, QuantizedTensor):
     """FP8 tensor with per-tile (1x128 or 128x128) fp32 scales."""
 
 
+@te_constructor("fp8_dtype", "block_scaling_dim", "force_pow_2_scales", "amax_epsilon")  # TE: fp8_dtype only
 @dataclass(frozen=True)
 class Float8BlockQuantizer(Quantizer):
     """Blockwise FP8: scale = fp8_max / amax(tile) per 1x128 (`block_scaling_dim=1`) or 128x128
@@ -165,6 +174,11 @@ class Float8BlockQuantizer(Quantizer):
         if not (math.isfinite(eps) and eps >= 0):
             raise ValueError(f"{name}: amax_epsilon must be finite and >= 0, got {eps!r}")
         object.__setattr__(self, "amax_epsilon", float(eps))
+
+    @property
+    def dtype(self) -> DType:
+        """TE's name: the FP8 format as a `DType`."""
+        return DType.cast(self.fp8_dtype)
 
     @property
     def tensor_class(self):

@@ -16,7 +16,8 @@ import torch
 from ..kernels import kernel
 from ..kernels.reference.common import fp8_max
 from .quantized_tensor import QuantizedTensor
-from .quantizer import BufferSpec, Quantizer, flat_2d
+from ..constants import DType
+from .quantizer import BufferSpec, Quantizer, flat_2d, te_constructor
 from .storage import QuantizedTensorStorage
 
 __all__ = ["MXFP8TensorStorage", "MXFP8Tensor", "MXFP8Quantizer", "MXFP8_BLOCK_SIZE"]
@@ -66,6 +67,7 @@ class MXFP8Tensor(MXFP8TensorStorage, QuantizedTensor):
     """MXFP8 tensor: 1x32 rowwise and 32x1 columnwise blocks with E8M0 scales."""
 
 
+@te_constructor("fp8_dtype", te_only={"with_2d_quantization": (False,)})
 @dataclass(frozen=True)
 class MXFP8Quantizer(Quantizer):
     """MX block scaling: per 32 values, scale 2**ceil(log2(amax / fp8_max)) stored as E8M0."""
@@ -81,6 +83,11 @@ class MXFP8Quantizer(Quantizer):
     @property
     def fp8_max(self) -> float:
         return fp8_max(self.fp8_dtype)
+
+    @property
+    def dtype(self) -> DType:
+        """TE's name: the FP8 format as a `DType`."""
+        return DType.cast(self.fp8_dtype)
 
     @property
     def tensor_class(self):

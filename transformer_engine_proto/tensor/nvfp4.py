@@ -17,7 +17,8 @@ import torch
 from ..kernels import kernel
 from ..kernels.reference.nvfp4 import BLOCK, transpose_2d_blocks
 from .quantized_tensor import QuantizedTensor
-from .quantizer import BufferSpec, Quantizer, check_input, flat_2d
+from ..constants import DType
+from .quantizer import BufferSpec, Quantizer, check_input, flat_2d, te_constructor
 from .storage import QuantizedTensorStorage
 
 __all__ = ["NVFP4Quantizer", "NVFP4TensorStorage", "NVFP4Tensor"]
@@ -36,6 +37,12 @@ class NVFP4TensorStorage(QuantizedTensorStorage):
     _META_FIELDS = ("with_2d_quantization", "with_rht", "rht_seed")
     _LOGICAL_SHAPE_BUFFERS = ()
 
+    _fp4_dtype = DType.kFloat4E2M1  # TE's attribute
+
+    @property
+    def _fp8_dtype(self):
+        raise AttributeError("NVFP4 tensors have _fp4_dtype, not _fp8_dtype")
+
     def has_rowwise(self) -> bool:
         return self._rowwise_data is not None
 
@@ -50,6 +57,9 @@ class NVFP4TensorStorage(QuantizedTensorStorage):
             self.with_rht, self.rht_seed, dtype=dtype,
         )
         return values.reshape(self._shape)
+
+    def derives_usages(self) -> bool:
+        return self.with_2d_quantization and flat_2d(self._shape)[0] % BLOCK == 0
 
     def _check_derivable(self, what: str) -> None:
         m, _ = flat_2d(self._shape)
@@ -101,6 +111,12 @@ class NVFP4Tensor(NVFP4TensorStorage, QuantizedTensor):
     """NVFP4 tensor (1D or 2D blocks, optional RHT on the columnwise operand)."""
 
 
+@te_constructor("fp4_dtype", "rowwise", "columnwise", "with_amax_reduction", "amax_reduction_group", "with_rht",
+                "with_post_rht_amax", "with_2d_quantization", "stochastic_rounding",
+                te_only={"fp4_dtype": (torch.float4_e2m1fn_x2,), "with_amax_reduction": (False,),
+                         "amax_reduction_group": (None,), "with_post_rht_amax": (False, True),
+                         "row_scaled_nvfp4": (False,), "nvfp4_use_4over6": (False,),
+                         "with_random_sign_mask": (True,)})
 @dataclass(frozen=True)
 class NVFP4Quantizer(Quantizer):
     """NVFP4 settings. 2D (16x16) blocks are for weights; the RHT (columnwise only) and
@@ -116,6 +132,11 @@ class NVFP4Quantizer(Quantizer):
             raise ValueError("NVFP4Quantizer: with_rht cannot be combined with with_2d_quantization (2D 16x16 blocks)")
         if not isinstance(self.rht_seed, int):
             raise TypeError(f"NVFP4Quantizer.rht_seed must be an int, got {type(self.rht_seed).__name__}")
+
+    @property
+    def dtype(self) -> DType:
+        """TE's name: the value format as a `DType`."""
+        return DType.kFloat4E2M1
 
     @property
     def tensor_class(self):

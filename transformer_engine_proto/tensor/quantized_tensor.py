@@ -3,7 +3,8 @@
 It presents the logical (high-precision) shape and dtype. A handful of ops are implemented on the
 quantized buffers directly (detach, view/reshape that keep the last dim, clone, copy_,
 empty_like, and 2D transposes for formats that keep a transpose); anything else runs on the
-dequantized tensor, with a one-time warning per op so silent precision loss stays visible.
+dequantized tensor, with a one-time warning per op so silent precision loss stays visible. An
+in-place op (an optimizer step on a quantized parameter) writes its result back, re-quantized.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def _warn_fallback(func) -> None:
         _WARNED_OPS.add(func)
         warnings.warn(
             f"QuantizedTensor: {func} has no quantized implementation; running it on the "
-            "dequantized tensor (this warning is shown once per op)",
+            "dequantized tensor, re-quantizing what it writes in place (this warning is shown once per op)",
             stacklevel=3,
         )
 
@@ -79,7 +80,34 @@ class QuantizedTensor(torch.Tensor):
         def unwrap(t):
             return t.dequantize() if isinstance(t, QuantizedTensor) else t
 
-        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+        plain_args, plain_kwargs = tree_map(unwrap, args), tree_map(unwrap, kwargs)
+        out = func(*plain_args, **plain_kwargs)
+        written = _write_back(func, args, kwargs, plain_args, plain_kwargs)
+        if written is None or not func._schema.returns:  # a functional op, or one returning nothing
+            return out
+        return written
+
+
+def _write_back(func, args, kwargs, plain_args, plain_kwargs):
+    """Copy what an in-place op wrote into dequantized stand-ins back into the quantized tensors
+    (re-quantizing); returns the op's first mutated argument, or None for a functional op."""
+    first = None
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        if i < len(args):
+            orig, plain = args[i], plain_args[i]
+        elif arg.name in kwargs:
+            orig, plain = kwargs[arg.name], plain_kwargs[arg.name]
+        else:
+            continue
+        pairs = zip(orig, plain) if isinstance(orig, (list, tuple)) else [(orig, plain)]
+        for o, p in pairs:
+            if isinstance(o, QuantizedTensor):
+                o.copy_(p)
+        if first is None:
+            first = orig
+    return first
 
 
 # ---- natively handled ops ---------------------------------------------------------------------

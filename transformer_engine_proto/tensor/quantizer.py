@@ -8,13 +8,16 @@ strides and dtypes of the buffers a real quantize returns -- is computed here in
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["Quantizer", "BufferSpec", "HIGH_PRECISION_DTYPES", "check_input"]
+from ..constants import DType, as_torch_dtype
+
+__all__ = ["Quantizer", "BufferSpec", "HIGH_PRECISION_DTYPES", "check_input", "te_constructor"]
 
 HIGH_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -51,6 +54,45 @@ def check_input(x: torch.Tensor, what: str = "quantize") -> None:
         )
     if x.dim() == 0:
         raise ValueError(f"{what}: cannot quantize a 0-dim tensor")
+
+
+def te_constructor(*positional: str, te_only: Optional[Dict[str, tuple]] = None):
+    """Let a quantizer dataclass also take TE's constructor: TE's positional argument order,
+    `rowwise=` / `columnwise=` for `rowwise_usage` / `columnwise_usage`, a `DType` for any
+    `*_dtype`, and TE-only keywords (`te_only`: name -> the values this package implements; any
+    other value is a NotImplementedError naming it, never silently ignored)."""
+    te_only = te_only or {}
+
+    def decorate(cls):
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self, *args, **kwargs):
+            if len(args) > len(positional):
+                raise TypeError(f"{cls.__name__}() takes at most {len(positional)} positional arguments "
+                                f"({', '.join(positional)}), got {len(args)}")
+            for name, value in zip(positional, args):
+                if name in kwargs:
+                    raise TypeError(f"{cls.__name__}() got multiple values for argument {name!r}")
+                kwargs[name] = value
+            for te_name, ours in (("rowwise", "rowwise_usage"), ("columnwise", "columnwise_usage")):
+                if te_name in kwargs:
+                    kwargs[ours] = bool(kwargs.pop(te_name))
+            for name, supported in te_only.items():
+                if name in kwargs:
+                    value = as_torch_dtype(kwargs.pop(name))
+                    if not any(value is s or value == s for s in supported):
+                        raise NotImplementedError(f"{cls.__name__}: {name}={value!r} is not supported by "
+                                                  f"transformer_engine_proto (supported: {supported})")
+            for name, value in kwargs.items():
+                if name.endswith("dtype") and isinstance(value, DType):
+                    kwargs[name] = value.torch_dtype
+            init(self, **kwargs)
+
+        cls.__init__ = __init__
+        return cls
+
+    return decorate
 
 
 @dataclass(frozen=True)

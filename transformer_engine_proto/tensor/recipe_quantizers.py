@@ -50,7 +50,8 @@ def quantizers_for_recipe(recipe: Optional[R.Recipe]) -> RoleQuantizers:
 
         def cs(dtype, qp: R.QParams):
             return Float8CurrentScalingQuantizer(
-                dtype, force_pow_2_scales=qp.power_2_scale, amax_epsilon=qp.amax_epsilon, margin=recipe.margin
+                dtype, force_pow_2_scales=qp.power_2_scale or recipe.use_power_2_scales,
+                amax_epsilon=qp.amax_epsilon, margin=recipe.margin,
             )
 
         return RoleQuantizers(cs(fmt.fwd_dtype, recipe.fp8_quant_fwd_inp),
@@ -64,7 +65,8 @@ def quantizers_for_recipe(recipe: Optional[R.Recipe]) -> RoleQuantizers:
         fmt = recipe.fp8_format
 
         def bq(dtype, dim, qp: R.QParams):
-            return Float8BlockQuantizer(dtype, block_scaling_dim=dim, force_pow_2_scales=qp.power_2_scale,
+            return Float8BlockQuantizer(dtype, block_scaling_dim=dim,
+                                        force_pow_2_scales=qp.power_2_scale and not recipe.use_f32_scales,
                                         amax_epsilon=qp.amax_epsilon)
 
         return RoleQuantizers(bq(fmt.fwd_dtype, recipe.x_block_scaling_dim, recipe.fp8_quant_fwd_inp),
@@ -77,4 +79,25 @@ def quantizers_for_recipe(recipe: Optional[R.Recipe]) -> RoleQuantizers:
             NVFP4Quantizer(with_2d_quantization=not recipe.disable_2d_quantization),
             NVFP4Quantizer(with_rht=rht, stochastic_rounding=not recipe.disable_stochastic_rounding),
         )
+    if isinstance(recipe, R.CustomRecipe):
+        return _custom_quantizers(recipe)
     raise TypeError(f"unknown recipe {type(recipe).__name__}; expected one of the transformer_engine_proto.recipe classes")
+
+
+def _custom_quantizers(recipe: R.CustomRecipe) -> RoleQuantizers:
+    """Ask the user's factory for each role's quantizer and check the three can meet in a GEMM."""
+    made = {}
+    for role in ROLES:
+        q = recipe.qfactory(R.QuantizerRole(module_type="linear", tensor_type=role))
+        if not isinstance(q, Quantizer):
+            raise TypeError(f"CustomRecipe: qfactory returned {type(q).__name__} for {role!r}; expected a "
+                            "transformer_engine_proto.tensor quantizer")
+        if isinstance(q, Float8Quantizer):
+            raise NotImplementedError(f"CustomRecipe: qfactory returned a delayed-scaling Float8Quantizer for "
+                                      f"{role!r}; delayed scaling keeps its state in the modules: use "
+                                      "recipe.DelayedScaling")
+        made[role] = q.with_usage(rowwise=True, columnwise=True)
+    formats = {type(q).__name__ for q in made.values()}
+    if len({q.tensor_class for q in made.values()}) != 1:
+        raise ValueError(f"CustomRecipe: the roles' quantizers must be one format, got {sorted(formats)}")
+    return RoleQuantizers(**made)

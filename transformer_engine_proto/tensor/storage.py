@@ -130,6 +130,13 @@ class QuantizedTensorStorage:
     def quantizer(self):
         return self._quantizer
 
+    @property
+    def _fp8_dtype(self):
+        """TE's attribute: the FP8 format as a `DType` (formats with an `fp8_dtype`)."""
+        from ..constants import DType
+
+        return DType.cast(self.fp8_dtype)
+
     def has_rowwise(self) -> bool:
         raise NotImplementedError
 
@@ -157,6 +164,18 @@ class QuantizedTensorStorage:
             f"{type(self).__name__}: rowwise data cannot be derived from columnwise data "
             "exactly in this format; quantize with rowwise usage instead"
         )
+
+    def derives_usages(self) -> bool:
+        """Whether each usage is an exact relayout of the other (no requantization), so a tensor
+        may keep one and build the other when a GEMM needs it."""
+        return False
+
+    def buffers_with_usage(self, rowwise: bool = True, columnwise: bool = True) -> Dict[str, torch.Tensor]:
+        """This tensor's buffers for the given usages, deriving a missing usage from the other
+        into a new bare storage (this tensor keeps only what it has)."""
+        cls = getattr(type(self), "storage_class", type(self))
+        copy = cls._from_buffers(self.get_buffers(), **self.get_metadata())
+        return copy.update_usage(rowwise_usage=rowwise, columnwise_usage=columnwise).get_buffers()
 
     def update_usage(self, rowwise_usage: Optional[bool] = None, columnwise_usage: Optional[bool] = None):
         """Keep/derive/drop usages in place; the stored quantizer follows the new usage."""

@@ -1,0 +1,275 @@
+"""TE code that ports by changing the import: DType, TE's quantizer keywords and tensor attributes,
+`quantization` (FP8GlobalStateManager, RecipeState), recipe fields, CustomRecipe, and
+`quantized_model_init` parameters that are stored quantized and train."""
+import io
+
+import pytest
+import torch
+
+import transformer_engine_proto as te
+from transformer_engine_proto import recipe
+from transformer_engine_proto.constants import DType
+from transformer_engine_proto.quantization import FP8GlobalStateManager, QuantizerRole, RecipeState
+from transformer_engine_proto.tensor import QuantizedTensor
+
+from linear_cases import QUANTIZED_IDS, RECIPES, fresh_dynamo, graph_breaks
+
+FP8_AVAILABLE, REASON = te.is_fp8_available(return_reason=True)
+
+
+# ---- a TE training script, as written for TE -------------------------------------------------
+def test_te_style_training_script():
+    assert FP8_AVAILABLE, REASON
+    fp8_recipe = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16,
+                                       amax_compute_algo="max")
+    torch.manual_seed(0)
+    with te.fp8_model_init(enabled=False):
+        model = torch.nn.Sequential(te.LayerNormLinear(64, 128), te.Linear(128, 64))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(32, 64)
+    losses = []
+    for _ in range(3):
+        with te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe):
+            assert FP8GlobalStateManager.is_fp8_enabled()
+            assert FP8GlobalStateManager.get_fp8_recipe() is fp8_recipe
+            out = model(x)
+        loss = out.float().pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    assert not FP8GlobalStateManager.is_fp8_enabled()
+    assert losses[-1] < losses[0]
+
+
+# ---- DType, quantizer constructors, tensor attributes ---------------------------------------
+def test_dtype_maps_to_torch_dtypes():
+    assert DType.kFloat8E4M3.torch_dtype is torch.float8_e4m3fn
+    assert DType.cast(torch.bfloat16) is DType.kBFloat16
+    assert te.DType is DType
+    with pytest.raises(TypeError, match="no Transformer Engine data type"):
+        DType.cast(torch.complex64)
+
+
+@pytest.mark.parametrize("make_te, make_ours", [
+    (lambda: te.Float8Quantizer(torch.ones(1), torch.zeros(1), DType.kFloat8E4M3, rowwise=True, columnwise=False),
+     lambda: te.Float8Quantizer(torch.ones(1), torch.zeros(1), torch.float8_e4m3fn, rowwise_usage=True,
+                                columnwise_usage=False)),
+    (lambda: te.Float8CurrentScalingQuantizer(DType.kFloat8E5M2, torch.device("cpu"), rowwise=False, columnwise=True),
+     lambda: te.Float8CurrentScalingQuantizer(torch.float8_e5m2, rowwise_usage=False)),
+    (lambda: te.MXFP8Quantizer(DType.kFloat8E4M3, rowwise=True, columnwise=True),
+     lambda: te.MXFP8Quantizer(torch.float8_e4m3fn)),
+    (lambda: te.Float8BlockQuantizer(DType.kFloat8E4M3, rowwise=True, columnwise=False, block_scaling_dim=1),
+     lambda: te.Float8BlockQuantizer(torch.float8_e4m3fn, block_scaling_dim=1, columnwise_usage=False)),
+    (lambda: te.NVFP4Quantizer(DType.kFloat4E2M1, True, False, False, None, False, False, True),
+     lambda: te.NVFP4Quantizer(with_2d_quantization=True, columnwise_usage=False)),
+])
+def test_quantizers_take_te_constructor_arguments(make_te, make_ours):
+    ours_q, te_q = make_ours(), make_te()
+    assert te_q == ours_q
+    x = torch.randn(64, 128)
+    a, b = te_q(x), ours_q(x)
+    assert a.get_buffers().keys() == b.get_buffers().keys()
+    assert all(u.dtype == v.dtype and torch.equal(u.float(), v.float())
+               for u, v in zip(a.get_buffers().values(), b.get_buffers().values()))
+
+
+def test_te_only_quantizer_options_are_refused_not_ignored():
+    with pytest.raises(NotImplementedError, match="with_amax_reduction=True"):
+        te.NVFP4Quantizer(with_amax_reduction=True)
+    with pytest.raises(NotImplementedError, match="with_2d_quantization=True"):
+        te.MXFP8Quantizer(DType.kFloat8E4M3, with_2d_quantization=True)
+    with pytest.raises(NotImplementedError, match="fp4_dtype"):
+        te.NVFP4Quantizer(DType.kFloat8E4M3)
+    with pytest.raises(TypeError, match="multiple values"):
+        te.MXFP8Quantizer(DType.kFloat8E4M3, fp8_dtype=DType.kFloat8E5M2)
+
+
+def test_quantized_tensors_answer_te_attribute_names():
+    x = torch.randn(64, 128)
+    f8 = te.Float8CurrentScalingQuantizer(DType.kFloat8E4M3)(x)
+    assert f8._fp8_dtype == DType.kFloat8E4M3 and f8._data.shape == (64, 128) and f8._scale_inv.numel() == 1
+    assert f8._transpose_invalid is False
+    f8.update_usage(columnwise_usage=False)
+    assert f8._transpose_invalid is True
+    mx = te.MXFP8Quantizer(DType.kFloat8E5M2)(x)
+    assert mx._fp8_dtype == DType.kFloat8E5M2
+    assert mx._rowwise_data is not None and mx._columnwise_scale_inv is not None
+    blk = te.Float8BlockQuantizer(DType.kFloat8E4M3, rowwise=True, columnwise=True, block_scaling_dim=2)(x)
+    assert blk._is_2D_scaled is True and blk._columnwise_data is not None
+    fp4 = te.NVFP4Quantizer()(x)
+    assert fp4._fp4_dtype == DType.kFloat4E2M1 and fp4._amax_rowwise is not None
+    assert not hasattr(fp4, "_fp8_dtype")
+    assert te.NVFP4Quantizer().dtype == DType.kFloat4E2M1 and te.MXFP8Quantizer(DType.kFloat8E4M3).dtype == 7
+
+
+# ---- recipe fields ----------------------------------------------------------------------------
+def test_recipe_format_values_and_nvfp4_role_params():
+    assert recipe.Format.HYBRID.value.max_fwd == 448 and recipe.Format.HYBRID.value.max_bwd == 57344
+    assert recipe.Format.E2M1.value.max_fwd == 6
+    nv = recipe.NVFP4BlockScaling()
+    assert nv.fp4_format is recipe.Format.E2M1
+    assert nv.fp4_quant_fwd_inp.random_hadamard_transform and not nv.fp4_quant_fwd_inp.stochastic_rounding
+    assert nv.fp4_quant_fwd_weight.fp4_2d_quantization
+    assert nv.fp4_quant_bwd_grad.stochastic_rounding
+    assert not recipe.NVFP4BlockScaling(disable_rht=True).fp4_quant_bwd_grad.random_hadamard_transform
+    with pytest.raises(TypeError, match="FP8 recipe.Format"):
+        recipe.Float8CurrentScaling(fp8_format=recipe.Format.E2M1)
+
+
+def test_use_power_2_scales_reaches_the_quantizers():
+    from transformer_engine_proto.tensor.recipe_quantizers import quantizers_for_recipe
+
+    assert quantizers_for_recipe(recipe.Float8CurrentScaling(use_power_2_scales=True)).input.force_pow_2_scales
+    assert not quantizers_for_recipe(recipe.Float8BlockScaling(use_f32_scales=True)).weight.force_pow_2_scales
+
+
+def _role_factory(role):
+    dtype = torch.float8_e5m2 if role.tensor_type == "grad_output" else torch.float8_e4m3fn
+    return te.Float8CurrentScalingQuantizer(dtype)
+
+
+def test_custom_recipe_matches_the_builtin_recipe_bitwise():
+    torch.manual_seed(0)
+    layer = te.Linear(64, 32)
+    x = torch.randn(16, 64, requires_grad=True)
+    outs = []
+    for r in (recipe.CustomRecipe(qfactory=_role_factory), recipe.Float8CurrentScaling()):
+        with te.autocast(recipe=r):
+            y = layer(x)
+        y.sum().backward()
+        outs.append((y.detach(), x.grad.clone(), layer.weight.grad.clone()))
+        x.grad = layer.weight.grad = layer.bias.grad = None
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+def test_custom_recipe_rejects_mixed_formats_and_delayed_scaling():
+    mixed = recipe.CustomRecipe(qfactory=lambda role: te.MXFP8Quantizer(DType.kFloat8E4M3)
+                                if role.tensor_type == "weight" else _role_factory(role))
+    layer = te.Linear(64, 32)
+    with pytest.raises(ValueError, match="one format"):
+        with te.autocast(recipe=mixed):
+            layer(torch.randn(16, 64))
+    delayed = recipe.CustomRecipe(qfactory=lambda role: te.Float8Quantizer(None, None, DType.kFloat8E4M3))
+    with pytest.raises(NotImplementedError, match="recipe.DelayedScaling"):
+        with te.autocast(recipe=delayed):
+            layer(torch.randn(16, 64))
+
+
+# ---- quantization: FP8GlobalStateManager, RecipeState ----------------------------------------
+def test_global_state_manager():
+    FP8GlobalStateManager.reset()
+    assert not FP8GlobalStateManager.is_fp8_enabled()
+    assert isinstance(FP8GlobalStateManager.get_fp8_recipe(), recipe.DelayedScaling)  # TE's default
+    r = recipe.MXFP8BlockScaling()
+    for _ in range(2):
+        with te.autocast(recipe=r, amax_reduction_group="g"):
+            assert FP8GlobalStateManager.is_first_fp8_module() is True
+            assert FP8GlobalStateManager.is_first_fp8_module() is False
+            assert FP8GlobalStateManager.get_fp8_group() == "g"
+            assert FP8GlobalStateManager.get_fp8_recipe() is r
+    with te.quantized_model_init(enabled=True, preserve_high_precision_init_val=True):
+        assert FP8GlobalStateManager.with_fp8_parameters() and FP8GlobalStateManager.with_high_precision_init_val()
+    assert not FP8GlobalStateManager.with_fp8_parameters()
+    assert FP8GlobalStateManager.is_fp8_available()[0] is True
+
+
+def test_recipe_state_delayed_scaling_binds_each_slot():
+    state = RecipeState.create(recipe.DelayedScaling(amax_history_len=4), mode="forward", num_quantizers=3,
+                               device="cpu")
+    assert state.scale.shape == (3,) and state.amax_history.shape == (4, 3)
+    qs = state.make_quantizers()
+    assert [q.fp8_dtype for q in qs] == [torch.float8_e4m3fn] * 3
+    state.scale[1] = 2.0
+    x = torch.randn(32, 16)
+    t = qs[1](x)
+    assert torch.equal(state.amax_history[0], torch.stack([torch.tensor(0.0), x.abs().max(), torch.tensor(0.0)]))
+    assert t._scale_inv.item() == 0.5
+    grads = RecipeState.create(recipe.DelayedScaling(), mode="backward", num_quantizers=2, device="cpu")
+    assert [q.fp8_dtype for q in grads.make_quantizers()] == [torch.float8_e5m2] * 2
+
+
+def test_recipe_state_roles_and_formats():
+    roles = [QuantizerRole(tensor_type="weight"), QuantizerRole(tensor_type="input")]
+    qs = RecipeState.create(recipe.Float8BlockScaling(), mode="forward", num_quantizers=2, roles=roles).make_quantizers()
+    assert [q.block_scaling_dim for q in qs] == [2, 1]
+    nv = RecipeState.create(recipe.NVFP4BlockScaling(), mode="backward", num_quantizers=1).make_quantizers()[0]
+    assert nv.stochastic_rounding and nv.with_rht
+    with pytest.raises(ValueError, match="2 roles for 3"):
+        RecipeState.create(recipe.MXFP8BlockScaling(), mode="forward", num_quantizers=3, roles=roles)
+    with pytest.raises(ValueError, match="mode"):
+        RecipeState.create(recipe.MXFP8BlockScaling(), mode="fwd")
+
+
+# ---- quantized_model_init ---------------------------------------------------------------------
+def test_in_place_ops_write_back_into_quantized_tensors():
+    x = torch.randn(64, 128)
+    t = te.Float8CurrentScalingQuantizer(DType.kFloat8E4M3)(x)
+    before = t.dequantize()
+    with pytest.warns(UserWarning, match="re-quantizing"):
+        t.mul_(0.5)
+    torch.testing.assert_close(t.dequantize(), before * 0.5, rtol=0.07, atol=0)
+    ts = [te.Float8CurrentScalingQuantizer(DType.kFloat8E4M3)(x) for _ in range(2)]
+    torch._foreach_add_(ts, 1.0)
+    assert all(torch.allclose(u.dequantize(), x + 1, rtol=0.07, atol=float((x + 1).abs().max()) / 16) for u in ts)
+    assert not torch.allclose(ts[0].dequantize(), x, rtol=0.07, atol=0.07)
+
+
+def _param_bytes(p: torch.Tensor) -> int:
+    bufs = p.get_buffers().values() if isinstance(p, QuantizedTensor) else [p]
+    return sum(b.numel() * b.element_size() for b in bufs)
+
+
+# bytes of a quantized weight / bytes of the same weight in bf16 (MXFP8 stores both usages)
+_MAX_RATIO = {"delayed": 0.51, "current": 0.51, "block": 0.51, "nvfp4": 0.29, "mxfp8": 1.04}
+
+
+@pytest.mark.parametrize("rid", QUANTIZED_IDS)
+def test_quantized_model_init_trains_compiles_and_checkpoints(rid):
+    r = RECIPES[rid]
+    torch.manual_seed(0)
+    with te.quantized_model_init(enabled=True, recipe=r, preserve_high_precision_init_val=True):
+        model = torch.nn.Sequential(te.Linear(128, 128, params_dtype=torch.bfloat16),
+                                    te.LayerNormMLP(128, 256, params_dtype=torch.bfloat16))
+    weights = [model[0].weight, model[1].fc1_weight, model[1].fc2_weight]
+    assert all(isinstance(w, QuantizedTensor) and isinstance(w, torch.nn.Parameter) for w in weights)
+    ratio = sum(map(_param_bytes, weights)) / sum(w.numel() * 2 for w in weights)
+    assert ratio <= _MAX_RATIO[rid]
+    init = model[0].weight.get_high_precision_init_val()
+    assert init.device.type == "cpu" and init.dtype == torch.bfloat16
+    torch.testing.assert_close(model[0].weight.dequantize().float(), init.float(), rtol=0.3, atol=0.02)
+    model[0].weight.clear_high_precision_init_val()
+    assert model[0].weight.get_high_precision_init_val() is None
+
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    x = torch.randn(64, 128, dtype=torch.bfloat16)
+    target = torch.randn(64, 128, dtype=torch.bfloat16)
+    fresh_dynamo()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")  # inductor: tests/test_cuda.py
+    losses = []
+    for _ in range(4):
+        with te.autocast(recipe=r):
+            loss = (compiled(x).float() - target.float()).pow(2).mean()
+        loss.backward()
+        assert all(w.grad is not None and w.grad.shape == w.shape for w in weights)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert graph_breaks() == 0
+    assert losses[-1] < losses[0], losses
+
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    with te.quantized_model_init(enabled=True, recipe=r):
+        resumed = torch.nn.Sequential(te.Linear(128, 128, params_dtype=torch.bfloat16),
+                                      te.LayerNormMLP(128, 256, params_dtype=torch.bfloat16))
+    buf.seek(0)
+    resumed.load_state_dict(torch.load(buf, weights_only=False))
+    with te.autocast(recipe=r):
+        assert torch.equal(resumed(x), model(x))
+
+
+def test_quantized_model_init_names_the_layer_a_recipe_cannot_store():
+    with pytest.raises(ValueError, match="linear_bad.*MXFP8BlockScaling"):
+        with te.quantized_model_init(enabled=True, recipe=recipe.MXFP8BlockScaling()):
+            te.Linear(48, 40, name="linear_bad")

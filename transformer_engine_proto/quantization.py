@@ -1,0 +1,192 @@
+"""TE's `transformer_engine.pytorch.quantization` names: the global FP8 state as TE code queries it,
+`RecipeState` (a recipe's quantizers for a list of tensor slots), and `quantized_model_init`.
+
+The state itself lives in `autocast.FP8GlobalState` (what compiled code guards on); this module is
+the TE-shaped view of it, plus the parameter-creation state that `quantized_model_init` sets.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+from . import autocast as _autocast
+from . import recipe as R
+from .autocast import autocast, fp8_autocast  # noqa: F401  (TE's module path for them)
+from .capabilities import (is_fp8_available, is_fp8_block_scaling_available, is_mxfp8_available,  # noqa: F401
+                           is_nvfp4_available)
+from .recipe import QuantizerRole
+
+__all__ = ["FP8GlobalStateManager", "RecipeState", "QuantizerRole", "quantized_model_init", "fp8_model_init",
+           "get_default_recipe", "autocast", "fp8_autocast", "is_fp8_available", "is_mxfp8_available",
+           "is_fp8_block_scaling_available", "is_nvfp4_available"]
+
+
+def get_default_recipe() -> R.Recipe:
+    """The recipe `autocast()` uses when given none (TE's default: delayed scaling)."""
+    return _autocast._default_recipe()
+
+
+@dataclass
+class _ParamInit:
+    """What `quantized_model_init` asks of parameters created inside it."""
+
+    enabled: bool = False
+    recipe: Optional[R.Recipe] = None
+    preserve_high_precision_init_val: bool = False
+
+
+_PARAM_INIT = _ParamInit()
+
+
+def param_init_state() -> _ParamInit:
+    return _PARAM_INIT
+
+
+@contextlib.contextmanager
+def quantized_model_init(enabled: bool = True, recipe: Optional[R.Recipe] = None,
+                         preserve_high_precision_init_val: bool = False):
+    """Modules created inside store their GEMM weights quantized with `recipe` (default: the
+    default recipe) instead of in high precision: see `module/quantized_params.py`.
+    With `preserve_high_precision_init_val`, each such weight keeps its initial high-precision
+    value on the CPU (`weight.get_high_precision_init_val()`, `weight.clear_high_precision_init_val()`)
+    to seed master weights."""
+    global _PARAM_INIT
+    _autocast._reject_recipe_as_enabled(enabled, "quantized_model_init(recipe=...)")
+    if recipe is not None and not isinstance(recipe, R.Recipe):
+        raise TypeError(f"quantized_model_init: recipe must be a transformer_engine_proto.recipe.Recipe, "
+                        f"got {type(recipe).__name__}")
+    saved = _PARAM_INIT
+    _PARAM_INIT = _ParamInit(bool(enabled), recipe or get_default_recipe(), bool(preserve_high_precision_init_val))
+    try:
+        yield
+    finally:
+        _PARAM_INIT = saved
+
+
+def fp8_model_init(enabled: bool = True, recipe: Optional[R.Recipe] = None,
+                   preserve_high_precision_init_val: bool = False):
+    """TE's older name for `quantized_model_init`."""
+    return quantized_model_init(enabled, recipe, preserve_high_precision_init_val)
+
+
+class FP8GlobalStateManager:
+    """TE's queries of the global quantization state (class methods, as in TE)."""
+
+    @classmethod
+    def is_fp8_enabled(cls) -> bool:
+        return _autocast.is_fp8_enabled()
+
+    @classmethod
+    def get_fp8_recipe(cls) -> R.Recipe:
+        """The active recipe; the default recipe outside autocast (as TE)."""
+        return _autocast.FP8GlobalState.state.recipe or get_default_recipe()
+
+    @classmethod
+    def get_fp8_group(cls):
+        return _autocast.FP8GlobalState.state.group
+
+    @classmethod
+    def is_fp8_calibration(cls) -> bool:
+        return False  # autocast(calibrating=True) is refused
+
+    @classmethod
+    def with_fp8_parameters(cls) -> bool:
+        return _PARAM_INIT.enabled
+
+    @classmethod
+    def with_high_precision_init_val(cls) -> bool:
+        return _PARAM_INIT.preserve_high_precision_init_val
+
+    @classmethod
+    def fp8_graph_capturing(cls) -> bool:
+        if torch.compiler.is_compiling() or not torch.cuda.is_available():
+            return False
+        return torch.cuda.is_current_stream_capturing()
+
+    @classmethod
+    def is_first_fp8_module(cls) -> bool:
+        """True for the first caller inside each autocast region, False after."""
+        state = _autocast.FP8GlobalState.state
+        first, state.first_module_pending = state.first_module_pending, False
+        return first
+
+    @classmethod
+    def reset(cls) -> None:
+        """Back to no autocast and no quantized parameter creation."""
+        global _PARAM_INIT
+        _autocast.FP8GlobalState.state = _autocast._State()
+        _PARAM_INIT = _ParamInit()
+
+    @classmethod
+    def is_fp8_available(cls):
+        return is_fp8_available(return_reason=True)
+
+    @classmethod
+    def is_mxfp8_available(cls):
+        return is_mxfp8_available(return_reason=True)
+
+    @classmethod
+    def is_fp8_block_scaling_available(cls):
+        return is_fp8_block_scaling_available(return_reason=True)
+
+    @classmethod
+    def is_nvfp4_available(cls):
+        return is_nvfp4_available(return_reason=True)
+
+
+class RecipeState:
+    """A recipe's quantizers for `num_quantizers` tensor slots of one pass (TE's `RecipeState`).
+
+    Slots are TE's: forward `[input, weight, output, input, weight, output, ...]`, backward
+    `[grad_output, grad_input, ...]`, unless `roles` names each slot's `tensor_type`. Delayed
+    scaling owns `scale` (num_quantizers,) and `amax_history` (amax_history_len, num_quantizers)
+    here, as in TE; each quantizer reads and records into its slot's views of them."""
+
+    _FORWARD = ("input", "weight", "output")
+    _BACKWARD = ("grad_output", "grad_input")
+    # the roles this package quantizes; output / grad_input take the input / gradient quantizer
+    _ROLE = {"input": "input", "weight": "weight", "output": "input", "grad_output": "grad_output",
+             "grad_input": "grad_output"}
+
+    def __init__(self, recipe: R.Recipe, *, mode: str, num_quantizers: int = 1, device=None,
+                 roles: Optional[List[QuantizerRole]] = None):
+        if mode not in ("forward", "backward"):
+            raise ValueError(f"RecipeState: mode must be 'forward' or 'backward', got {mode!r}")
+        if roles is not None and len(roles) != num_quantizers:
+            raise ValueError(f"RecipeState: {len(roles)} roles for {num_quantizers} quantizers")
+        self.recipe, self.mode, self.num_quantizers, self.roles = recipe, mode, num_quantizers, roles
+        self.device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+        if isinstance(recipe, R.DelayedScaling):
+            self.scale = torch.ones(num_quantizers, dtype=torch.float32, device=self.device)
+            self.amax_history = torch.zeros(recipe.amax_history_len, num_quantizers, dtype=torch.float32,
+                                            device=self.device)
+
+    @staticmethod
+    def create(recipe: R.Recipe, *, mode: str, num_quantizers: int = 1, device=None,
+               roles: Optional[List[QuantizerRole]] = None) -> "RecipeState":
+        if not isinstance(recipe, R.Recipe):
+            raise TypeError(f"RecipeState.create: expected a recipe, got {type(recipe).__name__}")
+        return RecipeState(recipe, mode=mode, num_quantizers=num_quantizers, device=device, roles=roles)
+
+    def tensor_type(self, slot: int) -> str:
+        role = self.roles[slot] if self.roles is not None else None
+        if role is not None and role.tensor_type in self._ROLE:
+            return role.tensor_type
+        default = self._FORWARD if self.mode == "forward" else self._BACKWARD
+        return default[slot % len(default)]
+
+    def make_quantizers(self) -> list:
+        from .tensor import Float8Quantizer
+        from .tensor.recipe_quantizers import quantizers_for_recipe
+
+        by_role = quantizers_for_recipe(self.recipe)
+        out = []
+        for slot in range(self.num_quantizers):
+            q = getattr(by_role, self._ROLE[self.tensor_type(slot)])
+            if isinstance(q, Float8Quantizer):  # bind this slot's delayed-scaling state
+                q = Float8Quantizer(self.scale[slot:slot + 1], self.amax_history[0, slot:slot + 1], q.fp8_dtype)
+            out.append(q)
+        return out
