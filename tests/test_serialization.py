@@ -64,6 +64,32 @@ def test_state_dict_with_quantized_parameter_and_recipes_loads_weights_only():
     assert loaded["recipes"] == recipes and loaded["format"] is R.Format.HYBRID
 
 
+@pytest.mark.parametrize("name", [n for n in RECIPES if n != "none"])
+def test_quantized_model_init_state_dict_loads_weights_only_bitwise(name):
+    recipe = RECIPES[name]()
+
+    def build():
+        with te.quantized_model_init(enabled=True, recipe=recipe):
+            return torch.nn.Sequential(te.Linear(128, 128), te.LayerNormMLP(128, 256))
+
+    torch.manual_seed(0)
+    model = build()
+    sd = model.state_dict()
+    assert isinstance(sd["0.weight"], te.QuantizedTensor)
+    loaded = _round_trip(sd)
+    for key, t in sd.items():
+        if isinstance(t, te.QuantizedTensor):
+            _assert_same_quantized(t, loaded[key])
+        else:
+            assert torch.equal(t, loaded[key]), key
+    torch.manual_seed(1)
+    resumed = build()
+    resumed.load_state_dict(loaded)
+    x = torch.randn(64, 128)
+    with te.autocast(recipe=recipe):
+        assert torch.equal(resumed(x), model(x))
+
+
 def test_fsdp_quantized_gather_model_state_dict_loads_weights_only():
     from transformer_engine_proto.distributed.fsdp import FSDPWeight, enable_quantized_all_gather
 
