@@ -89,6 +89,28 @@ def test_one_warning_at_the_next_autocast_entry(fresh_warning):
     assert model.gemm.nonfinite_amax_count.tolist() == [2, 0, 0]
 
 
+@pytest.mark.cuda
+def test_one_warning_on_cuda_and_no_host_sync_at_autocast_entry(fresh_warning):
+    model = te.Linear(32, 32, device="cuda")
+    x = torch.randn(8, 32, device="cuda")
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _step(model, bad)
+        for _ in range(4):
+            torch.cuda.set_sync_debug_mode("error")  # the poll must not synchronize
+            try:
+                with te.autocast(recipe=RECIPE):
+                    pass
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            _step(model, x)
+            torch.cuda.synchronize()
+    assert len([w for w in caught if "non-finite" in str(w.message)]) == 1
+    assert model.gemm.nonfinite_amax_count.tolist() == [1, 0, 0]
+
+
 def test_nan_skipped_under_compile(fresh_warning):
     torch.manual_seed(0)
     model = te.Linear(32, 32)

@@ -132,6 +132,8 @@ class QuantizedGemm(nn.Module):
         count = self.nonfinite_amax_count
         if count.device.type == "cpu":
             host = count
+        elif count.device.type != "cuda":
+            return  # meta / other devices: nothing to read without a sync
         else:
             host = None
             if self._nonfinite_poll is not None and self._nonfinite_poll[1].query():
