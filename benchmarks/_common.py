@@ -245,7 +245,9 @@ def environment(device: torch.device) -> dict:
     except Exception:
         env["torchao"] = None
     # the library's own switches change what is measured: record them with the numbers
-    env["kernels"] = os.environ.get("TE_PROTO_KERNELS", "default")
+    from transformer_engine_proto.kernels import get_backend
+
+    env["kernels"] = get_backend()  # TE_PROTO_KERNELS or kernels.set_backend(): "triton" (default) or "reference"
     try:
         from transformer_engine_proto.kernels.triton.launch import enabled as fast_launch_enabled
 

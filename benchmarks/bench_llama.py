@@ -4,8 +4,8 @@
     python benchmarks/bench_llama.py --smoke             # tiny, CPU-friendly check
 
 The model is `transformers.LlamaForCausalLM` (random init, bf16 params; hidden 2048, 4 layers, 16
-heads, intermediate 5632, vocab 32768 by default). A te variant replaces every `nn.Linear` (lm_head
-included) with a `te.Linear` holding the same weights; torchao's variant is
+heads, intermediate 5632, vocab 32768 by default). A te variant is `te.convert_model(model, recipe=...)`:
+every `nn.Linear` the recipe can take (lm_head included) becomes a `te.Linear` holding the same weights; torchao's variant is
 `convert_to_float8_training` with its recipe. A step is forward with the labels (the model's own
 loss), backward, grad-norm clipping to 1.0 and a foreach AdamW step, with `te.autocast` entered
 every step around the forward, as a training loop does. Compiled variants are
@@ -46,24 +46,6 @@ def build_llama(args, device, dtype):
     return LlamaForCausalLM(config).to(device=device, dtype=dtype)
 
 
-def swap_linears(model: torch.nn.Module, dtype) -> torch.nn.Module:
-    """Every nn.Linear -> te.Linear with the same weights (and bias)."""
-    import transformer_engine_proto as te
-
-    for name, child in list(model.named_children()):
-        if type(child) is torch.nn.Linear:
-            new = te.Linear(child.in_features, child.out_features, bias=child.bias is not None,
-                            params_dtype=dtype, device=child.weight.device)
-            with torch.no_grad():
-                new.weight.copy_(child.weight)
-                if child.bias is not None:
-                    new.bias.copy_(child.bias)
-            setattr(model, name, new)
-        else:
-            swap_linears(child, dtype)
-    return model
-
-
 def make_variant(variant: str, args, device, dtype):
     """(model, te recipe or None)."""
     model = build_llama(args, device, dtype)
@@ -74,7 +56,10 @@ def make_variant(variant: str, args, device, dtype):
 
         config = Float8LinearConfig.from_recipe_name(variant.split(":", 1)[1])
         return convert_to_float8_training(model, config=config), None
-    return swap_linears(model, dtype), C.make_recipe(variant.split(":", 1)[1])
+    import transformer_engine_proto as te
+
+    recipe = C.make_recipe(variant.split(":", 1)[1])
+    return te.convert_model(model, recipe=recipe), recipe
 
 
 def run_variant(variant, mode, args, device, dtype):

@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 import torch
@@ -20,3 +21,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+# The library reads its switches (TE_PROTO_KERNELS, TE_PROTO_FAST_LAUNCH, TE_PROTO_TRITON_SOFT_CAST,
+# TE_PROTO_NATIVE_BLOCK_GEMM) once; tests flip them with the Python setters. After every test each
+# setter is put back to None (follow the environment variable), so no test leaks its choice.
+_SWITCHES = (("transformer_engine_proto.kernels", "set_backend"),
+             ("transformer_engine_proto.kernels.triton.launch", "set_fast_launch"),
+             ("transformer_engine_proto.kernels.triton._common", "set_soft_cast"),
+             ("transformer_engine_proto.block_scaled_gemm", "set_native_block_gemm"))
+
+
+@pytest.fixture(autouse=True)
+def _reset_library_switches():
+    yield
+    for module, setter in _SWITCHES:
+        if module in sys.modules:
+            getattr(sys.modules[module], setter)(None)

@@ -15,13 +15,13 @@ import transformer_engine_proto as te  # noqa: E402
 SMOKE = argparse.Namespace(hidden=64, ffn=128, layers=2, heads=4, vocab=256, seq=32, batch=2)
 
 
-def test_swap_replaces_every_linear_and_keeps_the_function():
-    model = bench_llama.build_llama(SMOKE, "cpu", torch.float32)
+def test_te_variant_converts_every_linear_and_keeps_the_function():
     ids = torch.randint(0, SMOKE.vocab, (SMOKE.batch, SMOKE.seq))
     with torch.no_grad():
-        before = model(input_ids=ids).logits
-        bench_llama.swap_linears(model, torch.float32)
-        after = model(input_ids=ids).logits
+        before = bench_llama.build_llama(SMOKE, "cpu", torch.float32)(input_ids=ids).logits
+        model, recipe = bench_llama.make_variant("te:current", SMOKE, "cpu", torch.float32)
+        after = model(input_ids=ids).logits  # no autocast: the high-precision path of the same weights
+    assert isinstance(recipe, te.recipe.Float8CurrentScaling)
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
     assert sum(isinstance(m, te.Linear) for m in model.modules()) == 7 * SMOKE.layers + 1  # + lm_head
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)

@@ -154,8 +154,17 @@ def test_native_layouts_by_compute_capability(monkeypatch):
         monkeypatch.setattr(BSG, "_capability", lambda index, cap=cap: cap)
         assert BSG.native_layouts(cuda0) == want, cap
     assert BSG.native_layouts(torch.device("cpu")) is None
-    monkeypatch.setenv("TE_PROTO_NATIVE_BLOCK_GEMM", "0")
+    monkeypatch.setattr(BSG, "_capability", lambda index: (10, 0))
+    BSG.set_native_block_gemm(False)
     assert BSG.native_layouts(cuda0) is None
+    monkeypatch.setenv("TE_PROTO_NATIVE_BLOCK_GEMM", "0")
+    BSG.set_native_block_gemm(None)  # follow the variable again (read at the next GEMM)
+    assert BSG.native_layouts(cuda0) is None
+    monkeypatch.setenv("TE_PROTO_NATIVE_BLOCK_GEMM", "1")
+    assert BSG.native_layouts(cuda0) is None  # read once
+    BSG.set_native_block_gemm(None)
+    assert BSG.native_layouts(cuda0) == "all"
     monkeypatch.setenv("TE_PROTO_NATIVE_BLOCK_GEMM", "yes")
+    BSG.set_native_block_gemm(None)
     with pytest.raises(ValueError, match=r"TE_PROTO_NATIVE_BLOCK_GEMM='yes': expected 0 or 1"):
         BSG.native_layouts(cuda0)

@@ -39,15 +39,26 @@ def test_hook_chains_count_as_installed_only_with_calls(monkeypatch):
 def test_takes_tritons_path_when_disabled_or_off_gpu(monkeypatch, env):
     if env is None:
         monkeypatch.delenv("TE_PROTO_FAST_LAUNCH", raising=False)
+        launch.set_fast_launch(None)  # read the variable (and the version) again
         # on by default with the Triton it was verified on, off with any other
         assert launch.enabled() == triton.__version__.startswith(launch.VERIFIED_TRITON)
         monkeypatch.setattr(triton, "__version__", "3.6.0")
+        launch.set_fast_launch(None)
         assert launch.enabled()
         monkeypatch.setattr(triton, "__version__", "3.9.0")
+        launch.set_fast_launch(None)
         assert not launch.enabled()
+        monkeypatch.setenv("TE_PROTO_FAST_LAUNCH", "1")  # read once: no effect until reset
+        assert not launch.enabled()
+        launch.set_fast_launch(None)
+        assert launch.enabled()
     else:
         monkeypatch.setenv("TE_PROTO_FAST_LAUNCH", env)
+        launch.set_fast_launch(None)
         assert launch.enabled() == (env == "1")
+        launch.set_fast_launch(env != "1")  # the Python switch wins over the variable
+        assert launch.enabled() == (env != "1")
+        launch.set_fast_launch(env == "1")
     monkeypatch.setattr(launch, "interpreting", lambda: env != "0")  # enabled, but interpreting
     fn = _Recorder()
     launch.fast_launch(fn)[(3,)](torch.zeros(4), 4, BLOCK=16)
@@ -68,14 +79,14 @@ def test_specialization_classes():
 
 @pytest.mark.cuda
 def test_kernels_through_the_fast_path_match_the_reference(monkeypatch):
-    """With TE_PROTO_FAST_LAUNCH=1: repeated launches (the fast path from the second on) with an
+    """With the fast launch on: repeated launches (the fast path from the second on) with an
     aligned, a misaligned, an odd-length and a length-1 input give the reference's bits."""
     from test_triton_kernels import FP8, assert_bitwise, make_input
 
     from transformer_engine_proto.kernels.reference import float8 as ref_f8
     from transformer_engine_proto.kernels.triton import float8 as tri_f8
 
-    monkeypatch.setenv("TE_PROTO_FAST_LAUNCH", "1")
+    launch.set_fast_launch(True)
     base = make_input((4096 + 3,), "normal").reshape(-1)
     for x in (base[:4096], base[:4096], base[1:4097], base[3:4096 + 2], base[5:6], base[:4096]):
         assert_bitwise(tri_f8.amax(x), ref_f8.amax(x), f"amax offset {x.storage_offset()} n {x.numel()}")

@@ -12,7 +12,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from linear_cases import (QUANTIZED_IDS, RECIPE_IDS, RECIPES, fresh_dynamo, graph_breaks, recipe_ctx,
                           unique_graphs)
 from transformer_engine_proto import recipe as R
-from transformer_engine_proto.autocast import FP8GlobalState, autocast
+from transformer_engine_proto.autocast import autocast
 from transformer_engine_proto.module import Linear
 
 DELAYED_BUFFERS = ("fp8_scale", "amax_history", "grad_fp8_scale", "grad_amax_history", "grad_amax_pending",

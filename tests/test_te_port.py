@@ -273,3 +273,21 @@ def test_quantized_model_init_names_the_layer_a_recipe_cannot_store():
     with pytest.raises(ValueError, match="linear_bad.*MXFP8BlockScaling"):
         with te.quantized_model_init(enabled=True, recipe=recipe.MXFP8BlockScaling()):
             te.Linear(48, 40, name="linear_bad")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: te.Float8CurrentScalingQuantizer(DType.kFloat8E4M3, rowwise=True, columnwise=False),
+    lambda: te.MXFP8Quantizer(DType.kFloat8E4M3),
+    lambda: te.Float8BlockQuantizer(DType.kFloat8E4M3, rowwise=True, columnwise=True, block_scaling_dim=1),
+    lambda: te.NVFP4Quantizer(with_2d_quantization=True),
+], ids=["current", "mxfp8", "block", "nvfp4"])
+def test_quantizers_built_inside_compiled_code(make):
+    """dynamo rebuilds a quantizer it saw constructed with the dataclass's positional order: the
+    TE-constructor layer must not reinterpret those arguments."""
+    fresh_dynamo()
+    x = torch.randn(32, 128)
+
+    def f(x):
+        return make()(x).dequantize()
+
+    torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="aot_eager")(x), f(x), rtol=0, atol=0)

@@ -196,12 +196,12 @@ def test_no_tp_arguments_unchanged():
     assert m._tp_group_name is None
 
 
-def test_group_size_mismatch(one_rank_group):
+def test_group_size_mismatch(one_rank_group):  # noqa: F811  (pytest fixture)
     with pytest.raises(ValueError, match=r"tp_size=2.*tp_group \(1\)"):
         te.Linear(64, 64, parallel_mode="column", tp_group=one_rank_group, tp_size=2)
 
 
-def test_one_rank_group_is_plain_linear(one_rank_group):
+def test_one_rank_group_is_plain_linear(one_rank_group):  # noqa: F811  (pytest fixture)
     torch.manual_seed(0)
     tp = te.Linear(64, 32, parallel_mode="row", tp_group=one_rank_group)
     ref = te.Linear(64, 32)
@@ -211,7 +211,7 @@ def test_one_rank_group_is_plain_linear(one_rank_group):
     torch.testing.assert_close(tp(x), ref(x), rtol=0, atol=0)
 
 
-def test_comm_ops_opcheck_and_autograd(one_rank_group):
+def test_comm_ops_opcheck_and_autograd(one_rank_group):  # noqa: F811  (pytest fixture)
     from transformer_engine_proto.distributed import tp
 
     name = one_rank_group.group_name
@@ -225,7 +225,7 @@ def test_comm_ops_opcheck_and_autograd(one_rank_group):
         torch.testing.assert_close(gx, torch.ones_like(x))
 
 
-def test_tp_module_deepcopies(one_rank_group):
+def test_tp_module_deepcopies(one_rank_group):  # noqa: F811  (pytest fixture)
     import copy
 
     m = te.Linear(64, 32, parallel_mode="column", tp_group=one_rank_group)
@@ -405,7 +405,7 @@ def test_layernorm_linear_tp_size_must_divide_features(mode, inf, outf):
         te.LayerNormLinear(inf, outf, parallel_mode=mode, tp_size=4)
 
 
-def test_tp_modules_one_rank_group_unchanged(one_rank_group):
+def test_tp_modules_one_rank_group_unchanged(one_rank_group):  # noqa: F811  (pytest fixture)
     mlp = te.LayerNormMLP(64, 128, activation="swiglu", tp_group=one_rank_group, sequence_parallel=True)
     assert mlp.fc1_weight.shape == (256, 64) and mlp.tp_size == 1 and mlp._tp_group_name is None
     layer = te.TransformerLayer(64, 128, 4, tp_group=one_rank_group)

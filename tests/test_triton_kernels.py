@@ -5,22 +5,20 @@ bits (fp8 / e8m0 bytes compared as uint8; fp32 scales compared as int32 bits, wh
 count as equal). Run on the GPU machine (qa/L1_gpu.sh); marked `cuda`, skipped without a GPU.
 The interpreter (CPU) counterpart is tests/test_triton_interpret.py.
 """
-import os
-
 import pytest
 import torch
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from transformer_engine_proto.kernels import kernel  # noqa: E402
+from transformer_engine_proto.kernels import kernel, set_backend  # noqa: E402
 from transformer_engine_proto.kernels.reference import blockwise as ref_bw  # noqa: E402
 from transformer_engine_proto.kernels.reference import float8 as ref_f8  # noqa: E402
 from transformer_engine_proto.kernels.reference import mxfp8 as ref_mx  # noqa: E402
 from transformer_engine_proto.kernels.triton import blockwise as tri_bw  # noqa: E402
 from transformer_engine_proto.kernels.triton import float8 as tri_f8  # noqa: E402
 from transformer_engine_proto.kernels.triton import mxfp8 as tri_mx  # noqa: E402
-from transformer_engine_proto.kernels.triton._common import scale_from_amax, scale_reciprocal  # noqa: E402
+from transformer_engine_proto.kernels.triton._common import scale_from_amax, scale_reciprocal, set_soft_cast  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -173,7 +171,7 @@ def test_every_bf16_value(fp8_dtype, scale_value, soft, monkeypatch):
     """All 65536 bf16 bit patterns (NaNs of both signs, +-Inf, subnormals) through the cast,
     with the hardware cvt and with the software rounding used under the interpreter."""
     if soft:
-        monkeypatch.setenv("TE_PROTO_TRITON_SOFT_CAST", "1")
+        set_soft_cast(True)  # conftest puts it back after the test
     x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     x = x.reshape(256, 256).cuda()
     scale = torch.tensor([scale_value], device="cuda")
@@ -387,6 +385,8 @@ def test_mxfp8_every_block_exponent():
 
 
 def test_env_forces_reference(monkeypatch):
-    monkeypatch.setenv("TE_PROTO_KERNELS", "reference")
+    set_backend("reference")
     assert kernel("mxfp8_quantize", "cuda") is ref_mx.mxfp8_quantize
-    assert os.environ["TE_PROTO_KERNELS"] == "reference"
+    monkeypatch.setenv("TE_PROTO_KERNELS", "reference")
+    set_backend(None)  # the variable, read again
+    assert kernel("mxfp8_quantize", "cuda") is ref_mx.mxfp8_quantize

@@ -17,7 +17,8 @@ triton = pytest.importorskip("triton")
 
 from test_triton_kernels import make_input  # noqa: E402
 
-from transformer_engine_proto.kernels import kernel  # noqa: E402
+from transformer_engine_proto.kernels import kernel, set_backend  # noqa: E402
+from transformer_engine_proto.kernels.triton._common import set_soft_cast  # noqa: E402
 from transformer_engine_proto.kernels.reference import mxfp8 as ref_mx  # noqa: E402
 from transformer_engine_proto.kernels.reference import nvfp4 as ref_fp4  # noqa: E402
 from transformer_engine_proto.kernels.reference import nvfp4_to as ref_fp4_to  # noqa: E402
@@ -306,7 +307,7 @@ LARGE = [((4096, 4096), "normal"), ((4096, 4096), "mixed"), ((8192, 1024), "nan"
 
 @cuda
 def test_dispatcher_picks_triton_on_cuda(monkeypatch):
-    monkeypatch.setenv("TE_PROTO_KERNELS", "triton")
+    set_backend("triton")
     assert kernel("nvfp4_quantize", "cuda") is tri_fp4.nvfp4_quantize
     assert kernel("nvfp4_dequantize", "cuda") is tri_fp4.nvfp4_dequantize
     assert kernel("nvfp4_dequantize_to", "cuda") is tri_fp4.nvfp4_dequantize_to
@@ -364,7 +365,7 @@ def test_rht_seeds(seed):
 @pytest.mark.parametrize("soft", [False, True])
 def test_every_bf16_value(soft, monkeypatch):
     if soft:
-        monkeypatch.setenv("TE_PROTO_TRITON_SOFT_CAST", "1")
+        set_soft_cast(True)  # conftest puts it back after the test
     x = finite_bf16_sweep("cuda")
     for mode in MODES:
         check_nvfp4(x, (True, True), mode)
@@ -384,7 +385,7 @@ def test_nvfp4_given_amax(mode):
 @pytest.mark.parametrize("amax", AMAXES)
 def test_every_code(amax, soft, monkeypatch):
     if soft:
-        monkeypatch.setenv("TE_PROTO_TRITON_SOFT_CAST", "1")
+        set_soft_cast(True)  # conftest puts it back after the test
     check_every_code("cuda", amax, OUT_DTYPES)
 
 
@@ -408,7 +409,7 @@ def test_mxfp8_dequantize_large(shape, kind):
 @pytest.mark.parametrize("fp8_dtype", FP8)
 def test_mxfp8_every_byte_and_scale(fp8_dtype, soft, monkeypatch):
     if soft:
-        monkeypatch.setenv("TE_PROTO_TRITON_SOFT_CAST", "1")
+        set_soft_cast(True)  # conftest puts it back after the test
     data = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(256, 1).cuda().view(fp8_dtype)
     scale = torch.arange(256, dtype=torch.int32).to(torch.uint8)[:, None].repeat(1, 8).cuda()
     for dt in OUT_DTYPES:

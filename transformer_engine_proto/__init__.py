@@ -2,14 +2,16 @@
 
 TE code ports by changing one import: `import transformer_engine_proto as te` gives
 `te.Linear`, `te.LayerNormLinear`, `te.LayerNormMLP`, `te.LayerNorm`, `te.RMSNorm`,
-`te.TransformerLayer`, `te.autocast` / `te.fp8_autocast` and `te.recipe`.
+`te.TransformerLayer`, `te.autocast` / `te.fp8_autocast` and `te.recipe`; `te.convert_model(model)`
+swaps any model's `nn.Linear` (and norms) for them in place.
 """
 from . import recipe  # noqa: F401
 from . import constants, quantization  # noqa: F401
 from .autocast import autocast, fp8_autocast, get_fp8_recipe, is_fp8_enabled  # noqa: F401
 from .capabilities import (get_device_compute_capability, is_bf16_available, is_fp8_available,  # noqa: F401
                            is_fp8_block_scaling_available, is_mxfp8_available, is_nvfp4_available)
-from .module import LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm, TransformerLayer  # noqa: F401
+from .module import (ConversionWarning, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm,  # noqa: F401
+                     TransformerLayer, convert_model)
 from .tensor import QuantizedTensor, TensorProto, to_tensor_proto  # noqa: F401
 from .constants import DType  # noqa: F401
 from .quantization import fp8_model_init, get_default_recipe, quantized_model_init  # noqa: F401

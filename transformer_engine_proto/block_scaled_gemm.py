@@ -12,7 +12,9 @@ Operands come as they are stored, with no transpose copy:
 Our scale buffers keep the plain (rows, K/block) layout of the format spec; cuBLAS reads them in
 its swizzled 128x4-tile layout, so each GEMM swizzles a copy (1/32 or 1/16 of the data's bytes).
 NVFP4's second-level scale is the per-tensor decode factor 1/S_enc of the operand's amax.
-`TE_PROTO_NATIVE_BLOCK_GEMM=0` turns the native path off (emulated everywhere).
+`TE_PROTO_NATIVE_BLOCK_GEMM=0` turns the native path off (emulated everywhere); the variable is read
+once, at the first GEMM. `set_native_block_gemm(False | True)` switches in Python, `None` goes back to
+the variable (read again at the next GEMM).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from .kernels.reference.nvfp4 import global_encode_scale
 from .tensor.mxfp8 import MXFP8TensorStorage
 from .tensor.nvfp4 import NVFP4TensorStorage
 
-__all__ = ["swizzle_block_scales", "native_layouts", "block_scaled_mm"]
+__all__ = ["swizzle_block_scales", "native_layouts", "block_scaled_mm", "set_native_block_gemm"]
 
 _TILE_ROWS, _TILE_COLS = 128, 4
 
@@ -50,11 +52,24 @@ def swizzle_block_scales(scale: torch.Tensor) -> torch.Tensor:
     return tiles.permute(0, 3, 2, 1, 4).reshape(-1).view(scale.dtype)
 
 
+_native = None  # None: not read yet, take TE_PROTO_NATIVE_BLOCK_GEMM at the next GEMM
+
+
+def set_native_block_gemm(on: Optional[bool]) -> None:
+    """True: native block-scaled GEMMs where the GPU has them (the default); False: emulated
+    everywhere; None: follow `TE_PROTO_NATIVE_BLOCK_GEMM` again."""
+    global _native
+    _native = None if on is None else bool(on)
+
+
 def _env_allows() -> bool:
-    flag = os.environ.get("TE_PROTO_NATIVE_BLOCK_GEMM", "1")
-    if flag not in ("0", "1"):
-        raise ValueError(f"TE_PROTO_NATIVE_BLOCK_GEMM={flag!r}: expected 0 or 1")
-    return flag == "1"
+    global _native
+    if _native is None:
+        flag = os.environ.get("TE_PROTO_NATIVE_BLOCK_GEMM", "1")
+        if flag not in ("0", "1"):
+            raise ValueError(f"TE_PROTO_NATIVE_BLOCK_GEMM={flag!r}: expected 0 or 1")
+        _native = flag == "1"
+    return _native
 
 
 @functools.lru_cache(maxsize=None)

@@ -5,21 +5,45 @@ Quantizers call `kernel("name")(...)` with plain tensors; the dispatcher picks t
 input's device. `TE_PROTO_KERNELS` selects: `triton` (the default: Triton on CUDA tensors when
 triton imports, the reference elsewhere; the Triton quantize kernels are bitwise equal to the
 reference, checked on an H100 by tests/test_triton_kernels.py; the norm kernels agree to about one
-ulp, tests/test_triton_norm.py) or `reference` (the pure-torch spec everywhere).
+ulp, tests/test_triton_norm.py) or `reference` (the pure-torch spec everywhere). The variable is
+read once, at the first dispatch; `set_backend("reference" | "triton")` switches in Python and
+`set_backend(None)` goes back to the variable (read again at the next dispatch).
 """
 from __future__ import annotations
 
 import os
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["register_kernel", "kernel", "available_backends"]
+__all__ = ["register_kernel", "kernel", "available_backends", "set_backend", "get_backend"]
 
 _KERNELS: Dict[Tuple[str, str], Callable] = {}
 # Backends tried first on each device type when TE_PROTO_KERNELS=triton; "reference" is the fallback.
 _PREFERENCE = {"cuda": ("triton",)}
 DEFAULT_BACKEND = "triton"
+BACKENDS = ("reference", "triton")
+_backend: Optional[str] = None  # None: not chosen yet, take TE_PROTO_KERNELS at the next dispatch
+
+
+def set_backend(name: Optional[str]) -> None:
+    """Kernel backend for this process: "triton" (Triton on CUDA tensors, the reference elsewhere)
+    or "reference" (the pure-torch spec everywhere); None follows `TE_PROTO_KERNELS` again."""
+    global _backend
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"kernel backend must be 'reference' or 'triton', got {name!r}")
+    _backend = name
+
+
+def get_backend() -> str:
+    """The backend `kernel()` dispatches to ("reference" or "triton")."""
+    global _backend
+    if _backend is None:
+        mode = os.environ.get("TE_PROTO_KERNELS", DEFAULT_BACKEND)
+        if mode not in BACKENDS:
+            raise ValueError(f"TE_PROTO_KERNELS must be 'reference' or 'triton', got {mode!r}")
+        _backend = mode
+    return _backend
 
 
 def register_kernel(name: str, backend: str = "reference"):
@@ -37,9 +61,7 @@ def available_backends(name: str):
 def kernel(name: str, device=None) -> Callable:
     """The implementation of `name` for tensors on `device`."""
     _load_reference()
-    mode = os.environ.get("TE_PROTO_KERNELS", DEFAULT_BACKEND)
-    if mode not in ("reference", "triton"):
-        raise ValueError(f"TE_PROTO_KERNELS must be 'reference' or 'triton', got {mode!r}")
+    mode = _backend if _backend is not None else get_backend()
     if mode == "triton" and device is not None:
         for backend in _PREFERENCE.get(torch.device(device).type, ()):
             fn = _KERNELS.get((name, backend))

@@ -92,24 +92,21 @@ class QuantizedGemm(nn.Module):
         # (distributed/sp_gather.py); False gathers in high precision
         self.quantized_sp_gather = True
 
+    def _apply(self, fn, recurse=True):
+        """`model.to(torch.bfloat16)` / `.half()` move these buffers but keep their dtypes: the
+        scaling state is float32 (a bf16 generation counter stops at 256) and the weight cache
+        is in the recipe's format."""
+        def same_dtype(t):
+            new = fn(t)
+            return new if new.dtype == t.dtype else t.to(device=new.device)
+
+        return super()._apply(same_dtype, recurse)
+
     def _op_key(self, key: str) -> str:
         """The recipe key the Linear op gets (derived when TP amax reduction is on)."""
         if self.tp_amax_reduction is None:
             return key
         return _amax_reduction.tp_amax_key(key, *self.tp_amax_reduction)
-
-    # ---- scaling state stays fp32 ---------------------------------------------------------
-    def _apply(self, fn, recurse=True):
-        """Every buffer here keeps its dtype under `model.to(torch.bfloat16)`, `.half()` etc.
-        (scales and amax history stay fp32, as TE's fp8_meta; the weight cache keeps its
-        quantized dtypes); device moves and anything else that keeps the dtype still apply."""
-        def keep_dtype(t):
-            out = fn(t)
-            if isinstance(out, torch.Tensor) and out.dtype != t.dtype:
-                out = t.to(device=out.device)
-            return out
-
-        return super()._apply(keep_dtype, recurse)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # checkpoints written before the counter existed load with a zero count

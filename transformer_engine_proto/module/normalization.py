@@ -11,7 +11,20 @@ from ..distributed import tp as _tp
 from ..ops.norm import NORMALIZATIONS, norm, norm_quantize
 from .base import TransformerEngineBaseModule
 
-__all__ = ["LayerNorm", "RMSNorm", "NormParams", "NormFusedModule"]
+__all__ = ["LayerNorm", "RMSNorm", "NormParams", "NormFusedModule", "init_norm_parameters"]
+
+
+def init_norm_parameters(module: nn.Module, hidden_size: int, normalization: str, eps: float,
+                         zero_centered_gamma: bool, dtype: torch.dtype, device=None) -> None:
+    """Set normalization / eps / zero_centered_gamma and register TE's `weight` (gamma) and, for
+    LayerNorm, `bias` (beta) on `module`."""
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
+    module.normalization, module.eps, module.zero_centered_gamma = normalization, eps, zero_centered_gamma
+    init = torch.zeros if zero_centered_gamma else torch.ones
+    module.weight = nn.Parameter(init(hidden_size, dtype=dtype, device=device))
+    module.bias = (nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
+                   if normalization == "LayerNorm" else None)
 
 
 class NormParams(nn.Module):
@@ -20,13 +33,7 @@ class NormParams(nn.Module):
     def __init__(self, hidden_size: int, normalization: str, eps: float, zero_centered_gamma: bool,
                  dtype: torch.dtype, device=None):
         super().__init__()
-        if normalization not in NORMALIZATIONS:
-            raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
-        self.normalization, self.eps, self.zero_centered_gamma = normalization, eps, zero_centered_gamma
-        init = torch.zeros if zero_centered_gamma else torch.ones
-        self.weight = nn.Parameter(init(hidden_size, dtype=dtype, device=device))
-        self.bias = (nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
-                     if normalization == "LayerNorm" else None)
+        init_norm_parameters(self, hidden_size, normalization, eps, zero_centered_gamma, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return norm(x, self.weight, self.bias, self.eps, self.normalization, self.zero_centered_gamma)
@@ -78,26 +85,24 @@ class NormFusedModule(TransformerEngineBaseModule):
 
 
 class _Norm(TransformerEngineBaseModule):
+    """Parameters at `weight` / `bias`, as TE's LayerNorm / RMSNorm: their state-dict keys are
+    TE's, and those of the torch / Hugging Face norms `convert_model` replaces."""
+
     _KIND = ""
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, *, zero_centered_gamma: bool = False,
                  params_dtype: Optional[torch.dtype] = None, device=None, name: Optional[str] = None):
         super().__init__(name)
         self.hidden_size = hidden_size
-        self.norm = NormParams(hidden_size, self._KIND, eps, zero_centered_gamma,
-                               params_dtype or torch.get_default_dtype(), device)
-
-    @property
-    def weight(self):
-        return self.norm.weight
-
-    @property
-    def bias(self):
-        return self.norm.bias
+        init_norm_parameters(self, hidden_size, self._KIND, eps, zero_centered_gamma,
+                             params_dtype or torch.get_default_dtype(), device)
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         self._check_input(inp, self.hidden_size)
-        return self.norm(inp)
+        return norm(inp, self.weight, self.bias, self.eps, self.normalization, self.zero_centered_gamma)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}, name={self.name!r}"
 
 
 class LayerNorm(_Norm):

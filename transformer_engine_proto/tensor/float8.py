@@ -133,7 +133,7 @@ def _check_scale_value(scale: Optional[torch.Tensor]) -> None:
                          f"reciprocal is the dequantize scale), got {scale.item()}")
 
 
-@te_constructor("scale", "amax", "fp8_dtype")
+@te_constructor()
 @dataclass(frozen=True)
 class Float8Quantizer(_Float8QuantizerBase):
     """Delayed scaling: quantizes with a given `scale` and records the amax into `amax`.
@@ -186,7 +186,7 @@ class Float8Quantizer(_Float8QuantizerBase):
         return self._pack(data, transpose, scale_inv)
 
 
-@te_constructor("fp8_dtype", "device", te_only={"with_amax_reduction": (False,), "amax_reduction_group": (None,),
+@te_constructor(te_only={"with_amax_reduction": (False,), "amax_reduction_group": (None,),
                                                 "use_existing_amax": (False,)})
 @dataclass(frozen=True)
 class Float8CurrentScalingQuantizer(_Float8QuantizerBase):

@@ -146,7 +146,7 @@ class Float8BlockwiseQTensor(Float8BlockwiseQTensorStorage, QuantizedTensor):
     """FP8 tensor with per-tile (1x128 or 128x128) fp32 scales."""
 
 
-@te_constructor("fp8_dtype", "block_scaling_dim", "force_pow_2_scales", "amax_epsilon")  # TE: fp8_dtype only
+@te_constructor()
 @dataclass(frozen=True)
 class Float8BlockQuantizer(Quantizer):
     """Blockwise FP8: scale = fp8_max / amax(tile) per 1x128 (`block_scaling_dim=1`) or 128x128

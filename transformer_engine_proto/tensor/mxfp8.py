@@ -67,7 +67,7 @@ class MXFP8Tensor(MXFP8TensorStorage, QuantizedTensor):
     """MXFP8 tensor: 1x32 rowwise and 32x1 columnwise blocks with E8M0 scales."""
 
 
-@te_constructor("fp8_dtype", te_only={"with_2d_quantization": (False,)})
+@te_constructor(te_only={"with_2d_quantization": (False,)})
 @dataclass(frozen=True)
 class MXFP8Quantizer(Quantizer):
     """MX block scaling: per 32 values, scale 2**ceil(log2(amax / fp8_max)) stored as E8M0."""

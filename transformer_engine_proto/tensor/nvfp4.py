@@ -111,8 +111,8 @@ class NVFP4Tensor(NVFP4TensorStorage, QuantizedTensor):
     """NVFP4 tensor (1D or 2D blocks, optional RHT on the columnwise operand)."""
 
 
-@te_constructor("fp4_dtype", "rowwise", "columnwise", "with_amax_reduction", "amax_reduction_group", "with_rht",
-                "with_post_rht_amax", "with_2d_quantization", "stochastic_rounding",
+@te_constructor(("fp4_dtype", "rowwise", "columnwise", "with_amax_reduction", "amax_reduction_group", "with_rht",
+                 "with_post_rht_amax", "with_2d_quantization", "stochastic_rounding"),
                 te_only={"fp4_dtype": (torch.float4_e2m1fn_x2,), "with_amax_reduction": (False,),
                          "amax_reduction_group": (None,), "with_post_rht_amax": (False, True),
                          "row_scaled_nvfp4": (False,), "nvfp4_use_4over6": (False,),

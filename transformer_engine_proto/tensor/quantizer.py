@@ -56,11 +56,14 @@ def check_input(x: torch.Tensor, what: str = "quantize") -> None:
         raise ValueError(f"{what}: cannot quantize a 0-dim tensor")
 
 
-def te_constructor(*positional: str, te_only: Optional[Dict[str, tuple]] = None):
-    """Let a quantizer dataclass also take TE's constructor: TE's positional argument order,
-    `rowwise=` / `columnwise=` for `rowwise_usage` / `columnwise_usage`, a `DType` for any
-    `*_dtype`, and TE-only keywords (`te_only`: name -> the values this package implements; any
-    other value is a NotImplementedError naming it, never silently ignored)."""
+def te_constructor(te_positional: Tuple[str, ...] = (), te_only: Optional[Dict[str, tuple]] = None):
+    """Let a quantizer dataclass also take TE's constructor: `rowwise=` / `columnwise=` for
+    `rowwise_usage` / `columnwise_usage`, a `DType` for any `*_dtype`, TE-only keywords
+    (`te_only`: name -> the values this package implements; any other value is a
+    NotImplementedError naming it, never silently ignored), and where TE's positional order
+    differs from the dataclass's (`te_positional`), TE's order for eager callers. Under
+    torch.compile positional arguments keep the dataclass's order: dynamo rebuilds quantizers
+    that way."""
     te_only = te_only or {}
 
     def decorate(cls):
@@ -68,13 +71,15 @@ def te_constructor(*positional: str, te_only: Optional[Dict[str, tuple]] = None)
 
         @functools.wraps(init)
         def __init__(self, *args, **kwargs):
-            if len(args) > len(positional):
-                raise TypeError(f"{cls.__name__}() takes at most {len(positional)} positional arguments "
-                                f"({', '.join(positional)}), got {len(args)}")
-            for name, value in zip(positional, args):
-                if name in kwargs:
-                    raise TypeError(f"{cls.__name__}() got multiple values for argument {name!r}")
-                kwargs[name] = value
+            if te_positional and args and not torch.compiler.is_compiling():
+                if len(args) > len(te_positional):
+                    raise TypeError(f"{cls.__name__}() takes at most {len(te_positional)} positional arguments "
+                                    f"({', '.join(te_positional)}), got {len(args)}")
+                for name, value in zip(te_positional, args):
+                    if name in kwargs:
+                        raise TypeError(f"{cls.__name__}() got multiple values for argument {name!r}")
+                    kwargs[name] = value
+                args = ()
             for te_name, ours in (("rowwise", "rowwise_usage"), ("columnwise", "columnwise_usage")):
                 if te_name in kwargs:
                     kwargs[ours] = bool(kwargs.pop(te_name))
@@ -87,7 +92,8 @@ def te_constructor(*positional: str, te_only: Optional[Dict[str, tuple]] = None)
             for name, value in kwargs.items():
                 if name.endswith("dtype") and isinstance(value, DType):
                     kwargs[name] = value.torch_dtype
-            init(self, **kwargs)
+            args = tuple(a.torch_dtype if isinstance(a, DType) else a for a in args)
+            init(self, *args, **kwargs)
 
         cls.__init__ = __init__
         return cls

@@ -33,9 +33,23 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+_soft_cast = None  # None: not read yet, take TE_PROTO_TRITON_SOFT_CAST at the next launch
+
+
+def set_soft_cast(on) -> None:
+    """True: the software fp8 rounding on the GPU too (cross-checks); False: the hardware cast
+    (the interpreter always uses the software one); None: follow `TE_PROTO_TRITON_SOFT_CAST` again."""
+    global _soft_cast
+    _soft_cast = None if on is None else bool(on)
+
+
 def soft_cast() -> bool:
-    """Use the exact software fp8 rounding (interpreter, or TE_PROTO_TRITON_SOFT_CAST=1)."""
-    return interpreting() or os.environ.get("TE_PROTO_TRITON_SOFT_CAST", "0") == "1"
+    """Use the exact software fp8 rounding (interpreter, or TE_PROTO_TRITON_SOFT_CAST=1 /
+    set_soft_cast(True); the variable is read once)."""
+    global _soft_cast
+    if _soft_cast is None:
+        _soft_cast = os.environ.get("TE_PROTO_TRITON_SOFT_CAST", "0") == "1"
+    return _soft_cast or interpreting()
 
 
 def fp8_params(fp8_dtype: torch.dtype):

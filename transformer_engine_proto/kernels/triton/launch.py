@@ -1,7 +1,9 @@
 """`fast_launch`: launch a `@triton.jit` kernel with less host time per call. On by default with
 the Triton it was verified on (3.6; other versions: set `TE_PROTO_FAST_LAUNCH=1` after running the
 GPU kernel suites, since the launcher's signature and Triton's specialization rules change between
-versions); `TE_PROTO_FAST_LAUNCH=0` takes Triton's own path for every launch. On an H100 host it cut the
+versions); `TE_PROTO_FAST_LAUNCH=0` takes Triton's own path for every launch. The variable is read
+once, at the first launch; `set_fast_launch(True | False)` switches in Python, `set_fast_launch(None)`
+goes back to the variable and the Triton version (read again at the next launch). On an H100 host it cut the
 host time of a te:current Linear fwd+bwd at 2048^3 from 2.64 / 4.41 ms to 2.11 / 2.48 ms (two A/B
 pairs), and the bitwise kernel suites passed through it (benchmarks/results/h100-2026-11-23-s10).
 
@@ -45,11 +47,22 @@ except ImportError:  # a Triton without knobs: always Triton's own path
 VERIFIED_TRITON = ("3.6.",)  # versions the bitwise GPU kernel suites passed through the fast path
 
 
+_enabled = None  # None: not decided yet, take TE_PROTO_FAST_LAUNCH / the Triton version at the next launch
+
+
+def set_fast_launch(on) -> None:
+    """True / False: take the fast path or always Triton's own; None: follow `TE_PROTO_FAST_LAUNCH`
+    (unset: on with a verified Triton version) again."""
+    global _enabled
+    _enabled = None if on is None else bool(on)
+
+
 def enabled() -> bool:
-    env = os.environ.get("TE_PROTO_FAST_LAUNCH")
-    if env is not None:
-        return env != "0"
-    return triton.__version__.startswith(VERIFIED_TRITON)
+    global _enabled
+    if _enabled is None:
+        env = os.environ.get("TE_PROTO_FAST_LAUNCH")
+        _enabled = env != "0" if env is not None else triton.__version__.startswith(VERIFIED_TRITON)
+    return _enabled
 
 
 def hooks_installed() -> bool:
