@@ -61,8 +61,6 @@ def _keep_finite(slot: torch.Tensor, new: torch.Tensor, fallback: torch.Tensor, 
     count.add_(bad.to(count.dtype))
 
 
-
-
 class QuantizedGemm(nn.Module):
     """State and dispatch for one GEMM (input @ weight.T) of a module."""
 
@@ -187,7 +185,7 @@ class QuantizedGemm(nn.Module):
         slot = self.grad_amax_history[0]
         before = slot.clone()
         linear_ops.fold_pending_grad_amax(self.grad_amax_history, self.grad_amax_state())
-        _keep_finite(slot, slot.clone(), before, self.nonfinite_amax_count[2:3])
+        _keep_finite(slot, slot, before, self.nonfinite_amax_count[2:3])
         _update_from_history(self.grad_fp8_scale, self.grad_amax_history, recipe, bwd_max)
 
     def record_amax(self, amax: torch.Tensor, first: int = 0) -> None:
