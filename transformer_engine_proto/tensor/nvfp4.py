@@ -135,6 +135,9 @@ class NVFP4Quantizer(Quantizer):
                 f"NVFP4: shape {tuple(shape)}: columnwise usage needs the leading dims product {m} "
                 f"to be a multiple of the block size {BLOCK}")
 
+    def row_block(self) -> int:
+        return BLOCK if self.columnwise_usage else 1  # columnwise blocks (and RHT runs) along rows
+
     def buffer_layout(self, shape) -> Dict[str, BufferSpec]:
         m, k = flat_2d(shape)
         out = {}

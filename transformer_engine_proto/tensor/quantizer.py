@@ -77,6 +77,11 @@ class Quantizer:
         """Raise ValueError if the format cannot represent `shape` with this usage."""
         flat_2d(shape)
 
+    def row_block(self) -> int:
+        """The multiple the rows (product of the leading dims) must be for this usage; 1: any.
+        The Linear op zero-pads a GEMM's tokens to it (`ops/row_padding.py`)."""
+        return 1
+
     def _quantize_buffers(self, x: torch.Tensor) -> Dict[str, torch.Tensor]:
         """Run the kernels: returns exactly the buffers `buffer_layout` describes."""
         raise NotImplementedError
