@@ -72,7 +72,8 @@ class TransformerLayer(TransformerEngineBaseModule):
         if self.attn_input_format == "sbhd":
             qkv = qkv.transpose(0, 1)  # -> [batch, seq, 3*hidden]
         b, s, _ = qkv.shape
-        q, k, v = qkv.view(b, s, 3, self.local_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        head_dim = self.local_hidden // self.local_heads  # not -1: an empty batch has no size to infer
+        q, k, v = qkv.view(b, s, 3, self.local_heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         dropout = self.attention_dropout if self.training else 0.0
         ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=self.causal)
         ctx = ctx.transpose(1, 2).reshape(b, s, self.local_hidden)
