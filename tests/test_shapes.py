@@ -72,30 +72,34 @@ def test_partial_block_equals_padding_by_hand(rid, grads, lead):
     torch.testing.assert_close(m.bias.grad, hand.bias.grad, rtol=0, atol=1e-6)  # summed without the zeros
 
 
+@pytest.mark.parametrize("module", ["Linear", "LayerNormMLP"])
 @pytest.mark.parametrize("rid", ["mxfp8", "nvfp4"])
-def test_partial_block_under_compile_with_dynamic_batch(rid):
+def test_partial_block_under_compile_with_dynamic_batch(rid, module):
     """fullgraph compile with a dynamic token count equals eager bitwise for token counts that are
-    not multiples of the block. One recompile at most: torch specializes a block count of 1."""
+    not multiples of the block (the Linear op's padding, and the fused norm + quantize's). One
+    recompile at most: torch specializes a block count of 1 (7 tokens after 40 and 100)."""
     recipe = RECIPES[rid]
     fresh_dynamo()
     torch.manual_seed(0)
-    m = te.Linear(64, 32)
+    m = te.Linear(64, 32) if module == "Linear" else te.LayerNormMLP(64, 96)
+    n = 32 if module == "Linear" else 64
     mc = copy.deepcopy(m)
     cnt = CompileCounterWithBackend("aot_eager")
     cm = torch.compile(mc, fullgraph=True, backend=cnt)
-    for lead in [(40,), (100,), (7,)]:
-        x, g = torch.randn(*lead, 64), torch.randn(*lead, 32)
+    for rows in (40, 100, 7):
+        x, g = torch.randn(rows, 64), torch.randn(rows, n)
         xc = x.clone().requires_grad_()
         torch._dynamo.mark_dynamic(xc, 0)
         ye, dxe = _run(m, x, g, recipe, True)
         with recipe_ctx(recipe):
             yc = cm(xc)
         yc.backward(g)
-        _equal(yc, ye, f"{lead} output")
-        _equal(xc.grad, dxe, f"{lead} dgrad")
-        _equal(mc.weight.grad, m.weight.grad, f"{lead} wgrad")
+        _equal(yc, ye, f"{rows} output")
+        _equal(xc.grad, dxe, f"{rows} dgrad")
+        for (name, p), pc in zip(m.named_parameters(), mc.parameters()):
+            _equal(pc.grad, p.grad, f"{rows} {name} grad")
     assert graph_breaks() == 0
-    assert cnt.frame_count <= 2, f"{cnt.frame_count} frames for three token counts"  # measured: 2
+    assert cnt.frame_count <= 2, f"{cnt.frame_count} frames for three token counts"
 
 
 @pytest.mark.parametrize("rid", ["mxfp8", "nvfp4"])
@@ -295,3 +299,21 @@ def test_compiled_error_without_fullgraph_is_the_plain_error():
     with pytest.raises(ValueError, match="^proj: input last dim must be 64, got shape \\(4, 32\\)$") as info:
         fn(torch.randn(4, 32))
     assert type(info.value) is ValueError
+
+
+@pytest.mark.parametrize("make, x, exc_type, first", [
+    (MXFP8Quantizer, torch.randn(7, 128), ValueError, "MXFP8 columnwise usage: shape (7, 128) has 7 rows"),
+    (NVFP4Quantizer, torch.randn(16, 8), ValueError, "NVFP4: shape (16, 8): last dim 8 is not a multiple"),
+    (MXFP8Quantizer, torch.randn(32, 64, dtype=torch.float64), TypeError,
+     "MXFP8Quantizer.quantize: input dtype torch.float64 is not supported"),
+], ids=["mxfp8_rows", "nvfp4_last_dim", "dtype"])
+def test_compiled_quantizer_errors_keep_type_and_message(make, x, exc_type, first):
+    fresh_dynamo()
+    q = make()
+    fn = torch.compile(lambda t: q(t).dequantize(), fullgraph=True, backend="eager")
+    with pytest.raises(exc_type) as info:
+        fn(x)
+    assert str(info.value).splitlines()[0].startswith(first)
+    with pytest.raises(exc_type) as info:  # eager: the plain type
+        q(x)
+    assert type(info.value) is exc_type and str(info.value).startswith(first)

@@ -47,7 +47,7 @@ def _raise(name: str, message: str):
     # while dynamo traces (this call, or a fake impl): the type dynamo passes through; in eager
     # (also where dynamo resumes after a graph break) the plain type
     tracing = torch._guards.TracingContext.try_get() is not None
-    raise (_traced_type(name) if tracing else _TYPES[name])(message)
+    raise (_traced_type(name) if tracing else _TYPES[name])(message) from None
 
 
 def shape_str(t: torch.Tensor) -> str:

@@ -17,7 +17,7 @@ import torch
 from ..kernels import kernel
 from ..kernels.reference.nvfp4 import BLOCK, transpose_2d_blocks
 from .quantized_tensor import QuantizedTensor
-from .quantizer import BufferSpec, Quantizer, check_input, flat_2d
+from .quantizer import BufferSpec, Quantizer, flat_2d
 from .storage import QuantizedTensorStorage
 
 __all__ = ["NVFP4Quantizer", "NVFP4TensorStorage", "NVFP4Tensor"]
@@ -169,8 +169,6 @@ class NVFP4Quantizer(Quantizer):
             return super().quantize(x, internal=internal)
         if isinstance(x, QuantizedTensor):
             x = x.dequantize()
-        check_input(x, f"{type(self).__name__}.quantize")
-        self._check_usage()
-        self.check_shape(tuple(x.shape))
+        self._check_quantize_input(x)
         buffers = self._quantize_buffers(x.contiguous(), rand, rand_columnwise)
         return self.make_tensor(buffers, tuple(x.shape), x.dtype, internal)

@@ -14,6 +14,8 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
+from ..errors import raise_error
+
 __all__ = ["Quantizer", "BufferSpec", "HIGH_PRECISION_DTYPES", "check_input"]
 
 HIGH_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -143,6 +145,16 @@ class Quantizer:
         return self.make_tensor(self.alloc_tensors(shape, dtype, device), shape, dtype)
 
     # ---- quantization -------------------------------------------------------------------
+    def _check_quantize_input(self, x: torch.Tensor) -> None:
+        """dtype, usage and shape checks; their errors keep type and message under torch.compile
+        (`errors.raise_error`; with a dynamic shape the shape messages do not trace yet)."""
+        try:
+            check_input(x, f"{type(self).__name__}.quantize")
+            self._check_usage()
+            self.check_shape(tuple(x.shape))
+        except (TypeError, ValueError) as e:
+            raise_error(type(e), str(e))
+
     def quantize(self, x: torch.Tensor, *, internal: bool = False):
         """Quantize a high-precision tensor into a new QuantizedTensor (a bare storage with
         `internal=True`, see `make_tensor`)."""
@@ -150,9 +162,7 @@ class Quantizer:
 
         if isinstance(x, QuantizedTensor):
             x = x.dequantize()
-        check_input(x, f"{type(self).__name__}.quantize")
-        self._check_usage()
-        self.check_shape(tuple(x.shape))
+        self._check_quantize_input(x)
         buffers = self._quantize_buffers(x.contiguous())
         return self.make_tensor(buffers, tuple(x.shape), x.dtype, internal)
 
