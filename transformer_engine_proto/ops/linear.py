@@ -106,12 +106,14 @@ class LinearPlan:
         return m
 
     @property
+    @_memo
     def rows(self):
         """Rows of the quantized input and grad_output: `m` zero-padded to the recipe's row block
         when wgrad runs (ops/row_padding.py)."""
         return gemm_rows(self.m, self.key, self.quantized and self.weight_requires_grad)
 
     @property
+    @_memo
     def input_rows(self):
         """Rows of the input as the forward quantizes it: padded only with its columnwise copy
         (with save_original_input, backward pads the raw input)."""
