@@ -10,6 +10,7 @@ from torch import nn
 from ..autocast import FP8GlobalState, get_fp8_recipe, get_fp8_recipe_key
 from ..debug import state as _debug_state  # precision debug tools (issue 5)
 from ..recipe import DelayedScaling
+from ..errors import raise_error, shape_str
 from ..tensor.quantizer import HIGH_PRECISION_DTYPES
 
 __all__ = ["TransformerEngineBaseModule"]
@@ -58,11 +59,13 @@ class TransformerEngineBaseModule(nn.Module):
 
     def _check_input(self, inp: torch.Tensor, features: int, what: str = "input") -> None:
         if not isinstance(inp, torch.Tensor):
-            raise TypeError(f"{self.name}: {what} must be a torch.Tensor, got {type(inp).__name__}")
+            raise_error(TypeError, f"{self.name}: {what} must be a torch.Tensor, got {type(inp).__name__}")
         if inp.dtype not in HIGH_PRECISION_DTYPES:
-            raise TypeError(f"{self.name}: {what} dtype {inp.dtype} is not supported (float32, bfloat16, float16)")
+            raise_error(TypeError, f"{self.name}: {what} dtype {inp.dtype} is not supported "
+                                   "(float32, bfloat16, float16)")
         if inp.dim() < 1 or inp.shape[-1] != features:
-            raise ValueError(f"{self.name}: {what} last dim must be {features}, got shape {tuple(inp.shape)}")
+            raise_error(ValueError, f"{self.name}: {what} last dim must be {features}, "
+                                    f"got shape {shape_str(inp)}")
         if get_fp8_recipe() is not None:
             self._check_recipe_shapes()
         # ---- precision debug tools (issue 5): name this module's GEMMs for TE's debug API calls
@@ -74,7 +77,8 @@ class TransformerEngineBaseModule(nn.Module):
         """Fail early, naming the module, when a recipe's blocks do not divide a weight."""
         error = _recipe_shape_error(get_fp8_recipe_key(), tuple(tuple(w.shape) for _, w in self._gemms()))
         if error:
-            raise ValueError(f"{self.name}: recipe {type(get_fp8_recipe()).__name__} cannot quantize this layer: {error}")
+            raise_error(ValueError, f"{self.name}: recipe {type(get_fp8_recipe()).__name__} cannot quantize "
+                                    f"this layer: {error}")
 
 
 @torch._dynamo.assume_constant_result

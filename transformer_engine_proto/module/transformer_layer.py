@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..errors import raise_error, shape_str
 from .base import TransformerEngineBaseModule
 from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
@@ -72,7 +73,8 @@ class TransformerLayer(TransformerEngineBaseModule):
         if self.attn_input_format == "sbhd":
             qkv = qkv.transpose(0, 1)  # -> [batch, seq, 3*hidden]
         b, s, _ = qkv.shape
-        q, k, v = qkv.view(b, s, 3, self.local_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        head_dim = self.local_hidden // self.local_heads  # not -1: an empty batch has no size to infer
+        q, k, v = qkv.view(b, s, 3, self.local_heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         dropout = self.attention_dropout if self.training else 0.0
         ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=self.causal)
         ctx = ctx.transpose(1, 2).reshape(b, s, self.local_hidden)
@@ -83,7 +85,8 @@ class TransformerLayer(TransformerEngineBaseModule):
     def forward(self, hidden_states: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         self._check_input(hidden_states, self.hidden_size, "hidden_states")
         if hidden_states.dim() != 3:
-            raise ValueError(f"{self.name}: hidden_states must be 3D ({self.attn_input_format}), got {tuple(hidden_states.shape)}")
+            raise_error(ValueError, f"{self.name}: hidden_states must be 3D ({self.attn_input_format}), "
+                                    f"got {shape_str(hidden_states)}")
         drop = self.hidden_dropout if self.training else 0.0
         x = hidden_states + F.dropout(self._attention(hidden_states, is_first_microbatch), drop, self.training)
         return x + F.dropout(self.mlp(x, is_first_microbatch=is_first_microbatch), drop, self.training)

@@ -2,10 +2,19 @@
 from __future__ import annotations
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 FP4_E2M1_MAX = 6.0
 FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def abs_max(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a float32 tensor of shape (1,) (NaN if x has a NaN); 0 for an empty tensor,
+    which torch's amax() rejects. Decided on the shape alone: a symbolic size is never guarded."""
+    if statically_known_true(x.numel() == 0):
+        return x.new_zeros(1, dtype=torch.float32)
+    return x.abs().amax().float().reshape(1)
 
 
 def fp8_max(fp8_dtype: torch.dtype) -> float:

@@ -6,7 +6,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import register_kernel
-from .common import fp8_max, saturating_cast, scale_from_amax, transpose_2d
+from .common import abs_max, fp8_max, saturating_cast, scale_from_amax, transpose_2d
 
 
 def _cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype, rowwise: bool, columnwise: bool):
@@ -18,8 +18,8 @@ def _cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype, rowwise: bool, column
 
 @register_kernel("amax")
 def amax(x: torch.Tensor) -> torch.Tensor:
-    """max |x| as a float32 tensor of shape (1,) (NaN if x has a NaN)."""
-    return x.abs().amax().float().reshape(1)
+    """max |x| as a float32 tensor of shape (1,) (NaN if x has a NaN; 0 if x is empty)."""
+    return abs_max(x)
 
 
 @register_kernel("fp8_quantize_delayed")
