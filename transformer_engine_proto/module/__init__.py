@@ -7,5 +7,6 @@ from .layernorm_linear import LayerNormLinear  # noqa: F401
 from .layernorm_mlp import LayerNormMLP  # noqa: F401
 from .rope import RotaryPositionEmbedding, apply_rotary_pos_emb  # noqa: F401
 from .attention import DotProductAttention  # noqa: F401
+from .multihead_attention import MultiheadAttention  # noqa: F401
 from .transformer_layer import TransformerLayer  # noqa: F401
 from .convert import ConversionWarning, convert_model  # noqa: F401
