@@ -189,6 +189,9 @@ def test_dpa_errors_name_the_layer_and_problem():
     t = torch.randn(5, 4, 8)
     with pytest.raises(ValueError, match="attn0.*'thd' needs cu_seqlens_q and cu_seqlens_kv"):
         m(t, t, t)
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="attn0.*mask from cu_seqlens"):
+        m(t, t, t, cu_seqlens_q=cu, cu_seqlens_kv=cu, attn_mask_type="arbitrary")
     with pytest.raises(ValueError, match="attn0.*4D tensor for qkv_format 'bshd'"):
         m(t, t, t, qkv_format="bshd")
     m = te.DotProductAttention(4, 8, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="padding")
@@ -231,3 +234,18 @@ def test_rope_matches_reference_in_every_format():
     assert torch.equal(inter[:, 0, 0, 0::2], freqs[:, 0, 0, :4]) and torch.equal(inter[:, 0, 0, 1::2], freqs[:, 0, 0, :4])
     with pytest.raises(ValueError, match="cu_seqlens is required"):
         apply_rotary_pos_emb(xt, freqs, "thd")
+
+
+def test_dpa_thd_padding_between_sequences():
+    """cu_seqlens_*_padded (TE's pad_between_seqs): [a a a X b b X X c c c c X] gives the compact
+    packing's result on the real tokens and zeros on the gaps."""
+    cu = torch.tensor([0, 3, 5, 9], dtype=torch.int32)
+    cu_pad = torch.tensor([0, 4, 8, 13], dtype=torch.int32)
+    real = torch.tensor([0, 1, 2, 4, 5, 8, 9, 10, 11])
+    q, k, v = (torch.randn(13, H, D) for _ in range(3))
+    m = te.DotProductAttention(H, D, qkv_format="thd", attn_mask_type="padding_causal", window_size=(2, 0))
+    out = m(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_pad, cu_seqlens_kv_padded=cu_pad)
+    compact = m(q[real], k[real], v[real], cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    torch.testing.assert_close(out[real], compact, rtol=1e-6, atol=1e-6)
+    gaps = torch.tensor([3, 6, 7, 12])
+    assert out[gaps].abs().max() == 0

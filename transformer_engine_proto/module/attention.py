@@ -211,6 +211,9 @@ class DotProductAttention(TransformerEngineBaseModule):
             mask_type = _THD_MASK.get(mask_type, mask_type)
             if cu_seqlens_q is None or cu_seqlens_kv is None:
                 raise ValueError(f"{who}: qkv_format 'thd' needs cu_seqlens_q and cu_seqlens_kv")
+            if mask_type == "arbitrary" or attention_mask is not None:
+                raise ValueError(f"{who}: qkv_format 'thd' takes its mask from cu_seqlens (padding mask types), "
+                                 "not an attention_mask / 'arbitrary'")
         if cu_seqlens_q is not None and (cu_seqlens_q.dim() != 1 or cu_seqlens_kv is None
                                          or cu_seqlens_kv.shape != cu_seqlens_q.shape or cu_seqlens_q.is_floating_point()):
             raise ValueError(f"{who}: cu_seqlens_q and cu_seqlens_kv must be integer tensors of one shape [batch + 1]")
