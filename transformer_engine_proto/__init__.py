@@ -2,7 +2,7 @@
 
 TE code ports by changing one import: `import transformer_engine_proto as te` gives
 `te.Linear`, `te.LayerNormLinear`, `te.LayerNormMLP`, `te.LayerNorm`, `te.RMSNorm`,
-`te.TransformerLayer`, `te.autocast` / `te.fp8_autocast` and `te.recipe`; `te.convert_model(model)`
+`te.DotProductAttention`, `te.MultiheadAttention`, `te.RotaryPositionEmbedding`, `te.TransformerLayer`, `te.autocast` / `te.fp8_autocast` and `te.recipe`; `te.convert_model(model)`
 swaps any model's `nn.Linear` (and norms) for them in place.
 """
 from . import recipe  # noqa: F401
@@ -12,6 +12,8 @@ from .capabilities import (get_device_compute_capability, is_bf16_available, is_
                            is_fp8_block_scaling_available, is_mxfp8_available, is_nvfp4_available)
 from .module import (ConversionWarning, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm,  # noqa: F401
                      TransformerLayer, convert_model)
+from .module import (DotProductAttention, MultiheadAttention, RotaryPositionEmbedding,  # noqa: F401
+                     apply_rotary_pos_emb)
 from .tensor import QuantizedTensor, TensorProto, to_tensor_proto  # noqa: F401
 from .constants import DType  # noqa: F401
 from .quantization import fp8_model_init, get_default_recipe, quantized_model_init  # noqa: F401
