@@ -240,7 +240,8 @@ def test_delayed_state_buffers_have_one_writer_each():
                 y = m(torch.randn(16, 64, requires_grad=True))
             with _BufferWrites(bufs) as bwd:
                 y.sum().backward()
-    assert fwd.written == {"fp8_scale", "amax_history", "grad_fp8_scale", "grad_amax_history", "grad_amax_seen"}
+    assert fwd.written == {"fp8_scale", "amax_history", "grad_fp8_scale", "grad_amax_history", "grad_amax_seen",
+                           "nonfinite_amax_count"}
     assert bwd.written == {"grad_amax_pending"}
 
 

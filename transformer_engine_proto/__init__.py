@@ -2,9 +2,10 @@
 
 TE code ports by changing one import: `import transformer_engine_proto as te` gives
 `te.Linear`, `te.LayerNormLinear`, `te.LayerNormMLP`, `te.LayerNorm`, `te.RMSNorm`,
-`te.TransformerLayer`, `te.GroupedLinear`, `te.autocast` / `te.fp8_autocast` and `te.recipe`,
-`te.checkpoint` (activation recompute), `te.make_graphed_callables` (CUDA graphs);
-`te.convert_model(model)` swaps any model's `nn.Linear` (and norms) for them in place.
+`te.DotProductAttention`, `te.MultiheadAttention`, `te.RotaryPositionEmbedding`, `te.TransformerLayer`,
+`te.GroupedLinear`, `te.autocast` / `te.fp8_autocast` and `te.recipe`, `te.checkpoint` (activation
+recompute), `te.make_graphed_callables` (CUDA graphs); `te.convert_model(model)` swaps any model's
+`nn.Linear` (and norms) for them in place.
 """
 from . import recipe  # noqa: F401
 from . import constants, quantization  # noqa: F401
@@ -13,6 +14,8 @@ from .capabilities import (get_device_compute_capability, is_bf16_available, is_
                            is_fp8_block_scaling_available, is_mxfp8_available, is_nvfp4_available)
 from .module import (ConversionWarning, GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm,  # noqa: F401
                      TransformerLayer, convert_model)
+from .module import (DotProductAttention, MultiheadAttention, RotaryPositionEmbedding,  # noqa: F401
+                     apply_rotary_pos_emb)
 from .tensor import QuantizedTensor, TensorProto, to_tensor_proto  # noqa: F401
 from .constants import DType  # noqa: F401
 from .recompute import checkpoint  # noqa: F401
@@ -23,3 +26,7 @@ from .tensor import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8
 from .tensor import Float8BlockwiseQTensor, Float8Tensor, MXFP8Tensor, NVFP4Tensor  # noqa: F401
 
 __version__ = "0.1.0"
+
+from .serialization import register_safe_globals as _register_safe_globals  # noqa: E402
+
+_register_safe_globals()  # torch.load's default weights_only=True loads quantized tensors (serialization.py)

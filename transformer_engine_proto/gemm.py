@@ -22,10 +22,12 @@ by format and device:
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .block_scaled_gemm import block_scaled_mm, native_layouts
 from .kernels import kernel
@@ -166,12 +168,18 @@ def _high_precision(a, b, trans_a, trans_b, out_dtype, bias):
     return a2 @ b2
 
 
+def _empty(t) -> bool:
+    shape = t._shape if isinstance(t, QuantizedTensorStorage) else t.shape
+    return statically_known_true(math.prod(shape) == 0)
+
+
 def gemm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype, trans_a: bool = False,
          trans_b: bool = False, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """op(a) (M,K) @ op(b) (K,N), + bias, in out_dtype."""
+    """op(a) (M,K) @ op(b) (K,N), + bias, in out_dtype. An empty operand (no tokens) takes the
+    emulated path: a matmul gives the empty output, or zeros for a reduction over no tokens."""
     a_quantized = isinstance(a, QuantizedTensorStorage)
     device = a._buffer_device() if a_quantized else a.device
-    if device.type == "cuda":
+    if device.type == "cuda" and not (_empty(a) or _empty(b)):
         out = None
         if isinstance(a, Float8TensorStorage) and isinstance(b, Float8TensorStorage):
             out = _tensorwise(a, b, trans_a, trans_b, out_dtype, bias)

@@ -94,6 +94,24 @@ def _check_format(fmt) -> None:
         raise TypeError(f"fp8_format must be an FP8 recipe.Format (E4M3, E5M2, HYBRID), got {fmt!r}")
 
 
+def _check_margin(recipe) -> None:
+    """margin scales by 2**-margin: a negative one would push amax past the format's max."""
+    m = recipe.margin
+    if isinstance(m, bool) or not isinstance(m, (int, float)) or not (0 <= m < float("inf")):
+        raise ValueError(f"{type(recipe).__name__}.margin must be a finite number >= 0, got {m!r}")
+
+
+def _check_qparams(recipe) -> None:
+    for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
+        q = getattr(recipe, name)
+        if not isinstance(q, QParams):
+            raise TypeError(f"{type(recipe).__name__}.{name} must be a recipe.QParams, got {q!r}")
+        eps = q.amax_epsilon
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 <= eps < float("inf")):
+            raise ValueError(f"{type(recipe).__name__}.{name}.amax_epsilon must be a finite number >= 0 "
+                             f"(the amax is clamped to at least it), got {eps!r}")
+
+
 @dataclass(frozen=True)
 class DelayedScaling(Recipe):
     """Scale from a history of amaxes recorded in earlier steps (TE's default FP8 recipe)."""
@@ -112,8 +130,10 @@ class DelayedScaling(Recipe):
             raise ValueError(
                 f"amax_compute_algo must be 'max' or 'most_recent', got {self.amax_compute_algo!r}"
             )
-        if self.amax_history_len < 1:
-            raise ValueError(f"amax_history_len must be >= 1, got {self.amax_history_len}")
+        if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int) \
+                or self.amax_history_len < 1:
+            raise ValueError(f"amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
+        _check_margin(self)
 
 
 @dataclass(frozen=True)
@@ -131,6 +151,8 @@ class Float8CurrentScaling(Recipe):
 
     def __post_init__(self):
         _check_format(self.fp8_format)
+        _check_margin(self)
+        _check_qparams(self)
 
 
 @dataclass(frozen=True)
@@ -144,6 +166,10 @@ class MXFP8BlockScaling(Recipe):
 
     def __post_init__(self):
         _check_format(self.fp8_format)
+        if self.margin != 0:  # kept for TE's signature; a nonzero margin would otherwise be ignored silently
+            raise ValueError(f"MXFP8BlockScaling.margin is not used (MXFP8 block scales are powers of two "
+                             f"rounded up from each block's amax, so blocks never overflow); got margin="
+                             f"{self.margin!r}, leave it at 0")
 
 
 @dataclass(frozen=True)
@@ -163,6 +189,7 @@ class Float8BlockScaling(Recipe):
 
     def __post_init__(self):
         _check_format(self.fp8_format)
+        _check_qparams(self)
         for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
             if getattr(self, name) not in (1, 2):
                 raise ValueError(f"{name} must be 1 (1x128 tiles) or 2 (128x128), got {getattr(self, name)}")
@@ -189,6 +216,7 @@ class NVFP4BlockScaling(Recipe):
             object.__setattr__(self, "fp4_format", Format.E2M1)
         if self.fp4_format is not Format.E2M1:
             raise ValueError(f"NVFP4 supports fp4_format=Format.E2M1 only, got {self.fp4_format!r}")
+        _check_format(self.fp8_format)
 
     # TE's per-role view of the switches above (what each role's quantizer does)
     @property

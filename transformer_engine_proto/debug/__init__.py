@@ -41,16 +41,17 @@ def initialize(config_file, log_dir: str = ".", feature_dirs=(), **kwargs) -> No
     """`nvdlfw_inspect.api.initialize` with our features dir, after validating the config."""
     import nvdlfw_inspect.api as debug_api
 
-    validate_config(config_file)
     dirs = [feature_dirs] if isinstance(feature_dirs, str) else list(feature_dirs)
+    validate_config(config_file, dirs)
     debug_api.initialize(config_file=config_file, feature_dirs=[FEATURE_DIR, *dirs], log_dir=log_dir, **kwargs)
 
 
-def validate_config(config) -> None:
-    """Raise `DebugConfigError` (a ValueError) naming the first wrong entry of a config (path or dict)."""
+def validate_config(config, feature_dirs=()) -> None:
+    """Raise `DebugConfigError` (a ValueError) naming the first wrong entry of a config (path or
+    dict), or a missing / empty file; features in the user's `feature_dirs` count as known."""
     from .config_check import validate_config as _validate
 
-    _validate(config)
+    _validate(config, feature_dirs)
 
 
 def is_active() -> bool:

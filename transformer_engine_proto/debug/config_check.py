@@ -8,6 +8,7 @@ file) and, for sessions started with `debug_api.initialize`, at the first routin
 """
 from __future__ import annotations
 
+import ast
 from typing import Any, Dict, List
 
 from . import stats
@@ -48,6 +49,8 @@ def _is_int(v) -> bool:
 
 
 def _str_list(where, v, allowed, what):
+    if isinstance(v, str):  # `tensors: activation`, as TE accepts: one name
+        v = [v]
     if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
         _fail(where, f"must be a list of {what} names, got {v!r}")
     bad = [s for s in v if allowed is not None and s not in allowed]
@@ -143,6 +146,8 @@ def _check_feature(where, feature, cfg):
         _fail(where, "missing `enabled`")
     if not isinstance(cfg["enabled"], bool):
         _fail(where + ["enabled"], f"must be true or false, got {cfg['enabled']!r}")
+    if not cfg["enabled"]:
+        return  # a disabled feature is never parsed (TE accepts `enabled: False` alone)
     body = {k: v for k, v in cfg.items() if k != "enabled"}
     allowed = set(spec["params"])
     structure = spec["structure"]
@@ -191,16 +196,71 @@ def _registered(namespace: str):
     return set(data.features) if data is not None else set()
 
 
-def validate_config(config) -> None:
-    """Raise DebugConfigError for the first wrong entry of `config` (a YAML path or a dict)."""
-    if not isinstance(config, dict):
-        import yaml
+def _features_in_dirs(feature_dirs) -> set:
+    """Names of the classes registered with `Registry.register_feature(namespace="transformer_engine")`
+    in the .py files of the user's `feature_dirs`, read with `ast` (nothing is imported: nvdlfw_inspect
+    imports them itself when the session starts, after this check)."""
+    import ast
+    import os
 
-        with open(config) as f:
-            config = yaml.safe_load(f) or {}
+    dirs = [feature_dirs] if isinstance(feature_dirs, str) else list(feature_dirs)
+    names = set()
+    for d in dirs:
+        for root, _, files in os.walk(d):
+            for fname in files:
+                if not fname.endswith(".py"):
+                    continue
+                with open(os.path.join(root, fname)) as f:
+                    tree = ast.parse(f.read(), fname)
+                for node in ast.walk(tree):
+                    if isinstance(node, ast.ClassDef) and any(_registers_te(dec) for dec in node.decorator_list):
+                        names.add(node.name)
+    return names
+
+
+def _registers_te(dec) -> bool:
+    """`@...register_feature(namespace="transformer_engine")` (a namespace given as a literal)."""
+    if not (isinstance(dec, ast.Call) and getattr(dec.func, "attr", getattr(dec.func, "id", "")) == "register_feature"):
+        return False
+    spaces = [k.value for k in dec.keywords if k.arg == "namespace"] + list(dec.args[:1])
+    return all(getattr(n, "value", "transformer_engine") == "transformer_engine" for n in spaces)
+
+
+def _load(path) -> dict:
+    """The YAML file's mapping; a missing or empty file is an error naming it (nvdlfw_inspect would
+    run without features after a printed warning, or fail with a TypeError)."""
+    import os
+
+    import yaml
+
+    if not os.path.isfile(path):
+        raise DebugConfigError(f"debug config {path}: file not found")
+    with open(path) as f:
+        config = yaml.safe_load(f)
+    if config is None:
+        raise DebugConfigError(f"debug config {path}: the file is empty (it needs at least one section; "
+                               "see transformer_engine_proto/debug/README.md)")
+    return config
+
+
+def validate_config(config, feature_dirs=()) -> None:
+    """Raise DebugConfigError for the first wrong entry of `config` (a YAML path or a dict).
+    `feature_dirs`: the user's feature directories, whose features count as known."""
+    path = None
+    if not isinstance(config, dict):
+        path, config = config, _load(config)
+    try:
+        _validate(config, feature_dirs)
+    except DebugConfigError as e:
+        if path is None:
+            raise
+        raise DebugConfigError(str(e).replace("debug config:", f"debug config {path}:", 1)) from None
+
+
+def _validate(config, feature_dirs) -> None:
     if not isinstance(config, dict):
         _fail(["<top level>"], "must be a mapping of section names to sections")
-    custom = _registered("transformer_engine") - set(FEATURE_KEYS)
+    custom = (_registered("transformer_engine") | _features_in_dirs(feature_dirs)) - set(FEATURE_KEYS)
     for section, sec in config.items():
         where = [f"section {section!r}"]
         if not isinstance(sec, dict):
@@ -238,9 +298,4 @@ def check_session_config() -> None:
     cfg = getattr(m, "config_file", None)
     if not cfg:
         return
-    if isinstance(cfg, str):
-        import os
-
-        if not os.path.exists(cfg):
-            return
-    validate_config(cfg)
+    validate_config(cfg)  # a missing or empty file raises, naming it

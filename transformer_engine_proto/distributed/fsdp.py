@@ -201,8 +201,7 @@ class FSDPWeight(torch.Tensor):
             if delayed:
                 scale = gemm.fp8_scale[1:2].clone()
                 if not in_backward:
-                    slot = gemm.amax_history[0, 1:2]
-                    slot.copy_(torch.maximum(slot, amax))
+                    gemm.record_amax(amax.reshape(1), first=1)
             else:
                 scale = scale_from_amax(amax, fp8_max(q.fp8_dtype), q.margin, q.force_pow_2_scales, q.amax_epsilon)
             fq = Float8Quantizer(scale, torch.zeros_like(scale), q.fp8_dtype, rowwise_usage=True,

@@ -85,8 +85,12 @@ class MarkovData:
         return torch.stack(seq, 1).to(self.device)
 
 
+WARMUP = 3  # steps left out of the step time: compilation (step 0) and allocator / autotune warm-up
+
+
 def train(recipe_name: str, cfg: Config, compile_mode, device, dtype, progress: bool = True):
-    """Returns (losses, seconds per step after warm-up)."""
+    """Returns (losses, seconds per step after the first WARMUP steps (nan if there are none),
+    the data's entropy)."""
     torch.manual_seed(cfg.seed)
     model = TinyLM(cfg, dtype, device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -101,6 +105,8 @@ def train(recipe_name: str, cfg: Config, compile_mode, device, dtype, progress: 
     losses, times = [], []
     for step in range(cfg.steps):
         tokens = data.batch()
+        if progress and step == 0 and compile_mode is not None:
+            print(f"{recipe_name}: compiling (torch.compile, first step) ...", flush=True)
         t0 = time.perf_counter()
         with te.autocast(enabled=recipe is not None, recipe=recipe):
             logits = step_fn_model(tokens[:, :-1])
@@ -111,21 +117,44 @@ def train(recipe_name: str, cfg: Config, compile_mode, device, dtype, progress: 
         loss_value = loss.item()  # the sync also makes the step time honest on CUDA
         times.append(time.perf_counter() - t0)
         losses.append(loss_value)
+        if progress and step == 0 and compile_mode is not None:
+            print(f"{recipe_name}: compiled in {times[0]:.1f} s", flush=True)
         if progress:
             _progress(recipe_name, step + 1, cfg.steps, loss_value, times)
-    if progress:
-        print(file=sys.stderr)
-    warm = times[min(3, len(times) - 1):]
-    return losses, sum(warm) / len(warm), data.entropy
+    if progress and sys.stdout.isatty():
+        print()
+    warm = times[WARMUP:]
+    return losses, (sum(warm) / len(warm) if warm else math.nan), data.entropy
 
 
 def _progress(name, step, total, loss, times):
+    """A bar redrawn in place on a terminal; in a log (not a tty) a plain line every tenth."""
+    rate = times[-1] * 1000
+    if not sys.stdout.isatty():
+        if step % max(1, total // 10) == 0 or step == total:
+            print(f"{name:>9s} step {step}/{total} loss {loss:.4f} step {rate:.1f} ms", flush=True)
+        return
     width = 30
     filled = int(width * step / total)
-    rate = times[-1] * 1000
-    sys.stderr.write(f"\r{name:>9s} [{'#' * filled}{'.' * (width - filled)}] {step}/{total} "
+    sys.stdout.write(f"\r{name:>9s} [{'#' * filled}{'.' * (width - filled)}] {step}/{total} "
                      f"loss {loss:.4f} step {rate:7.1f} ms")
-    sys.stderr.flush()
+    sys.stdout.flush()
+
+
+def loss_deltas(results) -> dict:
+    """Each recipe's loss minus the baseline's ("none"), step by step: the curves themselves lie
+    on top of each other at this scale."""
+    base = results["none"][0]
+    return {name: [a - b for a, b in zip(losses, base)] for name, (losses, _) in results.items() if name != "none"}
+
+
+def _check_plot_deps() -> None:
+    """--plot needs matplotlib: fail before training, not after it."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib, which is not installed: pip install matplotlib "
+                         "(from a checkout: pip install -e \".[plot]\")") from None
 
 
 def _plot(results, path, entropy):
@@ -134,13 +163,23 @@ def _plot(results, path, entropy):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    compare = "none" in results and len(results) > 1
+    fig, axes = plt.subplots(1, 2 if compare else 1, figsize=(13 if compare else 7, 4), squeeze=False)
+    ax = axes[0, 0]
     for name, (losses, _) in results.items():
         ax.plot(losses, label="bf16/fp32 (no recipe)" if name == "none" else name)
     ax.axhline(entropy, color="k", ls=":", label="data entropy")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy")
     ax.legend()
+    if compare:
+        ax = axes[0, 1]
+        for name, delta in loss_deltas(results).items():
+            ax.plot(delta, label=name)
+        ax.axhline(0.0, color="k", lw=0.8)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss - baseline loss (no recipe)")
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
@@ -158,6 +197,8 @@ def main(argv=None):
     p.add_argument("--plot", default=None, help="write a loss-curve PNG (needs matplotlib)")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
+    if args.plot:
+        _check_plot_deps()
     device = torch.device(args.device)
     cfg = Config() if device.type == "cpu" else Config(hidden=1024, ffn=4096, heads=16, layers=4, seq=512, batch=4, lr=1e-3)
     if args.steps is not None:
@@ -173,11 +214,13 @@ def main(argv=None):
         losses, step_s, entropy = train(name, cfg, compile_mode, device, dtype, progress=not args.quiet)
         results[name] = (losses, step_s)
     base = results.get("none")
-    print(f"{'recipe':>10s} {'final loss':>11s} {'vs none':>8s} {'ms/step':>8s}   (data entropy {entropy:.3f})")
+    print(f"{'recipe':>10s} {'final loss':>11s} {'vs none':>8s} {'ms/step':>8s}   (data entropy {entropy:.3f}; "
+          f"ms/step leaves out the first {WARMUP} steps: compilation and warm-up)")
     for name, (losses, step_s) in results.items():
         final = sum(losses[-5:]) / min(5, len(losses))
         rel = "" if base is None else f"{(final / (sum(base[0][-5:]) / min(5, len(base[0]))) - 1) * 100:+7.2f}%"
-        print(f"{name:>10s} {final:11.4f} {rel:>8s} {step_s * 1000:8.1f}")
+        ms = f"{step_s * 1000:8.1f}" if step_s == step_s else f"{'n/a':>8s}"  # nan: no step after warm-up
+        print(f"{name:>10s} {final:11.4f} {rel:>8s} {ms}")
     if args.plot:
         _plot(results, args.plot, entropy)
 

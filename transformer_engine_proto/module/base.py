@@ -9,14 +9,18 @@ from torch import nn
 
 from ..autocast import FP8GlobalState, get_fp8_recipe, get_fp8_recipe_key
 from ..debug import state as _debug_state  # precision debug tools (issue 5)
+from ..recipe import DelayedScaling
+from ..errors import raise_error, shape_str
 from ..tensor.quantizer import HIGH_PRECISION_DTYPES
 
 __all__ = ["TransformerEngineBaseModule"]
 
 _counter = itertools.count()
 # ---- precision debug tools (issue 5): TE-style default layer names (`layernorm_linear_3`, ...)
-_DEFAULT_NAMES = {"GroupedLinear": "grouped_linear", "LayerNormLinear": "layernorm_linear", "LayerNormMLP": "layernorm_mlp",
-                  "TransformerLayer": "transformer_layer", "RMSNorm": "rmsnorm", "LayerNorm": "layernorm"}
+_DEFAULT_NAMES = {"LayerNormLinear": "layernorm_linear", "LayerNormMLP": "layernorm_mlp",
+                  "TransformerLayer": "transformer_layer", "RMSNorm": "rmsnorm", "LayerNorm": "layernorm",
+                  "DotProductAttention": "dot_product_attention", "MultiheadAttention": "multihead_attention",
+                  "GroupedLinear": "grouped_linear"}
 # ---- end debug
 
 
@@ -52,14 +56,18 @@ class TransformerEngineBaseModule(nn.Module):
     def prepare_for_recipe(self, recipe) -> None:
         for gemm, weight in self._gemms():
             gemm.prepare_for_recipe(recipe, weight)
+            if isinstance(recipe, DelayedScaling):
+                gemm.poll_nonfinite(self.name)
 
     def _check_input(self, inp: torch.Tensor, features: int, what: str = "input") -> None:
         if not isinstance(inp, torch.Tensor):
-            raise TypeError(f"{self.name}: {what} must be a torch.Tensor, got {type(inp).__name__}")
+            raise_error(TypeError, f"{self.name}: {what} must be a torch.Tensor, got {type(inp).__name__}")
         if inp.dtype not in HIGH_PRECISION_DTYPES:
-            raise TypeError(f"{self.name}: {what} dtype {inp.dtype} is not supported (float32, bfloat16, float16)")
+            raise_error(TypeError, f"{self.name}: {what} dtype {inp.dtype} is not supported "
+                                   "(float32, bfloat16, float16)")
         if inp.dim() < 1 or inp.shape[-1] != features:
-            raise ValueError(f"{self.name}: {what} last dim must be {features}, got shape {tuple(inp.shape)}")
+            raise_error(ValueError, f"{self.name}: {what} last dim must be {features}, "
+                                    f"got shape {shape_str(inp)}")
         if get_fp8_recipe() is not None:
             self._check_recipe_shapes()
         # ---- precision debug tools (issue 5): name this module's GEMMs for TE's debug API calls
@@ -71,7 +79,8 @@ class TransformerEngineBaseModule(nn.Module):
         """Fail early, naming the module, when a recipe's blocks do not divide a weight."""
         error = _recipe_shape_error(get_fp8_recipe_key(), tuple(tuple(w.shape) for _, w in self._gemms()))
         if error:
-            raise ValueError(f"{self.name}: recipe {type(get_fp8_recipe()).__name__} cannot quantize this layer: {error}")
+            raise_error(ValueError, f"{self.name}: recipe {type(get_fp8_recipe()).__name__} cannot quantize "
+                                    f"this layer: {error}")
 
 
 @torch._dynamo.assume_constant_result

@@ -7,6 +7,7 @@ are allocated eagerly by `prepare_for_recipe`, which `autocast` calls on entry.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -27,6 +28,8 @@ from ..tensor import QuantizedTensor, TensorProto
 __all__ = ["QuantizedGemm", "DEFAULT_HISTORY_LEN"]
 
 DEFAULT_HISTORY_LEN = 1024
+_NONFINITE_ROLES = ("input", "weight", "grad")
+_nonfinite_warned = False  # one warning per process (the counters keep counting)
 
 
 def _role_maxes(recipe: R.DelayedScaling):
@@ -49,6 +52,15 @@ def _update_from_history(scale, amax_history, recipe: R.DelayedScaling, fp8_max:
     history[0].zero_()
 
 
+def _keep_finite(slot: torch.Tensor, new: torch.Tensor, fallback: torch.Tensor, count: torch.Tensor) -> None:
+    """slot = new where new is finite, else fallback, and count += 1 there. An inf/NaN amax never
+    enters the history: one would make `max` of the history non-finite, and the scale would stay
+    frozen (silently) until it rolled out, amax_history_len steps later. In-graph, no host sync."""
+    bad = ~torch.isfinite(new)
+    slot.copy_(torch.where(bad, fallback, new))
+    count.add_(bad.to(count.dtype))
+
+
 class QuantizedGemm(nn.Module):
     """State and dispatch for one GEMM (input @ weight.T) of a module."""
 
@@ -64,6 +76,10 @@ class QuantizedGemm(nn.Module):
         # (ops/linear.py record_grad_amax): [amax, generation], and the generation last folded
         self.register_buffer("grad_amax_pending", torch.zeros(2, device=device))
         self.register_buffer("grad_amax_seen", torch.zeros(1, device=device))
+        # inf/NaN amaxes skipped per role (input, weight, grad): counted in-graph, reported once by
+        # `poll_nonfinite` at autocast entry
+        self.register_buffer("nonfinite_amax_count", torch.zeros(3, dtype=torch.int64, device=device))
+        self._nonfinite_poll = None  # CUDA: (host copy, event) of a count copy in flight
         self._cache_names = []
         self._cache_for = None  # (recipe key, weight shape, dtype) the cache was allocated for
         self.uses_weight_cache = False  # set by the first is_first_microbatch call (eager)
@@ -89,6 +105,49 @@ class QuantizedGemm(nn.Module):
         if self.tp_amax_reduction is None:
             return key
         return _amax_reduction.tp_amax_key(key, *self.tp_amax_reduction)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # checkpoints written before the counter existed load with a zero count
+        state_dict.setdefault(prefix + "nonfinite_amax_count", torch.zeros_like(self.nonfinite_amax_count))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    # ---- non-finite amax report -------------------------------------------------------------
+    def poll_nonfinite(self, name: str) -> None:
+        """Warn once (per process) when delayed scaling has skipped an inf/NaN amax.
+
+        Called at autocast entry, in eager Python, never in the step itself. No host sync: on
+        CPU the counter is read directly (no device to wait for); on CUDA each call reads the
+        host copy started by an earlier call if its event has completed (`Event.query()` does
+        not block) and starts the next copy (`non_blocking` into pinned memory). The warning
+        comes one or two autocast entries after the step, which is enough to say the run has
+        seen a NaN/inf; `nonfinite_amax_count` (state dict) has the counts."""
+        global _nonfinite_warned
+        if _nonfinite_warned:
+            return
+        count = self.nonfinite_amax_count
+        if count.device.type == "cpu":
+            host = count
+        elif count.device.type != "cuda":
+            return  # meta / other devices: nothing to read without a sync
+        else:
+            host = None
+            if self._nonfinite_poll is not None and self._nonfinite_poll[1].query():
+                host, self._nonfinite_poll = self._nonfinite_poll[0], None
+            if self._nonfinite_poll is None:
+                copy = torch.empty(count.shape, dtype=count.dtype, pin_memory=True)
+                copy.copy_(count, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                self._nonfinite_poll = (copy, event)
+        if host is not None and bool(host.any()):
+            _nonfinite_warned = True
+            counts = ", ".join(f"{r} {int(n)}" for r, n in zip(_NONFINITE_ROLES, host.tolist()) if n)
+            warnings.warn(
+                f"{name}: delayed scaling skipped non-finite (inf/NaN) amaxes ({counts}); those steps "
+                f"are left out of the amax history, so the scales keep following the finite amaxes. "
+                f"Check the loss / inputs for overflow. Counts per GEMM are in the buffers "
+                f"`*.nonfinite_amax_count` (input, weight, grad); this warning is shown once.",
+                RuntimeWarning, stacklevel=5)
 
     # ---- eager preparation ----------------------------------------------------------------
     def prepare_for_recipe(self, recipe: R.Recipe, weight: torch.Tensor) -> None:
@@ -123,8 +182,18 @@ class QuantizedGemm(nn.Module):
     def _update_delayed_scales(self, recipe: R.DelayedScaling) -> None:
         fwd_max, _, bwd_max = _role_maxes(recipe)
         _update_from_history(self.fp8_scale, self.amax_history, recipe, fwd_max)
+        slot = self.grad_amax_history[0]
+        before = slot.clone()
         linear_ops.fold_pending_grad_amax(self.grad_amax_history, self.grad_amax_state())
+        _keep_finite(slot, slot, before, self.nonfinite_amax_count[2:3])
         _update_from_history(self.grad_fp8_scale, self.grad_amax_history, recipe, bwd_max)
+
+    def record_amax(self, amax: torch.Tensor, first: int = 0) -> None:
+        """History slot 0, columns first.. (0 input, 1 weight), takes the max with `amax`, except
+        where `amax` is inf/NaN: that one is counted instead (`_keep_finite`)."""
+        cols = slice(first, first + amax.shape[0])
+        slot = self.amax_history[0, cols]
+        _keep_finite(slot, torch.maximum(slot, amax), slot, self.nonfinite_amax_count[cols])
 
     def grad_amax_state(self):
         return [self.grad_amax_pending, self.grad_amax_seen]
@@ -221,11 +290,9 @@ class QuantizedGemm(nn.Module):
             **extra,
         )
         if record:
-            slot = self.amax_history[0]
-            slot.copy_(torch.maximum(slot, amaxes.detach()))
+            self.record_amax(amaxes.detach())
             if sp_amax is not None:  # the input was quantized before its gather: record its amax
-                slot = self.amax_history[0, 0:1]
-                slot.copy_(torch.maximum(slot, sp_amax.detach()))
+                self.record_amax(sp_amax.detach())
         for buf, new in zip(cache, new_cache):
             buf.copy_(new.detach())
         return out

@@ -23,6 +23,7 @@ from ..tensor.storage import QuantizedTensorStorage
 from .eager_path import eager_function
 from .inductor_lowering import inline_in_inductor
 from .recipe_registry import quantizers_from_key
+from .row_padding import gemm_rows, pad_rows, unpad_rows
 
 __all__ = ["linear", "LinearPlan", "CACHE_OFF", "CACHE_FILL", "CACHE_USE", "pack_flags", "unpack_flags",
            "record_grad_amax", "fold_pending_grad_amax"]
@@ -104,6 +105,20 @@ class LinearPlan:
             m *= s
         return m
 
+    @property
+    @_memo
+    def rows(self):
+        """Rows of the quantized input and grad_output: `m` zero-padded to the recipe's row block
+        when wgrad runs (ops/row_padding.py)."""
+        return gemm_rows(self.m, self.key, self.quantized and self.weight_requires_grad)
+
+    @property
+    @_memo
+    def input_rows(self):
+        """Rows of the input as the forward quantizes it: padded only with its columnwise copy
+        (with save_original_input, backward pads the raw input)."""
+        return self.rows if self.saved_input() is not None else self.m
+
     def _proto(self, role, shape, dtype, rowwise, columnwise):
         q = getattr(self.quantizers, role).with_usage(rowwise=rowwise, columnwise=columnwise)
         return TensorProto(shape, dtype, q)
@@ -111,7 +126,7 @@ class LinearPlan:
     @_memo
     def saved_input(self) -> Optional[TensorProto]:
         if self.quantized and self.weight_requires_grad and not self.save_original_input:
-            return self._proto("input", (self.m, self.in_shape[-1]), self.act_dtype, False, True)
+            return self._proto("input", (self.rows, self.in_shape[-1]), self.act_dtype, False, True)
         return None
 
     @_memo
@@ -142,7 +157,7 @@ class LinearPlan:
     @_memo
     def prequantized_input(self) -> TensorProto:
         """The layout a fused norm + quantize produces for this call's input."""
-        return self._proto("input", (self.m, self.in_shape[-1]), self.act_dtype, True,
+        return self._proto("input", (self.input_rows, self.in_shape[-1]), self.act_dtype, True,
                            self.saved_input() is not None)
 
     # ---- the quantizers with this call's usages (memoized: no dataclass copy per call) ---------
@@ -249,7 +264,7 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         iq = plan.input_quantizer()
         if plan.delayed:
             iq, amaxes[0] = _bind_delayed(iq, fp8_scales, 0)
-        xq = iq.quantize(x2d, internal=True)
+        xq = iq.quantize(pad_rows(x2d, plan.input_rows), internal=True)
     if cache_mode == CACHE_USE:
         wq = rebuild(plan.cached_weight(), weight_cache)
     else:
@@ -259,6 +274,7 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         wq = wq.quantize(weight, internal=True)
     amaxes = torch.cat(amaxes) if amaxes else inp.new_empty(0, dtype=torch.float32)
     out = gemm(xq.only_usage(True), wq.only_usage(True), trans_b=True, bias=bias, out_dtype=inp.dtype)
+    out = unpad_rows(out, x2d.shape[0])
     cache = list(wq.get_buffers().values()) if cache_mode == CACHE_FILL else []
     saved = []
     if plan.saved_input() is not None and not plan.prequantized:
@@ -309,6 +325,7 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
         w = rebuild(plan.cached_weight(), weight_cache).only_usage(False)
     else:
         w = weight
+    rows = plan.rows  # dy and x zero-padded to the recipe's row block for wgrad
     dy_q = dy
     delayed = plan.quantized and plan.delayed
     grad_amax = torch.zeros(1, dtype=torch.float32, device=dy.device) if delayed else None
@@ -316,16 +333,16 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
         gq = plan.grad_quantizer()
         if plan.delayed:
             gq = _with_state(gq, grad_scale, grad_amax)
-        dy_q = gq.quantize(dy, internal=True)
+        dy_q = gq.quantize(pad_rows(dy, rows), internal=True)
         if plan.save_original_input and weight_requires_grad:
             iq = plan.quantizers.input.with_usage(rowwise=False, columnwise=True)
             if plan.delayed:  # reuse the forward's scale; the amax was recorded in forward
                 iq = _with_state(iq, _scale_slot(fp8_scales, 0), torch.zeros(1, device=dy.device))
-            x = iq.quantize(x, internal=True)
+            x = iq.quantize(pad_rows(x, rows), internal=True)
     grads = []
     if input_requires_grad:
         a = dy_q.only_usage(True) if isinstance(dy_q, QuantizedTensorStorage) and weight_requires_grad else dy_q
-        dgrad = gemm(a, w, out_dtype=grad_out.dtype)
+        dgrad = unpad_rows(gemm(a, w, out_dtype=grad_out.dtype), dy.shape[0])
         grads.append(dgrad.view(tuple(in_shape)))
     if weight_requires_grad:
         a = dy_q.only_usage(False) if isinstance(dy_q, QuantizedTensorStorage) and input_requires_grad else dy_q

@@ -16,6 +16,7 @@ from ..kernels import kernel
 from ..kernels.reference.norm import NORMALIZATIONS
 from .eager_path import eager_function
 from .inductor_lowering import inline_in_inductor
+from .row_padding import gemm_rows, pad_rows
 
 __all__ = ["norm", "NORMALIZATIONS"]
 
@@ -87,12 +88,15 @@ def norm_quantize_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[to
                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, List[torch.Tensor]]:
     """The norm plus its output quantized for the following GEMM (rowwise, and columnwise for
     wgrad): the buffers `te_proto::linear_fwd` takes as `inp_quantized`. One op, so a fused kernel
-    can write both from one read of the input."""
+    can write both from one read of the input. With `columnwise` the rows are zero-padded to the
+    recipe's row block, as linear_fwd expects (ops/row_padding.py)."""
     q = _input_quantizer(key, columnwise)
     if _fused_current_scaling(q):
         return norm_fp8_current(inp, weight, bias, eps, kind, zero_centered_gamma, q)
     out, mu, rsigma = kernel("norm_fwd", inp.device)(inp, weight, bias, eps, kind, zero_centered_gamma)
-    return out, mu, rsigma, list(q.quantize(out.reshape(-1, out.shape[-1]), internal=True).get_buffers().values())
+    out2d = out.reshape(-1, out.shape[-1])
+    out2d = pad_rows(out2d, gemm_rows(out2d.shape[0], key, columnwise))
+    return out, mu, rsigma, list(q.quantize(out2d, internal=True).get_buffers().values())
 
 
 def _fused_current_scaling(q) -> bool:
@@ -130,7 +134,7 @@ def _norm_quantize_fwd_fake(inp, weight, bias, eps, kind, zero_centered_gamma, k
     from ..tensor import TensorProto
 
     out, mu, rsigma = _norm_fwd_fake(inp, weight, bias, eps, kind, zero_centered_gamma)
-    m = inp.numel() // inp.shape[-1]
+    m = gemm_rows(inp.numel() // inp.shape[-1], key, columnwise)
     proto = TensorProto((m, inp.shape[-1]), inp.dtype, _input_quantizer(key, columnwise), device=inp.device)
     return out, mu, rsigma, list(proto.create_buffers().values())
 

@@ -122,6 +122,17 @@ class _Float8QuantizerBase(Quantizer):
         return out
 
 
+def _check_scale_value(scale: Optional[torch.Tensor]) -> None:
+    """A zero, negative or inf/NaN scale dequantizes to NaN or inf: refuse it at construction.
+    Checked only where reading the value is free: a plain CPU tensor, outside torch.compile and
+    outside any dispatch mode (fake / proxy tracing). A CUDA scale is not read, since that would
+    sync the host on every construction (the ops build these in the step)."""
+    if (type(scale) is torch.Tensor and scale.device.type == "cpu" and not torch.compiler.is_compiling()
+            and torch._C._len_torch_dispatch_stack() == 0 and not (torch.isfinite(scale) & (scale > 0)).all()):
+        raise ValueError(f"Float8Quantizer.scale must be finite and > 0 (it multiplies the input; its "
+                         f"reciprocal is the dequantize scale), got {scale.item()}")
+
+
 @te_constructor()
 @dataclass(frozen=True)
 class Float8Quantizer(_Float8QuantizerBase):
@@ -143,6 +154,7 @@ class Float8Quantizer(_Float8QuantizerBase):
                 continue  # a stateless description (what tensors carry as metadata)
             if not isinstance(t, torch.Tensor) or t.numel() != 1 or t.dtype != torch.float32:
                 raise TypeError(f"Float8Quantizer.{name} must be a float32 tensor with one element")
+        _check_scale_value(self.scale)
 
     def stateless(self) -> "Float8Quantizer":
         """The same settings without scale/amax: what a tensor's metadata holds, so it stays a

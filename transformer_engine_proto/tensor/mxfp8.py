@@ -111,6 +111,9 @@ class MXFP8Quantizer(Quantizer):
                 f"which is not a multiple of the MXFP8 block of {b}"
             )
 
+    def row_block(self) -> int:
+        return MXFP8_BLOCK_SIZE if self.columnwise_usage else 1  # columnwise blocks run along rows
+
     def buffer_layout(self, shape) -> Dict[str, BufferSpec]:
         m, k = flat_2d(shape)
         b = MXFP8_BLOCK_SIZE

@@ -18,7 +18,7 @@ from ..kernels import kernel
 from ..kernels.reference.nvfp4 import BLOCK, transpose_2d_blocks
 from .quantized_tensor import QuantizedTensor
 from ..constants import DType
-from .quantizer import BufferSpec, Quantizer, check_input, flat_2d, te_constructor
+from .quantizer import BufferSpec, Quantizer, flat_2d, te_constructor
 from .storage import QuantizedTensorStorage
 
 __all__ = ["NVFP4Quantizer", "NVFP4TensorStorage", "NVFP4Tensor"]
@@ -156,6 +156,9 @@ class NVFP4Quantizer(Quantizer):
                 f"NVFP4: shape {tuple(shape)}: columnwise usage needs the leading dims product {m} "
                 f"to be a multiple of the block size {BLOCK}")
 
+    def row_block(self) -> int:
+        return BLOCK if self.columnwise_usage else 1  # columnwise blocks (and RHT runs) along rows
+
     def buffer_layout(self, shape) -> Dict[str, BufferSpec]:
         m, k = flat_2d(shape)
         out = {}
@@ -187,8 +190,6 @@ class NVFP4Quantizer(Quantizer):
             return super().quantize(x, internal=internal)
         if isinstance(x, QuantizedTensor):
             x = x.dequantize()
-        check_input(x, f"{type(self).__name__}.quantize")
-        self._check_usage()
-        self.check_shape(tuple(x.shape))
+        self._check_quantize_input(x)
         buffers = self._quantize_buffers(x.contiguous(), rand, rand_columnwise)
         return self.make_tensor(buffers, tuple(x.shape), x.dtype, internal)

@@ -12,7 +12,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .quantized_tensor import QuantizedTensor
-from .quantizer import Quantizer
+from .quantizer import HIGH_PRECISION_DTYPES, Quantizer
 
 __all__ = ["TensorProto", "to_tensor_proto"]
 
@@ -27,6 +27,16 @@ class TensorProto:
 
     def __post_init__(self):
         self.shape = tuple(self.shape)
+        for d in self.shape:
+            if not isinstance(d, (int, torch.SymInt)) or isinstance(d, bool):
+                raise TypeError(f"TensorProto: shape entries must be ints, got {self.shape!r}")
+            if isinstance(d, int) and d < 0:
+                raise ValueError(f"TensorProto: shape entries must be >= 0, got {self.shape}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"TensorProto: dtype must be a torch.dtype, got {self.dtype!r}")
+        if self.quantizer is not None and self.dtype not in HIGH_PRECISION_DTYPES:
+            raise TypeError(f"TensorProto: a quantized tensor's nominal dtype (what it dequantizes to) must be "
+                            f"one of {HIGH_PRECISION_DTYPES}, got {self.dtype}")
         self.device = torch.device(self.device)
         if self.quantizer is not None:
             self.quantizer = self.quantizer.copy()  # usage changes stay private to this proto

@@ -16,6 +16,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import torch
 
 from ..constants import DType, as_torch_dtype
+from ..errors import raise_error
 
 __all__ = ["Quantizer", "BufferSpec", "HIGH_PRECISION_DTYPES", "check_input", "te_constructor"]
 
@@ -125,6 +126,11 @@ class Quantizer:
         """Raise ValueError if the format cannot represent `shape` with this usage."""
         flat_2d(shape)
 
+    def row_block(self) -> int:
+        """The multiple the rows (product of the leading dims) must be for this usage; 1: any.
+        The Linear op zero-pads a GEMM's tokens to it (`ops/row_padding.py`)."""
+        return 1
+
     def _quantize_buffers(self, x: torch.Tensor) -> Dict[str, torch.Tensor]:
         """Run the kernels: returns exactly the buffers `buffer_layout` describes."""
         raise NotImplementedError
@@ -186,6 +192,16 @@ class Quantizer:
         return self.make_tensor(self.alloc_tensors(shape, dtype, device), shape, dtype)
 
     # ---- quantization -------------------------------------------------------------------
+    def _check_quantize_input(self, x: torch.Tensor) -> None:
+        """dtype, usage and shape checks; their errors keep type and message under torch.compile
+        (`errors.raise_error`; with a dynamic shape the shape messages do not trace yet)."""
+        try:
+            check_input(x, f"{type(self).__name__}.quantize")
+            self._check_usage()
+            self.check_shape(tuple(x.shape))
+        except (TypeError, ValueError) as e:
+            raise_error(type(e), str(e))
+
     def quantize(self, x: torch.Tensor, *, internal: bool = False):
         """Quantize a high-precision tensor into a new QuantizedTensor (a bare storage with
         `internal=True`, see `make_tensor`)."""
@@ -193,9 +209,7 @@ class Quantizer:
 
         if isinstance(x, QuantizedTensor):
             x = x.dequantize()
-        check_input(x, f"{type(self).__name__}.quantize")
-        self._check_usage()
-        self.check_shape(tuple(x.shape))
+        self._check_quantize_input(x)
         buffers = self._quantize_buffers(x.contiguous())
         return self.make_tensor(buffers, tuple(x.shape), x.dtype, internal)
 

@@ -25,12 +25,25 @@ __all__ = ["TEConfigAPIMapper", "TEDefaultFeatures", "TransformerEngineAPI", "RE
 GEMM_NAMES = ("fprop", "dgrad", "wgrad")
 
 
+def _names_as_lists(cfg):
+    """`tensors: activation` / `gemms: fprop` (one name, as TE accepts) as one-element lists,
+    here and in `gemms_struct` entries (a string would be matched by substring and iterated by
+    character)."""
+    if isinstance(cfg, dict):
+        for key in ("tensors", "gemms"):
+            if isinstance(cfg.get(key), str):
+                cfg[key] = [cfg[key]]
+        for item in cfg.get("gemms_struct") or ():
+            _names_as_lists(item)
+    return cfg
+
+
 class TEConfigAPIMapper(BaseConfigAPIMapper):
     """Selects the part of a feature's config for a call's `gemm` and `tensor_name`
     (`gemms`/`gemms_struct`, `tensors`/`tensors_struct`)."""
 
     def parse_config_and_api(self, config, **kwargs):
-        config_copy = copy.deepcopy(config)
+        config_copy = _names_as_lists(copy.deepcopy(config))
         if kwargs.get("gemm_parsing", False):
             processed = self._process_transformer_engine_config(config_copy, **kwargs)
         elif kwargs.get("tensor_parsing", False):

@@ -2,11 +2,23 @@
 from __future__ import annotations
 
 import torch
-from torch.fx.experimental.symbolic_shapes import guard_or_false
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 FP4_E2M1_MAX = 6.0
 FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def abs_max(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a float32 tensor of shape (1,) (NaN if x has a NaN); 0 for an empty tensor,
+    which torch's amax() rejects. Decided on the shape alone: a symbolic size is never guarded."""
+    if statically_known_true(x.numel() == 0):
+        return x.new_zeros(1, dtype=torch.float32)
+    if statically_known_true(x.numel() != 0):
+        return x.abs().amax().float().reshape(1)
+    # a row count that is data (an unbacked SymInt: a GroupedLinear expert's tokens under compile)
+    # may be 0 at run time: reduce with one zero prepended (a copy)
+    return torch.cat([x.new_zeros(1), x.abs().reshape(-1)]).amax().float().reshape(1)
 
 
 def fp8_max(fp8_dtype: torch.dtype) -> float:
@@ -67,11 +79,3 @@ def transpose_2d(x2d: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x2d.shape[1], x2d.shape[0]), dtype=x2d.dtype, device=x2d.device)
     return out.copy_(x2d.t())
 
-
-def abs_max(x: torch.Tensor) -> torch.Tensor:
-    """max |x| as a float32 tensor of shape (1,); 0 for an empty tensor (an expert of a grouped
-    GEMM that got no tokens). A row count that is data (an unbacked SymInt under torch.compile)
-    takes the form that also reduces an empty tensor: one zero prepended (a copy)."""
-    if guard_or_false(x.numel() != 0):
-        return x.abs().amax().float().reshape(1)
-    return torch.cat([x.new_zeros(1), x.abs().reshape(-1)]).amax().float().reshape(1)

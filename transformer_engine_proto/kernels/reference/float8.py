@@ -18,7 +18,7 @@ def _cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype, rowwise: bool, column
 
 @register_kernel("amax")
 def amax(x: torch.Tensor) -> torch.Tensor:
-    """max |x| as a float32 tensor of shape (1,) (NaN if x has a NaN)."""
+    """max |x| as a float32 tensor of shape (1,) (NaN if x has a NaN; 0 if x is empty)."""
     return abs_max(x)
 
 

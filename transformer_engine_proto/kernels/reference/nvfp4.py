@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .. import register_kernel
-from .common import FLOAT32_MAX, FP4_E2M1_MAX, FP8_MAX, abs_max, saturating_cast, transpose_2d, true_div
+from .common import FLOAT32_MAX, abs_max, FP4_E2M1_MAX, FP8_MAX, saturating_cast, transpose_2d, true_div
 
 __all__ = [
     "BLOCK", "E2M1_VALUES", "fp4_encode", "fp4_decode", "pack_fp4", "unpack_fp4_codes", "unpack_fp4",
@@ -217,8 +217,7 @@ def transpose_2d_blocks(data: torch.Tensor, scale_inv: torch.Tensor) -> Tuple[to
     return pack_fp4(codes_t), tiles.repeat_interleave(BLOCK, 0).view(torch.float8_e4m3fn)
 
 
-def _amax(x: torch.Tensor) -> torch.Tensor:
-    return abs_max(x)
+_amax = abs_max
 
 
 def check_given_amax(amax: Optional[torch.Tensor], rht: bool) -> None:

@@ -14,11 +14,13 @@ Numerics follow `kernels/reference/common.py` bit for bit:
 """
 from __future__ import annotations
 
+import functools
 import os
 import struct
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 import triton
 import triton.language as tl
 
@@ -26,6 +28,25 @@ from ..reference.common import fp8_max
 
 FLOAT32_MAX = 3.4028234663852886e38
 INT32_LIMIT = 2**31
+
+
+def triton_kernel(name: str):
+    """Register a Triton entry point under `name` (backend "triton"). An empty input (its first
+    tensor argument) goes to the reference kernel instead: a zero-size grid is no valid launch,
+    and the reference is the spec of what an empty tensor gives (amax 0, empty buffers)."""
+    from .. import _KERNELS, register_kernel
+
+    def decorate(fn):
+        @functools.wraps(fn)
+        def guarded(*args, **kwargs):
+            first = next((a for a in args if a is not None), None)
+            if isinstance(first, torch.Tensor) and statically_known_true(first.numel() == 0):
+                return _KERNELS[(name, "reference")](*args, **kwargs)
+            return fn(*args, **kwargs)
+
+        return register_kernel(name, "triton")(guarded)
+
+    return decorate
 
 
 def interpreting() -> bool:

@@ -20,11 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import register_kernel
 from ..reference import blockwise as _ref
 from .launch import fast_launch
 from ._common import (INT32_LIMIT, abs_bits, as_kernel_input, fp8_bits, fp8_params,
-                      scale_from_amax, scale_reciprocal, soft_cast, to_f32)
+                      scale_from_amax, scale_reciprocal, soft_cast, to_f32, triton_kernel)
 
 TILE = 128
 
@@ -161,7 +160,7 @@ def _outer_dim_major(rows: int, cols: int, device) -> torch.Tensor:
     return torch.empty((cols, rows), dtype=torch.float32, device=device).t()
 
 
-@register_kernel("fp8_blockwise_quantize", backend="triton")
+@triton_kernel("fp8_blockwise_quantize")
 def fp8_blockwise_quantize(x: torch.Tensor, fp8_dtype, block_scaling_dim: int, rowwise: bool,
                            columnwise: bool, power_2: bool = True, epsilon: float = 0.0
                            ) -> Tuple[Optional[torch.Tensor], ...]:

@@ -20,10 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import register_kernel
 from ..reference import mxfp8 as _ref_mx
 from .launch import fast_launch
-from ._common import INT32_LIMIT, soft_cast
+from ._common import INT32_LIMIT, soft_cast, triton_kernel
 
 # output dtype -> OUT constexpr
 OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -142,7 +141,7 @@ def out_buffer(shape, dtype, device):
     return out, (out.view(torch.int16) if dtype == torch.bfloat16 else out)
 
 
-@register_kernel("mxfp8_dequantize", backend="triton")
+@triton_kernel("mxfp8_dequantize")
 def mxfp8_dequantize(data: torch.Tensor, scale_inv: torch.Tensor, columnwise: bool,
                      dtype: torch.dtype) -> torch.Tensor:
     """data * 2**e per block of 32 (rowwise along K, columnwise along M), rounded once to dtype."""

@@ -25,11 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import register_kernel
 from ..reference import float8 as _ref
 from .launch import fast_launch
 from ._common import (INT32_LIMIT, abs_bits, as_kernel_input, flat_2d, fp8_bits, fp8_params,
-                      pack4, reciprocal, scale_from_amax, soft_cast, to_f32)
+                      pack4, reciprocal, scale_from_amax, soft_cast, to_f32, triton_kernel)
 
 # Launch configurations (tunable: benchmarks/bench_quantize.py sweeps them).
 CONFIG = {
@@ -237,7 +236,7 @@ def _as_2d(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().reshape(m, k)
 
 
-@register_kernel("amax", backend="triton")
+@triton_kernel("amax")
 def amax(x: torch.Tensor) -> torch.Tensor:
     """max |x| as a float32 tensor of shape (1,) (NaN if x has a NaN)."""
     if x.numel() == 0:
@@ -247,7 +246,7 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     return out.view(torch.float32)
 
 
-@register_kernel("fp8_quantize_delayed", backend="triton")
+@triton_kernel("fp8_quantize_delayed")
 def fp8_quantize_delayed(x, scale, amax_out, fp8_dtype, rowwise, columnwise
                          ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor]:
     """Cast with a given scale; max-accumulate this tensor's amax into `amax_out` in place."""
@@ -271,7 +270,7 @@ def fp8_quantize_delayed(x, scale, amax_out, fp8_dtype, rowwise, columnwise
     return data, transpose, scale_inv
 
 
-@register_kernel("fp8_quantize_current", backend="triton")
+@triton_kernel("fp8_quantize_current")
 def fp8_quantize_current(x, fp8_dtype, rowwise, columnwise, margin=0, power_2=False, epsilon=0.0):
     """Scale from this tensor's own amax: returns (data, transpose, scale_inv, amax)."""
     if not _fits(x):

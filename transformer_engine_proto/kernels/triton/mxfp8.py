@@ -22,11 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import register_kernel
 from ..reference import mxfp8 as _ref
 from .launch import fast_launch
 from ._common import (INT32_LIMIT, abs_bits, as_kernel_input, flat_2d, float_bits, fp8_bits,
-                      fp8_params, soft_cast, to_f32)
+                      fp8_params, soft_cast, to_f32, triton_kernel)
 
 BLOCK = 32
 
@@ -184,7 +183,7 @@ def _mxfp8_quarters_kernel(x_ptr, row_ptr, row_s_ptr, col_ptr, col_s_ptr, M, K, 
              mask=(k0 + c2) < K)
 
 
-@register_kernel("mxfp8_quantize", backend="triton")
+@triton_kernel("mxfp8_quantize")
 def mxfp8_quantize(x: torch.Tensor, fp8_dtype, rowwise: bool, columnwise: bool
                    ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor],
                               Optional[torch.Tensor], Optional[torch.Tensor]]:

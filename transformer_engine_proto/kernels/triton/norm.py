@@ -26,11 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import register_kernel
 from ..reference import norm as _ref
 from . import float8 as _f8
 from .launch import fast_launch
-from ._common import abs_bits, as_kernel_input, fp8_params, soft_cast, to_f32
+from ._common import abs_bits, as_kernel_input, fp8_params, soft_cast, to_f32, triton_kernel
 from .dequant import OUT_KIND, out_buffer, round_out
 
 # Launch configurations: a row longer than MAX_BLOCK is looped over in chunks; ROWS (rows per
@@ -257,7 +256,7 @@ def _run_fwd(inp, weight, bias, eps, kind, zero_centered_gamma, with_amax):
     return y, mu, rsigma, amax.view(torch.float32)
 
 
-@register_kernel("norm_fwd", backend="triton")
+@triton_kernel("norm_fwd")
 def norm_fwd(inp, weight, bias, eps: float, kind: str, zero_centered_gamma: bool):
     """(y in inp.dtype, mu fp32, rsigma fp32); mu and rsigma have shape inp.shape[:-1]."""
     if not _usable(inp):
@@ -265,7 +264,7 @@ def norm_fwd(inp, weight, bias, eps: float, kind: str, zero_centered_gamma: bool
     return _run_fwd(inp, weight, bias, eps, kind, zero_centered_gamma, False)[:3]
 
 
-@register_kernel("norm_fwd_amax", backend="triton")
+@triton_kernel("norm_fwd_amax")
 def norm_fwd_amax(inp, weight, bias, eps: float, kind: str, zero_centered_gamma: bool):
     """(y, mu, rsigma, amax): the norm plus max |y| of y as stored (fp32 (1,), NaN if y has one)."""
     if not _usable(inp):
@@ -273,7 +272,7 @@ def norm_fwd_amax(inp, weight, bias, eps: float, kind: str, zero_centered_gamma:
     return _run_fwd(inp, weight, bias, eps, kind, zero_centered_gamma, True)
 
 
-@register_kernel("norm_bwd", backend="triton")
+@triton_kernel("norm_bwd")
 def norm_bwd(grad_out, inp, mu, rsigma, weight, kind: str, zero_centered_gamma: bool, has_bias: bool):
     """[dx, dgamma] (+ [dbeta] with a bias); dgamma / dbeta in weight.dtype."""
     if not _usable(inp):
@@ -307,7 +306,7 @@ def norm_bwd(grad_out, inp, mu, rsigma, weight, kind: str, zero_centered_gamma: 
     return grads
 
 
-@register_kernel("norm_fp8_current_quantize", backend="triton")
+@triton_kernel("norm_fp8_current_quantize")
 def norm_fp8_current_quantize(inp, weight, bias, eps: float, kind: str, zero_centered_gamma: bool,
                               fp8_dtype, rowwise: bool, columnwise: bool, margin: int = 0,
                               power_2: bool = False, epsilon: float = 0.0):

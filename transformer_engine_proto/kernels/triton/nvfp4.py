@@ -27,11 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import register_kernel
 from ..reference import nvfp4 as _ref
 from ..reference.nvfp4_to import nvfp4_dequantize_to as _ref_dequantize_to
 from .launch import fast_launch
-from ._common import INT32_LIMIT, abs_bits, as_kernel_input, flat_2d, fp8_bits, scale_from_amax, soft_cast, to_f32
+from ._common import (INT32_LIMIT, abs_bits, as_kernel_input, flat_2d, fp8_bits, scale_from_amax, soft_cast, to_f32,
+                      triton_kernel)
 from .dequant import OUT_KIND, fp8_value, out_buffer, round_out
 from .float8 import _amax_kernel  # the same per-tensor amax; launched with this module's CONFIG["amax"]
 
@@ -450,7 +450,7 @@ def _dequantize(row_data, row_scale, amax_row, col_data, col_scale, amax_col, rh
     return out
 
 
-@register_kernel("nvfp4_dequantize", backend="triton")
+@triton_kernel("nvfp4_dequantize")
 def nvfp4_dequantize(rowwise_data, rowwise_scale_inv, amax_rowwise, columnwise_data,
                      columnwise_scale_inv, amax_columnwise, rht: bool = False, rht_seed: int = 0):
     """fp32 (M, K) values: from the rowwise buffers if given, else from the columnwise ones
@@ -463,7 +463,7 @@ def nvfp4_dequantize(rowwise_data, rowwise_scale_inv, amax_rowwise, columnwise_d
     return out
 
 
-@register_kernel("nvfp4_dequantize_to", backend="triton")
+@triton_kernel("nvfp4_dequantize_to")
 def nvfp4_dequantize_to(rowwise_data, rowwise_scale_inv, amax_rowwise, columnwise_data,
                         columnwise_scale_inv, amax_columnwise, rht: bool = False, rht_seed: int = 0,
                         dtype: torch.dtype = torch.float32):
@@ -498,7 +498,7 @@ def _amax_pass(xk, bf16_bits, m, k, row: bool, col: bool, rht: bool, rht_seed: i
     return amax_r, amax_c
 
 
-@register_kernel("nvfp4_quantize", backend="triton")
+@triton_kernel("nvfp4_quantize")
 def nvfp4_quantize(x: torch.Tensor, rowwise: bool, columnwise: bool, two_d: bool = False,
                    rht: bool = False, rht_seed: int = 0, stochastic: bool = False,
                    rand: Optional[torch.Tensor] = None, rand_columnwise: Optional[torch.Tensor] = None,

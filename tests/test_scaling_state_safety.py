@@ -1,0 +1,157 @@
+"""Delayed scaling's state: an inf/NaN amax is skipped and counted (issue 17), and the scaling
+state stays fp32 whatever the model's dtype."""
+import warnings
+
+import pytest
+import torch
+
+import transformer_engine_proto as te
+from transformer_engine_proto import recipe as R
+from transformer_engine_proto.module import gemm_state
+
+RECIPE = R.DelayedScaling(amax_history_len=16)
+
+
+def _step(model, x, grad=None):
+    with te.autocast(recipe=RECIPE):
+        y = model(x)
+    y.backward(torch.ones_like(y) if grad is None else grad)
+    return y.detach()
+
+
+def _rel_err(model, x, y):
+    ref = x @ model.weight.detach().T + model.bias.detach()
+    return ((y - ref).norm() / ref.norm()).item()
+
+
+@pytest.fixture
+def fresh_warning(monkeypatch):
+    monkeypatch.setattr(gemm_state, "_nonfinite_warned", False, raising=False)
+
+
+def test_nan_input_step_is_skipped_and_scales_follow_finite_amaxes(fresh_warning):
+    torch.manual_seed(0)
+    model = te.Linear(64, 32)
+    x = torch.randn(16, 64)
+    for _ in range(3):
+        _step(model, x)
+    bad = x.clone()
+    bad[3, 5] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _step(model, bad)
+    # the inputs grow 100x: the scale must follow (a frozen scale would saturate the fp8 input)
+    big = 100 * x
+    for _ in range(2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            y = _step(model, big)
+    expected = 448.0 / model.gemm.amax_history[:, 0].max()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        y = _step(model, big)
+    assert _rel_err(model, big, y) < 0.05
+    assert model.gemm.fp8_scale[0] == expected
+    assert model.gemm.nonfinite_amax_count.tolist() == [1, 0, 0]
+    assert torch.isfinite(model.gemm.amax_history).all()
+
+
+def test_nan_gradient_is_skipped_and_counted(fresh_warning):
+    torch.manual_seed(0)
+    model = te.Linear(64, 32)
+    x = torch.randn(16, 64)
+    _step(model, x)
+    grad = torch.ones(16, 32)
+    grad[0, 0] = float("inf")
+    _step(model, x, grad)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _step(model, x)  # the next forward folds the gradient's amax into the history
+    assert model.gemm.nonfinite_amax_count.tolist() == [0, 0, 1]
+    assert torch.isfinite(model.gemm.grad_amax_history).all()
+    assert torch.isfinite(model.gemm.grad_fp8_scale).all() and model.gemm.grad_fp8_scale.item() > 0
+
+
+def test_one_warning_at_the_next_autocast_entry(fresh_warning):
+    model = te.Linear(32, 32)
+    x = torch.randn(8, 32)
+    bad = x.clone()
+    bad[0, 0] = float("inf")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _step(model, bad)
+        _step(model, x)
+        _step(model, bad)
+        _step(model, x)
+    messages = [str(w.message) for w in caught if "non-finite" in str(w.message)]
+    assert len(messages) == 1, messages
+    assert model.name in messages[0] and "input 1" in messages[0]
+    assert model.gemm.nonfinite_amax_count.tolist() == [2, 0, 0]
+
+
+@pytest.mark.cuda
+def test_one_warning_on_cuda_and_no_host_sync_at_autocast_entry(fresh_warning):
+    model = te.Linear(32, 32, device="cuda")
+    x = torch.randn(8, 32, device="cuda")
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _step(model, bad)
+        for _ in range(4):
+            torch.cuda.set_sync_debug_mode("error")  # the poll must not synchronize
+            try:
+                with te.autocast(recipe=RECIPE):
+                    pass
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            _step(model, x)
+            torch.cuda.synchronize()
+    assert len([w for w in caught if "non-finite" in str(w.message)]) == 1
+    assert model.gemm.nonfinite_amax_count.tolist() == [1, 0, 0]
+
+
+def test_nan_skipped_under_compile(fresh_warning):
+    torch.manual_seed(0)
+    model = te.Linear(32, 32)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = torch.randn(8, 32)
+    bad = x.clone()
+    bad[1, 1] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for inp in (x, bad, x):
+            _step(compiled, inp)
+    assert model.gemm.nonfinite_amax_count.tolist() == [1, 0, 0]
+    assert torch.isfinite(model.gemm.amax_history).all()
+
+
+def test_state_dict_has_the_counter_and_old_checkpoints_load():
+    model = te.Linear(32, 32)
+    sd = model.state_dict()
+    assert "gemm.nonfinite_amax_count" in sd
+    del sd["gemm.nonfinite_amax_count"]
+    te.Linear(32, 32).load_state_dict(sd)  # strict: a checkpoint from before the counter
+
+
+def _scaling_buffers(model):
+    return {n: b for n, b in model.named_buffers() if "gemm" in n or "fc" in n}
+
+
+@pytest.mark.parametrize("cast", ["to_bf16", "half", "to_meta_bf16", "to_meta"])
+def test_scaling_state_stays_fp32(cast):
+    model = torch.nn.Sequential(te.Linear(32, 32), te.LayerNormMLP(32, 64))
+    _step(model, torch.randn(8, 32))
+    before = {n: b.clone() for n, b in _scaling_buffers(model).items()}
+    assert before and all(b.dtype in (torch.float32, torch.int64) for b in before.values())
+    {"to_bf16": lambda: model.to(torch.bfloat16), "half": model.half,
+     "to_meta_bf16": lambda: model.to("meta", torch.bfloat16), "to_meta": lambda: model.to("meta")}[cast]()
+    after = _scaling_buffers(model)
+    for n, b in after.items():
+        assert b.dtype == before[n].dtype, n
+        assert b.device.type == ("meta" if "meta" in cast else "cpu"), n
+        if b.device.type == "cpu":
+            assert torch.equal(b, before[n]), n
+    if "meta" not in cast:
+        assert model[0].weight.dtype != torch.float32  # the parameters were cast
+        _step(model, torch.randn(8, 32, dtype=model[0].weight.dtype))  # and the model still runs
