@@ -10,7 +10,7 @@ from linear_cases import RECIPE_IDS, RECIPES, fresh_dynamo, graph_breaks, recipe
 from transformer_engine_proto.module.grouped_linear import grouped_mm_supported
 
 N, K, OUT = 3, 32, 64
-SPLITS = [[32, 0, 64], [64, 32, 0], [0, 96, 0]]  # multiples of 32 (MXFP8's block), empty experts included
+SPLITS = [[32, 0, 64], [61, 35, 0], [0, 96, 0]]  # empty experts; 61 / 35: partial MXFP8 / NVFP4 row blocks
 
 
 def _pair(bias=True, dtype=torch.float32):
@@ -122,12 +122,21 @@ def test_wrong_splits_name_the_layer(bad, msg, as_tensor):
         g(torch.randn(96, K), torch.tensor(bad) if as_tensor else bad)
 
 
-def test_misaligned_splits_for_mxfp8_name_the_layer():
-    g = te.GroupedLinear(N, K, OUT, name="moe_fc2")
-    with pytest.raises(ValueError, match="moe_fc2: recipe MXFP8BlockScaling needs every expert's token count to be "
-                                         "a multiple of 32"):
-        with recipe_ctx(RECIPES["mxfp8"]):
-            g(torch.randn(96, K), [40, 56, 0])
+@pytest.mark.parametrize("rid", ["mxfp8", "nvfp4"])
+def test_any_split_for_block_formats(rid, monkeypatch):
+    """Token counts that MXFP8's / NVFP4's row blocks do not divide (the Linear op pads them),
+    eager and compiled (aot_eager, tensor splits): bitwise the loop of te.Linear."""
+    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
+    g, refs = _pair()
+    fresh_dynamo()
+    cg = torch.compile(g, fullgraph=True, backend="aot_eager")
+    for splits in ([40, 56, 0], [7, 0, 89]):
+        x = torch.randn(96, K)
+        with recipe_ctx(RECIPES[rid]):
+            y_ref = _ref_loop(refs, x, splits)
+            assert torch.equal(g(x, splits), y_ref)
+            assert torch.equal(cg(x, torch.tensor(splits)), y_ref)
+    assert graph_breaks() == 0 and unique_graphs() == 1
 
 
 @pytest.mark.parametrize("rid, dtype", [("high_precision", torch.float32), ("high_precision", torch.bfloat16),
@@ -212,8 +221,6 @@ def test_cuda_matches_loop_of_linear(rid):
             r.weight.copy_(getattr(g, f"weight{i}"))
             r.bias.copy_(getattr(g, f"bias{i}").normal_())
     for splits in ([128, 0, 256], [0, 384, 0], [96, 160, 128]):
-        if rid in ("mxfp8", "nvfp4") and any(s % 32 for s in splits):
-            continue  # MXFP8 needs multiples of 32 (NVFP4 16: kept to the same splits)
         x = torch.randn(384, 128, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn(384, 256, device="cuda", dtype=torch.bfloat16)
         with recipe_ctx(recipe):

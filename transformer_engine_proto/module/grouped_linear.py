@@ -25,7 +25,6 @@ from typing import List, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from .. import recipe as R
 from ..autocast import get_fp8_recipe
 from .base import TransformerEngineBaseModule
 from .gemm_state import QuantizedGemm
@@ -48,15 +47,6 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype, in_features: 
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device)[0] >= 9
     return device.type == "cpu"
-
-
-def _row_alignment(recipe: Optional[R.Recipe]) -> int:
-    """Rows each expert's slice must come in multiples of (columnwise blocks along the tokens)."""
-    if isinstance(recipe, R.MXFP8BlockScaling):
-        return 32
-    if isinstance(recipe, R.NVFP4BlockScaling):
-        return 16
-    return 1
 
 
 class GroupedLinear(TransformerEngineBaseModule):
@@ -133,10 +123,6 @@ class GroupedLinear(TransformerEngineBaseModule):
         if sum(sizes) != tokens:
             raise ValueError(f"{self.name}: m_splits sum to {sum(sizes)} but the input has {tokens} tokens "
                              f"(rows); splits {list(sizes)}")
-        align = _row_alignment(get_fp8_recipe())
-        if any(s % align for s in sizes):
-            raise ValueError(f"{self.name}: recipe {type(get_fp8_recipe()).__name__} needs every expert's token "
-                             f"count to be a multiple of {align} (pad each expert's tokens); got {list(sizes)}")
 
     def _sizes_in_graph(self, splits: torch.Tensor, tokens) -> list:
         """The split sizes as unbacked SymInts, with what the loop needs of them asserted."""
@@ -149,11 +135,8 @@ class GroupedLinear(TransformerEngineBaseModule):
         torch._assert_async(splits.sum() == tokens, f"{self.name}: m_splits do not sum to the input's token count "
                                                     "(rows)")
         sizes = splits.tolist()
-        align = _row_alignment(get_fp8_recipe())
         for s in sizes:
             torch._check(s >= 0)
-            if align > 1:
-                torch._check(s % align == 0)
         torch._check(sum(sizes) == tokens)
         return sizes
 
