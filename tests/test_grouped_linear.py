@@ -165,6 +165,14 @@ def test_compiled_tensor_splits_one_graph_no_recompile(rid, dtype, monkeypatch):
         assert torch.equal(a, b)
 
 
+def test_compiled_list_splits_wrong_sum_is_the_same_error():
+    g = te.GroupedLinear(N, K, OUT, name="experts_gate")
+    fresh_dynamo()
+    cg = torch.compile(g, fullgraph=True, backend="aot_eager")
+    with pytest.raises(ValueError, match="experts_gate: m_splits sum to 64 but the input has 96 tokens"):
+        cg(torch.randn(96, K), [32, 32, 0])
+
+
 def test_compiled_tensor_splits_wrong_sum_raises(monkeypatch):
     monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
     g = te.GroupedLinear(N, K, OUT, name="experts_up")

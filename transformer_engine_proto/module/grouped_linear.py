@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..autocast import get_fp8_recipe
+from ..errors import raise_error, shape_str
 from .base import TransformerEngineBaseModule
 from .gemm_state import QuantizedGemm
 from .linear import _init_weight
@@ -100,33 +101,39 @@ class GroupedLinear(TransformerEngineBaseModule):
 
     # ---- the splits ---------------------------------------------------------------------------
     def _check_splits(self, m_splits, tokens: int):
-        """A list of ints, or a 1-D integer tensor of length num_gemms (checked on the host in
-        eager; under compile the sum is checked where the sizes are read)."""
+        """(the splits as a tensor or None, as host ints or None). A list / tuple of ints, or a 1-D
+        integer tensor of length num_gemms: read and checked on the host in eager (one sync, as
+        TE's `tolist()`); under compile a tensor stays data (the sum is checked in the graph)."""
         n = self.num_gemms
         if isinstance(m_splits, torch.Tensor):
             if m_splits.dim() != 1 or m_splits.shape[0] != n or m_splits.dtype.is_floating_point \
                     or m_splits.dtype == torch.bool:
-                raise ValueError(f"{self.name}: m_splits must be {n} split sizes (a list of ints or a 1-D integer "
-                                 f"tensor), got a tensor of shape {tuple(m_splits.shape)} and dtype {m_splits.dtype}")
-            if not torch.compiler.is_compiling():
-                self._check_split_values(m_splits.tolist(), tokens)  # a host sync, as TE's tolist()
-            return m_splits
+                raise_error(ValueError, f"{self.name}: m_splits must be {n} split sizes (a list of ints or a 1-D "
+                                        f"integer tensor), got a tensor of shape {shape_str(m_splits)} and dtype "
+                                        f"{m_splits.dtype}")
+            if torch.compiler.is_compiling():
+                return m_splits, None
+            sizes = m_splits.tolist()
+            self._check_split_values(sizes, tokens)
+            return m_splits, sizes
         if not isinstance(m_splits, (list, tuple)) or len(m_splits) != n:
-            raise ValueError(f"{self.name}: m_splits must be {n} split sizes, got {m_splits!r}")
+            raise_error(ValueError, f"{self.name}: m_splits must be {n} split sizes, got {m_splits!r}")
         sizes = [int(s) for s in m_splits]
         self._check_split_values(sizes, tokens)
-        return sizes
+        return None, sizes
 
     def _check_split_values(self, sizes: Sequence[int], tokens: int) -> None:
         if any(s < 0 for s in sizes):
-            raise ValueError(f"{self.name}: m_splits has a negative size: {list(sizes)}")
+            raise_error(ValueError, f"{self.name}: m_splits has a negative size: {list(sizes)}")
         if sum(sizes) != tokens:
-            raise ValueError(f"{self.name}: m_splits sum to {sum(sizes)} but the input has {tokens} tokens "
-                             f"(rows); splits {list(sizes)}")
+            raise_error(ValueError, f"{self.name}: m_splits sum to {sum(sizes)} but the input has {tokens} tokens "
+                                    f"(rows); splits {list(sizes)}")
 
     def _sizes_in_graph(self, splits: torch.Tensor, tokens) -> list:
         """The split sizes as unbacked SymInts, with what the loop needs of them asserted."""
         if not torch._dynamo.config.capture_scalar_outputs:
+            # a plain raise: errors.raise_error(RuntimeError, ...) fails inside dynamo (an MRO clash of
+            # RuntimeError with dynamo's Unsupported); dynamo reports this one wrapped, message included
             raise RuntimeError(
                 f"{self.name}: GroupedLinear with a tensor of m_splits under torch.compile reads the sizes into the "
                 "graph as data: set torch._dynamo.config.capture_scalar_outputs = True (or pass m_splits as a list "
@@ -145,35 +152,35 @@ class GroupedLinear(TransformerEngineBaseModule):
                 is_first_microbatch: Optional[bool] = None):
         self._check_input(inp, self.in_features)
         if inp.dim() != 2:
-            raise ValueError(f"{self.name}: GroupedLinear takes a 2-D input [tokens, in_features], got shape "
-                             f"{tuple(inp.shape)}")
+            raise_error(ValueError, f"{self.name}: GroupedLinear takes a 2-D input [tokens, in_features], got shape "
+                                    f"{shape_str(inp)}")
         tokens = inp.shape[0]
-        splits = self._check_splits(m_splits, tokens)
+        splits, sizes = self._check_splits(m_splits, tokens)
         recipe = get_fp8_recipe()
         bias_in_gemm = self.use_bias and not self.return_bias
         if recipe is not None:
-            out = self._scaled_grouped_gemm(inp, splits, recipe)
+            out = self._scaled_grouped_gemm(inp, splits, sizes, recipe)
         elif self.use_grouped_tensor is not False and grouped_mm_supported(
                 inp.device, inp.dtype, self.in_features, self.out_features) and inp.dtype == self.weight0.dtype:
-            out = self._grouped_mm(inp, splits, tokens, bias_in_gemm)
+            out = self._grouped_mm(inp, splits, sizes, tokens, bias_in_gemm)
         else:
             out = None
         if out is None:
-            out = self._expert_loop(inp, splits, tokens, bias_in_gemm, is_first_microbatch)
+            out = self._expert_loop(inp, splits, sizes, tokens, bias_in_gemm, is_first_microbatch)
         if self.return_bias:
             return out, self.biases
         return out
 
-    def _grouped_mm(self, inp, splits, tokens, with_bias: bool) -> torch.Tensor:
+    def _grouped_mm(self, inp, splits, sizes, tokens, with_bias: bool) -> torch.Tensor:
         """High precision: one `torch._grouped_mm` over the cumulative offsets (int32)."""
-        if isinstance(splits, torch.Tensor):
-            if torch.compiler.is_compiling():
+        if splits is not None:
+            if sizes is None:  # compiling: the splits are data, checked in the graph
                 torch._assert_async(splits.sum() == tokens,
                                     f"{self.name}: m_splits do not sum to the input's token count")
             offsets = splits.to(device=inp.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         else:
             ends, total = [], 0
-            for s in splits:
+            for s in sizes:
                 total += s
                 ends.append(total)
             offsets = torch.tensor(ends, dtype=torch.int32, device=inp.device)
@@ -187,12 +194,10 @@ class GroupedLinear(TransformerEngineBaseModule):
             out = (out.float() + torch.stack(self.biases).float()[expert]).to(out.dtype)
         return out
 
-    def _expert_loop(self, inp, splits, tokens, with_bias: bool, is_first_microbatch) -> torch.Tensor:
+    def _expert_loop(self, inp, splits, sizes, tokens, with_bias: bool, is_first_microbatch) -> torch.Tensor:
         """One quantized GEMM per expert on its slice of the tokens (what a loop of te.Linear does)."""
-        if isinstance(splits, torch.Tensor):
-            sizes = self._sizes_in_graph(splits, tokens) if torch.compiler.is_compiling() else splits.tolist()
-        else:
-            sizes = splits
+        if sizes is None:
+            sizes = self._sizes_in_graph(splits, tokens)
         outs = []
         for gemm, x, w, b in zip(self.gemms, torch.split(inp, sizes), self.weights, self.biases):
             outs.append(gemm(x, w, b if with_bias else None, is_first_microbatch=is_first_microbatch,
@@ -200,7 +205,7 @@ class GroupedLinear(TransformerEngineBaseModule):
                              fuse_wgrad_accumulation=self.fuse_wgrad_accumulation))
         return torch.cat(outs)
 
-    def _scaled_grouped_gemm(self, inp, splits, recipe) -> Optional[torch.Tensor]:
+    def _scaled_grouped_gemm(self, inp, splits, sizes, recipe) -> Optional[torch.Tensor]:
         """The hook for an FP8 grouped GEMM: return the output, or None for the expert loop.
 
         Not wired yet. On Hopper, `torch._scaled_grouped_mm(a_fp8, b_fp8_t, scale_a, scale_b,
