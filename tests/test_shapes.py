@@ -317,3 +317,16 @@ def test_compiled_quantizer_errors_keep_type_and_message(make, x, exc_type, firs
     with pytest.raises(exc_type) as info:  # eager: the plain type
         q(x)
     assert type(info.value) is exc_type and str(info.value).startswith(first)
+
+
+@pytest.mark.parametrize("exc", [ValueError, TypeError, RuntimeError, NotImplementedError])
+def test_raise_error_keeps_every_type_under_compile(exc):
+    from transformer_engine_proto.errors import raise_error
+
+    def f(x):
+        raise_error(exc, "layer_x: the message")
+        return x
+
+    with pytest.raises(exc) as info:
+        torch.compile(f, fullgraph=True, backend="eager")(torch.ones(2))
+    assert str(info.value).splitlines()[0] == "layer_x: the message"
