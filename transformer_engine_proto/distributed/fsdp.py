@@ -370,7 +370,8 @@ def gathered_weight_cache(owner: str, weight: QuantizedTensor, key: str, is_firs
     if type(weight).__qualname__ != names[0]:
         raise RuntimeError(f"{owner}: the gathered weight is a {type(weight).__name__}, recipe {key} "
                            f"takes a {names[0]}")
-    stored = _stored_buffer_names(weight._quantizer, tuple(weight.shape))
+    q = weight._quantizer
+    stored = _stored_buffer_names(key, tuple(weight.shape), q.rowwise_usage, q.columnwise_usage)
     buffers = {n: getattr(weight, n) for n in stored}
     if any(n not in buffers for n in names[1]):  # attribute reads only: dynamo traces them
         meta = {m: getattr(weight, m) for m in type(weight)._META_FIELDS}
@@ -381,8 +382,11 @@ def gathered_weight_cache(owner: str, weight: QuantizedTensor, key: str, is_firs
 
 
 @torch._dynamo.assume_constant_result
-def _stored_buffer_names(quantizer, shape) -> Tuple[str, ...]:
-    return tuple(quantizer.buffer_layout(shape))
+def _stored_buffer_names(key: str, shape, rowwise: bool, columnwise: bool) -> Tuple[str, ...]:
+    """The buffers a weight of this layout stores (plain arguments: dynamo cannot rebuild a
+    quantizer object to pass it here)."""
+    q = quantizers_from_key(key).weight.with_usage(rowwise=rowwise, columnwise=columnwise)
+    return tuple(q.buffer_layout(shape))
 
 
 @torch._dynamo.assume_constant_result

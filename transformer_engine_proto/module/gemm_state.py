@@ -111,6 +111,13 @@ class QuantizedGemm(nn.Module):
         state_dict.setdefault(prefix + "nonfinite_amax_count", torch.zeros_like(self.nonfinite_amax_count))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
+    def __getstate__(self):
+        # a copy in flight (a CUDA event) belongs to this process and this object: deepcopy and
+        # pickling start without one
+        state = self.__dict__.copy()
+        state["_nonfinite_poll"] = None
+        return state
+
     # ---- non-finite amax report -------------------------------------------------------------
     def poll_nonfinite(self, name: str) -> None:
         """Warn once (per process) when delayed scaling has skipped an inf/NaN amax.
@@ -134,7 +141,7 @@ class QuantizedGemm(nn.Module):
             if self._nonfinite_poll is not None and self._nonfinite_poll[1].query():
                 host, self._nonfinite_poll = self._nonfinite_poll[0], None
             if self._nonfinite_poll is None:
-                copy = torch.empty(count.shape, dtype=count.dtype, pin_memory=True)
+                copy = torch.empty(count.shape, dtype=count.dtype, device="cpu", pin_memory=True)
                 copy.copy_(count, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record()

@@ -25,6 +25,7 @@ from typing import List, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from .. import kernels
 from ..autocast import get_fp8_recipe
 from ..errors import raise_error, shape_str
 from .base import TransformerEngineBaseModule
@@ -129,15 +130,18 @@ class GroupedLinear(TransformerEngineBaseModule):
             raise_error(ValueError, f"{self.name}: m_splits sum to {sum(sizes)} but the input has {tokens} tokens "
                                     f"(rows); splits {list(sizes)}")
 
-    def _sizes_in_graph(self, splits: torch.Tensor, tokens) -> list:
+    def _sizes_in_graph(self, splits: torch.Tensor, tokens, quantized: bool) -> list:
         """The split sizes as unbacked SymInts, with what the loop needs of them asserted."""
         if not torch._dynamo.config.capture_scalar_outputs:
-            # a plain raise: errors.raise_error(RuntimeError, ...) fails inside dynamo (an MRO clash of
-            # RuntimeError with dynamo's Unsupported); dynamo reports this one wrapped, message included
-            raise RuntimeError(
-                f"{self.name}: GroupedLinear with a tensor of m_splits under torch.compile reads the sizes into the "
-                "graph as data: set torch._dynamo.config.capture_scalar_outputs = True (or pass m_splits as a list "
-                "of ints: each new split then recompiles)")
+            raise_error(RuntimeError,
+                        f"{self.name}: GroupedLinear with a tensor of m_splits under torch.compile reads the sizes "
+                        "into the graph as data: set torch._dynamo.config.capture_scalar_outputs = True (or pass "
+                        "m_splits as a list of ints: each new split then recompiles)")
+        if quantized and splits.device.type == "cuda" and kernels.get_backend() == "triton":
+            raise_error(NotImplementedError,
+                        f"{self.name}: GroupedLinear with a tensor of m_splits under torch.compile with a recipe on "
+                        "CUDA: the Triton quantize kernels' launch checks need each expert's token count at trace "
+                        "time; pass m_splits as a list of ints (each new split recompiles)")
         # first, a check that names the layer (the graph's own assert on the SymInts only names symbols)
         torch._assert_async(splits.sum() == tokens, f"{self.name}: m_splits do not sum to the input's token count "
                                                     "(rows)")
@@ -197,7 +201,7 @@ class GroupedLinear(TransformerEngineBaseModule):
     def _expert_loop(self, inp, splits, sizes, tokens, with_bias: bool, is_first_microbatch) -> torch.Tensor:
         """One quantized GEMM per expert on its slice of the tokens (what a loop of te.Linear does)."""
         if sizes is None:
-            sizes = self._sizes_in_graph(splits, tokens)
+            sizes = self._sizes_in_graph(splits, tokens, get_fp8_recipe() is not None)
         outs = []
         for gemm, x, w, b in zip(self.gemms, torch.split(inp, sizes), self.weights, self.biases):
             outs.append(gemm(x, w, b if with_bias else None, is_first_microbatch=is_first_microbatch,
