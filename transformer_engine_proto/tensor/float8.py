@@ -13,10 +13,11 @@ from typing import Dict, Optional
 import torch
 
 from ..kernels import kernel
-from ..kernels.reference.common import fp8_max, transpose_2d
+from ..kernels.reference.common import FP8_MAX, fp8_max, transpose_2d
 from .quantized_tensor import QuantizedTensor
 from ..constants import DType
 from .quantizer import BufferSpec, Quantizer, flat_2d, te_constructor
+from .format_api import GatherRule, GemmOperand, UsageView
 from .storage import QuantizedTensorStorage
 
 __all__ = [
@@ -83,6 +84,36 @@ class Float8TensorStorage(QuantizedTensorStorage):
             return None
         return {"_data": self._transpose, "_transpose": self._data, "_scale_inv": self._scale_inv}
 
+    # ---- format capabilities (tensor/format_api.py) ------------------------------------------
+    FORMAT_NAME = "fp8_per_tensor"  # either recipe: the tensor does not say which
+
+    def gemm_native(self):
+        return "tensorwise"
+
+    def gemm_operand(self, reduce_last):
+        """Row-major op(t): the data (reduce_last) or the FP8 transpose, one scale_inv."""
+        if reduce_last:
+            data = None if self._data is None else self._data.reshape(-1, self._shape[-1])
+        else:
+            data = self._transpose
+        return None if data is None else GemmOperand(data, self._scale_inv, (0, 0))
+
+    def debug_usage_view(self, x2d, columnwise):
+        m, k = x2d.shape
+        data = self._transpose if columnwise else self._data.reshape(m, k)
+        xs = x2d.t() if columnwise else x2d
+        si = self._scale_inv.float()
+        return UsageView(xs, data.float() * si, data.float().abs() == FP8_MAX[self.fp8_dtype], si)
+
+    def debug_internals(self):
+        return {"fp8_dtype": str(self.fp8_dtype).replace("torch.", ""),
+                "rowwise_data": None if self._data is None else self._data.reshape(-1, self._shape[-1]),
+                "columnwise_data": self._transpose, "scale_inv": self._scale_inv}
+
+    @classmethod
+    def debug_reconstruct(cls, d, usage):
+        return d[f"{usage}_data"].float() * d["scale_inv"].float(), usage == "columnwise"
+
 
 class Float8Tensor(Float8TensorStorage, QuantizedTensor):
     """Per-tensor scaled FP8 tensor (either recipe)."""
@@ -111,6 +142,10 @@ class _Float8QuantizerBase(Quantizer):
             out["_transpose"] = BufferSpec((k, m), self.fp8_dtype)
         out["_scale_inv"] = BufferSpec((1,), torch.float32)
         return out
+
+    # ---- format capabilities (tensor/format_api.py) ------------------------------------------
+    def fsdp_gather_rule(self):
+        return GatherRule("fp8", pads_uneven=True)  # one scale per tensor: any shard, uneven ones padded
 
     def _pack(self, data, transpose, scale_inv) -> Dict[str, torch.Tensor]:
         out = {}
@@ -174,6 +209,19 @@ class Float8Quantizer(_Float8QuantizerBase):
             return super(Float8Quantizer, stateful).update_quantized(src, dst)
         return super().update_quantized(src, dst)
 
+    # ---- format capabilities (tensor/format_api.py) ------------------------------------------
+    def has_scale_state(self):
+        return True
+
+    def with_scale_state(self, scale, amax):
+        return dataclasses.replace(self, scale=scale, amax=amax)
+
+    def sp_gather_rule(self):
+        return GatherRule("fp8_delayed", pads_uneven=True)
+
+    def debug_recipe_name(self):
+        return "fp8_delayed_scaling"
+
     def _quantize_buffers(self, x):
         if self.scale is None or self.amax is None:
             raise RuntimeError(
@@ -204,6 +252,16 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
     @property
     def fp8_max(self) -> float:
         return fp8_max(self.fp8_dtype)
+
+    # ---- format capabilities (tensor/format_api.py) ------------------------------------------
+    def has_scale_state(self):
+        return False
+
+    def sp_gather_rule(self):
+        return GatherRule("fp8_current", pads_uneven=True)
+
+    def debug_recipe_name(self):
+        return "fp8_current_scaling"
 
     def _quantize_buffers(self, x):
         data, transpose, scale_inv, _ = kernel("fp8_quantize_current", x.device)(

@@ -17,6 +17,7 @@ import torch
 
 from ..constants import DType, as_torch_dtype
 from ..errors import raise_error
+from .format_api import GatherRule, missing_capability
 
 __all__ = ["Quantizer", "BufferSpec", "HIGH_PRECISION_DTYPES", "check_input", "te_constructor"]
 
@@ -134,6 +135,37 @@ class Quantizer:
     def _quantize_buffers(self, x: torch.Tensor) -> Dict[str, torch.Tensor]:
         """Run the kernels: returns exactly the buffers `buffer_layout` describes."""
         raise NotImplementedError
+
+    # ---- format capabilities (docs/adding_a_format.md): each format declares them; the defaults
+    # raise NotImplementedError naming the format and the capability, never a quiet fallback ----
+    def has_scale_state(self) -> bool:
+        """Whether the scale comes from module state the linear op passes in and the amax is
+        recorded there (delayed scaling: the module's scale / amax-history buffers), rather than
+        from the tensor itself."""
+        raise missing_capability(self, "has_scale_state")
+
+    def with_scale_state(self, scale: torch.Tensor, amax: torch.Tensor) -> "Quantizer":
+        """This quantizer bound to a module's `scale` and `amax` buffers (formats with scale
+        state); a format without scale state returns itself."""
+        if not self.has_scale_state():
+            return self
+        raise missing_capability(self, "with_scale_state")
+
+    def fsdp_gather_rule(self) -> GatherRule:
+        """How a GEMM weight of this quantizer all-gathers under FSDP2 (dim-0 shards, both usages
+        needed after the gather): the gather kind and the shard's row multiple, or kind None with
+        the reason it gathers in high precision (`distributed/fsdp.py`)."""
+        raise missing_capability(self, "fsdp_gather_rule")
+
+    def sp_gather_rule(self) -> GatherRule:
+        """How a GEMM input of this quantizer all-gathers under sequence parallelism: the gather
+        kind and the row multiple a shard needs when the columnwise (wgrad) copy is gathered too,
+        or kind None with the reason (`distributed/sp_gather.py`)."""
+        raise missing_capability(self, "sp_gather_rule")
+
+    def debug_recipe_name(self) -> str:
+        """TE's recipe name for this quantizer in the debug tools' stat names ("mxfp8", ...)."""
+        raise missing_capability(self, "debug_recipe_name")
 
     def metadata(self) -> Dict[str, object]:
         """Non-tensor constructor kwargs beyond shape/dtype/quantizer (e.g. fp8_dtype)."""
