@@ -13,7 +13,7 @@ from typing import Dict, Optional
 import torch
 
 from ..kernels import kernel
-from ..kernels.reference.common import FP8_MAX, fp8_max, transpose_2d
+from ..kernels.reference.common import FP8_MAX, fp8_max, scale_from_amax, transpose_2d
 from .quantized_tensor import QuantizedTensor
 from ..constants import DType
 from .quantizer import BufferSpec, Quantizer, flat_2d, te_constructor
@@ -147,6 +147,24 @@ class _Float8QuantizerBase(Quantizer):
     def fsdp_gather_rule(self):
         return GatherRule("fp8", pads_uneven=True)  # one scale per tensor: any shard, uneven ones padded
 
+    def fsdp_quantize_shard(self, x, global_amax, scale):
+        """The rowwise fp8 bytes, scaled with the whole weight's scale: the module's (delayed
+        scaling) or one from the all-reduced amax (current scaling)."""
+        if scale is None:
+            scale = self._scale_from_amax(global_amax())
+        fq = Float8Quantizer(scale, torch.zeros_like(scale), self.fp8_dtype, rowwise_usage=True,
+                             columnwise_usage=False)
+        t = fq.quantize(x)
+        return (t._data.view(torch.uint8),), (t._scale_inv,)
+
+    def fsdp_rebuild(self, outputs, extra, rows):
+        data = outputs[0].view(self.fp8_dtype)[:rows]  # uneven shards were zero-padded
+        bufs = {"_data": data, "_transpose": transpose_2d(data), "_scale_inv": extra[0].clone()}
+        return bufs, ("_transpose", "_scale_inv")  # the transpose is exact: built after the gather
+
+    def _scale_from_amax(self, amax):
+        raise ValueError(f"{type(self).__name__}: a delayed-scaling weight gathers with its module's scale")
+
     def _pack(self, data, transpose, scale_inv) -> Dict[str, torch.Tensor]:
         out = {}
         if self.rowwise_usage:
@@ -259,6 +277,9 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
 
     def sp_gather_rule(self):
         return GatherRule("fp8_current", pads_uneven=True)
+
+    def _scale_from_amax(self, amax):
+        return scale_from_amax(amax, fp8_max(self.fp8_dtype), self.margin, self.force_pow_2_scales, self.amax_epsilon)
 
     def debug_recipe_name(self):
         return "fp8_current_scaling"

@@ -244,6 +244,15 @@ class Float8BlockQuantizer(Quantizer):
                                            "be derived from gathered rowwise data (set w_block_scaling_dim=2)")
         return GatherRule("blockwise", BLOCK)  # rowwise gathered, the columnwise copy is its exact transpose
 
+    def fsdp_quantize_shard(self, x, global_amax, scale):
+        t = self.with_usage(rowwise=True, columnwise=False).quantize(x)
+        return (t._rowwise_data.view(torch.uint8), t._rowwise_scale_inv.view(torch.uint8)), ()
+
+    def fsdp_rebuild(self, outputs, extra, rows):
+        data, scale = outputs[0].view(self.fp8_dtype), outputs[1].view(torch.float32)
+        return {"_rowwise_data": data, "_rowwise_scale_inv": scale, "_columnwise_data": transpose_2d(data),
+                "_columnwise_scale_inv": transpose_2d(scale)}, ("_columnwise_data", "_columnwise_scale_inv")
+
     def sp_gather_rule(self):
         if self.block_scaling_dim != 1:
             return GatherRule(None, reason="Float8BlockScaling with 128x128 input tiles (x_block_scaling_dim=2)")

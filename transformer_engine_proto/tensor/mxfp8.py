@@ -167,6 +167,15 @@ class MXFP8Quantizer(Quantizer):
     def fsdp_gather_rule(self):
         return GatherRule("mxfp8", MXFP8_BLOCK_SIZE)  # both usages gathered (32x1 blocks need whole blocks)
 
+    def fsdp_quantize_shard(self, x, global_amax, scale):
+        t = self.with_usage(rowwise=True, columnwise=True).quantize(x)
+        return tuple(b.view(torch.uint8) for b in t.get_buffers().values()), ()
+
+    def fsdp_rebuild(self, outputs, extra, rows):
+        rd, rs, cd, cs = outputs
+        return {"_rowwise_data": rd.view(self.fp8_dtype), "_rowwise_scale_inv": rs.view(_SCALE_DTYPE),
+                "_columnwise_data": cd.view(self.fp8_dtype), "_columnwise_scale_inv": cs.view(_SCALE_DTYPE)}, ()
+
     def sp_gather_rule(self):
         return GatherRule("mxfp8", MXFP8_BLOCK_SIZE)
 

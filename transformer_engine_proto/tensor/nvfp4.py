@@ -260,6 +260,20 @@ class NVFP4Quantizer(Quantizer):
                                            "gathered rowwise data (keep 2D weight quantization)")
         return GatherRule("nvfp4", BLOCK)  # rowwise gathered, columnwise by exact 16x16 relayout
 
+    def fsdp_quantize_shard(self, x, global_amax, scale):
+        """Packed data + E4M3 scales of 16x16 blocks with the whole weight's (all-reduced) amax."""
+        amax = global_amax()
+        data, scale = kernel("nvfp4_quantize", x.device)(x, True, False, two_d=True, amax=amax)[:2]
+        return (data, scale.view(torch.uint8)), (amax,)
+
+    def fsdp_rebuild(self, outputs, extra, rows):
+        data, scale = outputs[0], outputs[1].view(torch.float8_e4m3fn)
+        col_data, col_scale = transpose_2d_blocks(data, scale)
+        amax = extra[0].clone()  # private: the amax cache must not alias the weight's buffers
+        return {"_rowwise_data": data, "_rowwise_scale_inv": scale, "_columnwise_data": col_data,
+                "_columnwise_scale_inv": col_scale, "_amax_rowwise": amax, "_amax_columnwise": amax.clone()}, \
+            ("_columnwise_data", "_columnwise_scale_inv", "_amax_rowwise", "_amax_columnwise")
+
     def sp_gather_rule(self):
         if self.with_2d_quantization or self.stochastic_rounding:
             return GatherRule(None, reason="NVFP4 input with 2D blocks or stochastic rounding")

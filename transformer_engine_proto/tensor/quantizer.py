@@ -157,6 +157,19 @@ class Quantizer:
         the reason it gathers in high precision (`distributed/fsdp.py`)."""
         raise missing_capability(self, "fsdp_gather_rule")
 
+    def fsdp_quantize_shard(self, x: torch.Tensor, global_amax, scale: Optional[torch.Tensor]):
+        """(tensors FSDP2 all-gathers along dim 0, extra per-tensor metadata tensors) for this rank's
+        (M, K) weight shard `x`, for a format whose `fsdp_gather_rule` names a kind. `global_amax()`
+        gives the whole weight's amax (all-reduced, cached); `scale` is the module's scale for a
+        format with scale state, else None."""
+        raise missing_capability(self, "fsdp_quantize_shard")
+
+    def fsdp_rebuild(self, outputs, extra, rows: int):
+        """(named buffers of the full weight in flatten order, names of the buffers built locally
+        after the gather) from the gathered `outputs` and `fsdp_quantize_shard`'s `extra`; `rows`:
+        the weight's dim 0 (uneven shards were zero-padded)."""
+        raise missing_capability(self, "fsdp_rebuild")
+
     def sp_gather_rule(self) -> GatherRule:
         """How a GEMM input of this quantizer all-gathers under sequence parallelism: the gather
         kind and the row multiple a shard needs when the columnwise (wgrad) copy is gathered too,
