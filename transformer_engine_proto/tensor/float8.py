@@ -162,6 +162,10 @@ class _Float8QuantizerBase(Quantizer):
         bufs = {"_data": data, "_transpose": transpose_2d(data), "_scale_inv": extra[0].clone()}
         return bufs, ("_transpose", "_scale_inv")  # the transpose is exact: built after the gather
 
+    def sp_finish_gather(self, bufs):
+        if self.columnwise_usage:
+            bufs["_transpose"] = transpose_2d(bufs["_data"])  # exact for per-tensor scaling
+
     def _scale_from_amax(self, amax):
         raise ValueError(f"{type(self).__name__}: a delayed-scaling weight gathers with its module's scale")
 
@@ -237,6 +241,15 @@ class Float8Quantizer(_Float8QuantizerBase):
     def sp_gather_rule(self):
         return GatherRule("fp8_delayed", pads_uneven=True)
 
+    def sp_quantize_shard(self, x2d, scale, all_reduce_max):
+        """Rowwise bytes with the module's scale; the shard amax is all-reduced so the module
+        records the full tensor's."""
+        amax = torch.zeros(1, dtype=torch.float32, device=x2d.device)
+        shard_q = Float8Quantizer(scale, amax, self.fp8_dtype, rowwise_usage=True, columnwise_usage=False)
+        t = shard_q.quantize(x2d, internal=True)
+        all_reduce_max(amax)
+        return [("_data", t._data, 0)], {"_scale_inv": t._scale_inv}, amax
+
     def debug_recipe_name(self):
         return "fp8_delayed_scaling"
 
@@ -277,6 +290,21 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
 
     def sp_gather_rule(self):
         return GatherRule("fp8_current", pads_uneven=True)
+
+    def sp_quantize_shard(self, x2d, scale, all_reduce_max):
+        """Rowwise bytes scaled with the all-reduced amax: every rank uses the full tensor's scale."""
+        data, _, scale_inv, amax = self.quantize_with_reduced_amax(x2d, all_reduce_max, True, False)
+        return [("_data", data, 0)], {"_scale_inv": scale_inv}, amax
+
+    def quantize_with_reduced_amax(self, x, all_reduce_max, rowwise: bool, columnwise: bool):
+        """(data, transpose, scale_inv, amax): current scaling of `x` with its amax all-reduced
+        (max) first by `all_reduce_max` (in place), so shards of one tensor share its scale."""
+        amax = kernel("amax", x.device)(x)
+        all_reduce_max(amax)
+        scale = scale_from_amax(amax, self.fp8_max, self.margin, self.force_pow_2_scales, self.amax_epsilon)
+        data, transpose, scale_inv = kernel("fp8_quantize_delayed", x.device)(
+            x, scale, torch.zeros_like(amax), self.fp8_dtype, rowwise, columnwise)
+        return data, transpose, scale_inv, amax
 
     def _scale_from_amax(self, amax):
         return scale_from_amax(amax, fp8_max(self.fp8_dtype), self.margin, self.force_pow_2_scales, self.amax_epsilon)

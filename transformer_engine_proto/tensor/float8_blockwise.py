@@ -258,6 +258,20 @@ class Float8BlockQuantizer(Quantizer):
             return GatherRule(None, reason="Float8BlockScaling with 128x128 input tiles (x_block_scaling_dim=2)")
         return GatherRule("blockwise", BLOCK)  # columnwise tiles run 128 along the rows
 
+    def sp_quantize_shard(self, x2d, scale, all_reduce_max):
+        """The 1x128 scales are stored transposed (outer-dim-major): gathered in that layout."""
+        bufs = self.quantize(x2d, internal=True).get_buffers()
+        parts = [("_rowwise_data", bufs["_rowwise_data"], 0), ("_rowwise_scale_inv", bufs["_rowwise_scale_inv"].t(), 1)]
+        if self.columnwise_usage:
+            parts += [("_columnwise_data", bufs["_columnwise_data"], 1),
+                      ("_columnwise_scale_inv", bufs["_columnwise_scale_inv"].t(), 0)]
+        return parts, {}, torch.zeros(1, dtype=torch.float32, device=x2d.device)
+
+    def sp_finish_gather(self, bufs):
+        bufs["_rowwise_scale_inv"] = bufs["_rowwise_scale_inv"].t()
+        if self.columnwise_usage:
+            bufs["_columnwise_scale_inv"] = bufs["_columnwise_scale_inv"].t()
+
     def debug_recipe_name(self):
         return "fp8_block_scaling"
 

@@ -179,6 +179,13 @@ class MXFP8Quantizer(Quantizer):
     def sp_gather_rule(self):
         return GatherRule("mxfp8", MXFP8_BLOCK_SIZE)
 
+    def sp_quantize_shard(self, x2d, scale, all_reduce_max):
+        bufs = self.quantize(x2d, internal=True).get_buffers()  # every buffer's rows run along dim 0
+        return [(name, b, 0) for name, b in bufs.items()], {}, torch.zeros(1, dtype=torch.float32, device=x2d.device)
+
+    def sp_finish_gather(self, bufs):
+        pass  # gathered as they are laid out
+
     def debug_recipe_name(self):
         return "mxfp8"
 

@@ -15,9 +15,9 @@ from typing import Dict, Optional
 import torch
 
 from ..kernels import kernel
-from ..kernels.reference.common import true_div
-from ..kernels.reference.nvfp4 import (BLOCK, _apply_rht, global_encode_scale, rht_matrix, transpose_2d_blocks,
-                                       unpack_fp4, unpack_fp4_codes)
+from ..kernels.reference.common import transpose_2d, true_div
+from ..kernels.reference.nvfp4 import (BLOCK, _apply_rht, global_encode_scale, quantize_blocks, rht_matrix,
+                                       transpose_2d_blocks, unpack_fp4, unpack_fp4_codes)
 from .quantized_tensor import QuantizedTensor
 from ..constants import DType
 from .quantizer import BufferSpec, Quantizer, flat_2d, te_constructor
@@ -278,6 +278,26 @@ class NVFP4Quantizer(Quantizer):
         if self.with_2d_quantization or self.stochastic_rounding:
             return GatherRule(None, reason="NVFP4 input with 2D blocks or stochastic rounding")
         return GatherRule("nvfp4", BLOCK)  # columnwise 16-row blocks (and 16-row RHT runs)
+
+    def sp_quantize_shard(self, x2d, scale, all_reduce_max):
+        """The kernel's math with global amaxes (rowwise, and columnwise after the RHT), one
+        all-reduce; the pure-torch reference (no fused kernel takes a global amax)."""
+        f = x2d.float()
+        xt = transpose_2d(f) if self.columnwise_usage else None
+        if xt is not None and self.with_rht:
+            xt = _apply_rht(xt, self.rht_seed)
+        amaxes = torch.cat([t.abs().amax().float().reshape(1) for t in (f, xt) if t is not None])
+        all_reduce_max(amaxes)
+        data, s = quantize_blocks(f, amaxes[0:1], False)
+        parts, same = [("_rowwise_data", data, 0), ("_rowwise_scale_inv", s, 0)], {"_amax_rowwise": amaxes[0:1].clone()}
+        if xt is not None:
+            data, s = quantize_blocks(xt, amaxes[1:2], False)
+            parts += [("_columnwise_data", data, 1), ("_columnwise_scale_inv", s, 1)]
+            same["_amax_columnwise"] = amaxes[1:2].clone()
+        return parts, same, amaxes[0:1].clone()
+
+    def sp_finish_gather(self, bufs):
+        pass  # gathered as they are laid out
 
     def debug_recipe_name(self):
         return "nvfp4"

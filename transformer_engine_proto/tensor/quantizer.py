@@ -176,6 +176,20 @@ class Quantizer:
         or kind None with the reason (`distributed/sp_gather.py`)."""
         raise missing_capability(self, "sp_gather_rule")
 
+    def sp_quantize_shard(self, x2d: torch.Tensor, scale: Optional[torch.Tensor], all_reduce_max):
+        """(parts to all-gather as (buffer name, tensor, the dim along which the rows run), buffers
+        identical on every rank, the amax the module records) for this rank's (M, K) input shard,
+        for a format whose `sp_gather_rule` names a kind. `all_reduce_max(t)` all-reduces (max) a
+        tensor in place over the group (amaxes that set a shared scale); `scale` is the module's
+        scale for a format with scale state, else None. The gathered buffers must equal those of
+        quantizing the whole input, bit for bit."""
+        raise missing_capability(self, "sp_quantize_shard")
+
+    def sp_finish_gather(self, bufs: Dict[str, torch.Tensor]) -> None:
+        """Complete the gathered buffers in place into this quantizer's `buffer_layout` (e.g. build
+        a transpose after the gather, or restore a scale layout the parts were gathered in)."""
+        raise missing_capability(self, "sp_finish_gather")
+
     def debug_recipe_name(self) -> str:
         """TE's recipe name for this quantizer in the debug tools' stat names ("mxfp8", ...)."""
         raise missing_capability(self, "debug_recipe_name")
