@@ -250,8 +250,12 @@ class Float8Quantizer(_Float8QuantizerBase):
         all_reduce_max(amax)
         return [("_data", t._data, 0)], {"_scale_inv": t._scale_inv}, amax
 
-    def debug_recipe_name(self):
-        return "fp8_delayed_scaling"
+    DEBUG_RECIPE = "fp8_delayed_scaling"
+
+    @classmethod
+    def debug_quantizer(cls, fp8_dtype, tensor_name):
+        raise ValueError("stats of fp8_delayed_scaling need the DelayedScaling recipe to be the training recipe "
+                         "(its scales come from the amax history)")
 
     def _quantize_buffers(self, x):
         if self.scale is None or self.amax is None:
@@ -309,8 +313,11 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
     def _scale_from_amax(self, amax):
         return scale_from_amax(amax, fp8_max(self.fp8_dtype), self.margin, self.force_pow_2_scales, self.amax_epsilon)
 
-    def debug_recipe_name(self):
-        return "fp8_current_scaling"
+    DEBUG_RECIPE = "fp8_current_scaling"
+
+    @classmethod
+    def debug_quantizer(cls, fp8_dtype, tensor_name):
+        return Float8CurrentScalingQuantizer(fp8_dtype or torch.float8_e4m3fn)
 
     def _quantize_buffers(self, x):
         data, transpose, scale_inv, _ = kernel("fp8_quantize_current", x.device)(

@@ -272,8 +272,11 @@ class Float8BlockQuantizer(Quantizer):
         if self.columnwise_usage:
             bufs["_columnwise_scale_inv"] = bufs["_columnwise_scale_inv"].t()
 
-    def debug_recipe_name(self):
-        return "fp8_block_scaling"
+    DEBUG_RECIPE = "fp8_block_scaling"
+
+    @classmethod
+    def debug_quantizer(cls, fp8_dtype, tensor_name):
+        return Float8BlockQuantizer(fp8_dtype or torch.float8_e4m3fn, block_scaling_dim=2 if tensor_name == "weight" else 1)
 
     def buffer_layout(self, shape) -> Dict[str, BufferSpec]:
         m, k = flat_2d(shape)

@@ -186,8 +186,11 @@ class MXFP8Quantizer(Quantizer):
     def sp_finish_gather(self, bufs):
         pass  # gathered as they are laid out
 
-    def debug_recipe_name(self):
-        return "mxfp8"
+    DEBUG_RECIPE = "mxfp8"
+
+    @classmethod
+    def debug_quantizer(cls, fp8_dtype, tensor_name):
+        return MXFP8Quantizer(fp8_dtype or torch.float8_e4m3fn)
 
     def buffer_layout(self, shape) -> Dict[str, BufferSpec]:
         m, k = flat_2d(shape)

@@ -299,8 +299,11 @@ class NVFP4Quantizer(Quantizer):
     def sp_finish_gather(self, bufs):
         pass  # gathered as they are laid out
 
-    def debug_recipe_name(self):
-        return "nvfp4"
+    DEBUG_RECIPE = "nvfp4"
+
+    @classmethod
+    def debug_quantizer(cls, fp8_dtype, tensor_name):
+        return NVFP4Quantizer(with_2d_quantization=tensor_name == "weight")
 
     def buffer_layout(self, shape) -> Dict[str, BufferSpec]:
         m, k = flat_2d(shape)

@@ -19,7 +19,8 @@ from ..constants import DType, as_torch_dtype
 from ..errors import raise_error
 from .format_api import GatherRule, missing_capability
 
-__all__ = ["Quantizer", "BufferSpec", "HIGH_PRECISION_DTYPES", "check_input", "te_constructor"]
+__all__ = ["Quantizer", "BufferSpec", "HIGH_PRECISION_DTYPES", "check_input", "te_constructor",
+           "debug_recipe_names", "quantizer_class_by_debug_recipe"]
 
 HIGH_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -103,6 +104,18 @@ def te_constructor(te_positional: Tuple[str, ...] = (), te_only: Optional[Dict[s
     return decorate
 
 
+_DEBUG_RECIPES: Dict[str, type] = {}  # debug recipe name -> the quantizer class that declares it
+
+
+def debug_recipe_names() -> Tuple[str, ...]:
+    """Every declared `DEBUG_RECIPE`, in the order the formats were defined."""
+    return tuple(_DEBUG_RECIPES)
+
+
+def quantizer_class_by_debug_recipe(name: str) -> type:
+    return _DEBUG_RECIPES[name]  # KeyError: no format declares it
+
+
 @dataclass(frozen=True)
 class Quantizer:
     """Base quantizer. Subclasses declare their tensor class and `buffer_layout`.
@@ -113,6 +126,16 @@ class Quantizer:
 
     rowwise_usage: bool = field(default=True, kw_only=True)
     columnwise_usage: bool = field(default=True, kw_only=True)
+
+    # TE's recipe name of this quantizer in the debug tools ("mxfp8", ...); a class attribute, not
+    # a field. The class that sets it registers it (`quantizer_class_by_debug_recipe`).
+    DEBUG_RECIPE = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("DEBUG_RECIPE")
+        if name is not None:
+            _DEBUG_RECIPES.setdefault(name, cls)
 
     # ---- what subclasses provide -------------------------------------------------------
     @property
@@ -191,8 +214,17 @@ class Quantizer:
         raise missing_capability(self, "sp_finish_gather")
 
     def debug_recipe_name(self) -> str:
-        """TE's recipe name for this quantizer in the debug tools' stat names ("mxfp8", ...)."""
-        raise missing_capability(self, "debug_recipe_name")
+        """TE's recipe name for this quantizer in the debug tools' stat names: `DEBUG_RECIPE`."""
+        if type(self).DEBUG_RECIPE is None:
+            raise missing_capability(self, "DEBUG_RECIPE")
+        return type(self).DEBUG_RECIPE
+
+    @classmethod
+    def debug_quantizer(cls, fp8_dtype: Optional[torch.dtype], tensor_name: str) -> "Quantizer":
+        """A quantizer of this format for a tensor role (`tensor_name`: "weight", "activation",
+        ...), for debug stats of this recipe while another one trains (`fp8_dtype`: the
+        requested FP8 dtype or None)."""
+        raise missing_capability(cls, "debug_quantizer")
 
     def metadata(self) -> Dict[str, object]:
         """Non-tensor constructor kwargs beyond shape/dtype/quantizer (e.g. fp8_dtype)."""
