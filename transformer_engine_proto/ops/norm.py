@@ -123,7 +123,7 @@ def _input_quantizer(key: str, columnwise: bool):
     from .recipe_registry import quantizers_from_key
 
     q = quantizers_from_key(key).input
-    if q is None or q.__class__.__name__ == "Float8Quantizer":
+    if q is None or q.has_scale_state():
         raise ValueError("norm_quantize_fwd needs a recipe whose input quantizer is stateless "
                          "(not high precision, not DelayedScaling)")
     return q.with_usage(rowwise=True, columnwise=columnwise)
