@@ -235,6 +235,9 @@ class Float8BlockQuantizer(Quantizer):
         return {"fp8_dtype": self.fp8_dtype, "block_scaling_dim": self.block_scaling_dim}
 
     # ---- format capabilities (tensor/format_api.py) ------------------------------------------
+    def row_block(self):
+        return 1  # partial tiles at the edges: any row count
+
     def has_scale_state(self):
         return False
 

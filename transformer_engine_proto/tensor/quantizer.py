@@ -152,8 +152,9 @@ class Quantizer:
 
     def row_block(self) -> int:
         """The multiple the rows (product of the leading dims) must be for this usage; 1: any.
-        The Linear op zero-pads a GEMM's tokens to it (`ops/row_padding.py`)."""
-        return 1
+        The Linear op zero-pads a GEMM's tokens to it (`ops/row_padding.py`). A format capability:
+        each format declares it."""
+        raise missing_capability(self, "row_block")
 
     def _quantize_buffers(self, x: torch.Tensor) -> Dict[str, torch.Tensor]:
         """Run the kernels: returns exactly the buffers `buffer_layout` describes."""
@@ -212,6 +213,13 @@ class Quantizer:
         """Complete the gathered buffers in place into this quantizer's `buffer_layout` (e.g. build
         a transpose after the gather, or restore a scale layout the parts were gathered in)."""
         raise missing_capability(self, "sp_finish_gather")
+
+    def fused_norm_quantize(self, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                            eps: float, kind: str, zero_centered_gamma: bool):
+        """Optional: (y, mu, rsigma, buffers in `buffer_layout` order) of a LayerNorm / RMSNorm and
+        this quantize of its (M, K) output in one fused kernel, or None (the default): the norm
+        runs, then `quantize` (`ops/norm.py`, `te_proto::norm_quantize_fwd`)."""
+        return None
 
     def debug_recipe_name(self) -> str:
         """TE's recipe name for this quantizer in the debug tools' stat names: `DEBUG_RECIPE`."""
