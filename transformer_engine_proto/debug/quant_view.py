@@ -22,12 +22,19 @@ from ..tensor.format_api import UsageView
 from ..tensor.quantizer import debug_recipe_names, quantizer_class_by_debug_recipe
 from ..tensor.storage import storage_class_by_format
 
-__all__ = ["RECIPE_NAMES", "recipe_name", "tensor_recipe_name", "new_quantizer", "usage_view", "internals",
-           "reconstruct", "UsageView"]
+# RECIPE_NAMES is served by the module __getattr__ below
+__all__ = ["RECIPE_NAMES", "recipe_name", "tensor_recipe_name", "new_quantizer", "usage_view",  # noqa: F822
+           "internals", "reconstruct", "UsageView"]
 
-# every format's DEBUG_RECIPE: ("fp8_delayed_scaling", "fp8_current_scaling", "mxfp8", "fp8_block_scaling", "nvfp4")
-RECIPE_NAMES = debug_recipe_names()
 SCALE_LAYOUT = "plain"  # row-major, one scale per block, no swizzle/padding (see internals())
+
+
+def __getattr__(name):
+    """`RECIPE_NAMES`: every format's DEBUG_RECIPE, read when asked (a format defined later counts):
+    ("fp8_delayed_scaling", "fp8_current_scaling", "mxfp8", "fp8_block_scaling", "nvfp4")."""
+    if name == "RECIPE_NAMES":
+        return debug_recipe_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def recipe_name(quantizer) -> str:
@@ -47,7 +54,7 @@ def new_quantizer(recipe: str, fp8_dtype: Optional[torch.dtype], tensor_name: st
     try:
         cls = quantizer_class_by_debug_recipe(recipe)
     except KeyError:
-        raise ValueError(f"unknown recipe {recipe!r}; expected one of {RECIPE_NAMES}") from None
+        raise ValueError(f"unknown recipe {recipe!r}; expected one of {debug_recipe_names()}") from None
     return cls.debug_quantizer(fp8_dtype, tensor_name)  # the format's own choice
 
 
