@@ -73,7 +73,8 @@ HP = "hp"  # gather in the param dtype; the module quantizes after the gather
 # ---- which format a weight gathers in -------------------------------------------------------------
 def gather_format(key: str, shape, world: int) -> Tuple[str, str]:
     """(kind, why not quantized) for a weight of full `shape` under recipe `key` sharded over `world`
-    ranks along dim 0. kind is "fp8" / "mxfp8" / "blockwise" / "nvfp4", or "hp" with the reason
+    ranks along dim 0. kind is the weight format's `fsdp_gather_rule().kind` ("fp8" / "mxfp8" /
+    "blockwise" / "nvfp4"), or "hp" with the reason
     ('' for high precision). Depends on global values only, so every rank decides alike."""
     q = quantizers_from_key(key).weight
     if q is None:
