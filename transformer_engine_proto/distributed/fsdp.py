@@ -190,9 +190,10 @@ class FSDPWeight(torch.Tensor):
         q = quantizers_from_key(key).weight
         scale = None
         if delayed:  # the module's weight scale; the all-reduced weight amax goes into its history
+            amax = self._global_amax(group, dtype)
             scale = gemm.fp8_scale[1:2].clone()
             if not in_backward:
-                gemm.record_amax(self._global_amax(group, dtype).reshape(1), first=1)
+                gemm.record_amax(amax.reshape(1), first=1)
         # the format quantizes the shard (its module under tensor/: `fsdp_quantize_shard`)
         outputs, extra = q.fsdp_quantize_shard(x, lambda: self._global_amax(group, dtype), scale)
         return outputs, meta + tuple(extra)
