@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import is_fake
 from ..gemm import gemm
 from ..tensor import Float8Quantizer, TensorProto
 from ..tensor.storage import QuantizedTensorStorage
+from . import shared_input
 from .eager_path import eager_function
 from .inductor_lowering import inline_in_inductor
 from .recipe_registry import quantizers_from_key
@@ -250,6 +251,18 @@ def make_plan(key, in_shape, weight_shape, *rest) -> LinearPlan:
     return LinearPlan(key, in_shape, weight_shape, *rest)
 
 
+def _quantize_shared(plan: LinearPlan, inp: torch.Tensor, x2d: torch.Tensor) -> QuantizedTensorStorage:
+    """The input quantized for this call, shared with the other Linears that read the same tensor
+    with the same quantizer and usage (ops/shared_input.py; stateless recipes only)."""
+    key = (plan.key, plan.input_quantizer())
+    buffers = shared_input.lookup(inp, key)
+    if buffers is not None:
+        return rebuild(plan.prequantized_input(), buffers)
+    xq = plan.input_quantizer().quantize(pad_rows(x2d, plan.input_rows), internal=True)
+    shared_input.store(inp, key, xq.get_buffers().values())
+    return xq
+
+
 # ---- forward ----------------------------------------------------------------------------------
 @torch.library.custom_op("te_proto::linear_fwd", mutates_args=())
 def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -273,7 +286,9 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         iq = plan.input_quantizer()
         if plan.delayed:
             iq, amaxes[0] = _bind_delayed(iq, fp8_scales, 0)
-        xq = iq.quantize(pad_rows(x2d, plan.input_rows), internal=True)
+            xq = iq.quantize(pad_rows(x2d, plan.input_rows), internal=True)
+        else:
+            xq = _quantize_shared(plan, inp, x2d)
     if cache_mode == CACHE_USE:
         wq = rebuild(plan.cached_weight(), weight_cache)
     else:
