@@ -12,13 +12,16 @@ the module's pending buffer (`record_grad_amax`) and accumulates `main_grad`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import is_fake
+from torch.utils.checkpoint import CheckpointPolicy
 
 from ..gemm import gemm
 from ..tensor import Float8Quantizer, TensorProto
@@ -193,6 +196,30 @@ class LinearPlan:
         return self.input_requires_grad and (not self.quantized or self.cache_mode != CACHE_USE)
 
 
+@contextlib.contextmanager
+def _stays_in_backward():
+    """While inductor traces the backward body: tag the nodes made inside MUST_RECOMPUTE, so AOT's
+    partitioner keeps them in the backward graph. They read only forward values (the weight and
+    its scale), and the partitioner would otherwise compute them in the forward and save their
+    output: the quantized weight this op means not to keep (issue 21)."""
+    if not fx_traceback.has_preserved_node_meta():
+        yield
+        return
+    meta = fx_traceback.get_current_meta()
+    before = meta.get("recompute", _MISSING)
+    meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    try:
+        yield
+    finally:
+        if before is _MISSING:
+            meta.pop("recompute", None)
+        else:
+            meta["recompute"] = before
+
+
+_MISSING = object()
+
+
 def _split(buffers: Sequence[torch.Tensor], protos: Sequence[TensorProto]):
     out, i = [], 0
     for p in protos:
@@ -345,9 +372,10 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
         w = rebuild(plan.cached_weight(), weight_cache).only_usage(False)
     elif plan.quantized:  # the columnwise weight again, from the weight: the forward's bytes
         wq = plan.dgrad_weight().quantizer
-        if plan.delayed:  # the forward's scale (snapshot); this amax was recorded in forward
-            wq = _with_state(wq, _scale_slot(fp8_scales, 1), torch.zeros(1, device=dy.device))
-        w = wq.quantize(weight, internal=True)
+        with _stays_in_backward():
+            if plan.delayed:  # the forward's scale (snapshot); this amax was recorded in forward
+                wq = _with_state(wq, _scale_slot(fp8_scales, 1), torch.zeros(1, device=dy.device))
+            w = wq.quantize(weight, internal=True)
     else:
         w = weight
     rows = plan.rows  # dy and x zero-padded to the recipe's row block for wgrad
