@@ -94,27 +94,23 @@ def eager_saved(model, recipe, ids):
     return seen
 
 
-def compiled_saved(model, recipe, ids):
-    """[(name, kind, bytes, shape)] of the backward graph's saved inputs under inductor's partitioner."""
+def compiled_backward_inputs(fn):
+    """Run `fn()` (compiled: `fn` takes the backend) and return the fake values of the backward
+    graphs' non-tangent inputs, by name: what the compiled forward saves. Inductor's own
+    decompositions, joint passes and partitioner run; its codegen does not (the graphs run as
+    they are), so this is quick on CPU."""
     import torch._inductor.compile_fx as cfx
-    import transformer_engine_proto as te
 
     saved = []
     real = cfx.min_cut_rematerialization_partition
 
     def partition(*a, **k):
         fw, bw = real(*a, **k)
-        for n in bw.graph.find_nodes(op="placeholder"):
-            if n.name.startswith("tangents"):
-                continue
-            v = n.meta.get("val")
-            if isinstance(v, torch.Tensor):
-                saved.append((n.name, _kind(v), v.untyped_storage().nbytes() if v.numel() else 0, tuple(v.shape)))
+        saved.extend((n.name, n.meta["val"]) for n in bw.graph.find_nodes(op="placeholder")
+                     if not n.name.startswith("tangents") and isinstance(n.meta.get("val"), torch.Tensor))
         return fw, bw
 
     def inner(gm, example_inputs, **kwargs):
-        from torch._inductor.output_code import OutputCode  # noqa: F401  (only the callable is used)
-
         def run(args):
             out = gm(*args)
             args.clear()
@@ -126,15 +122,24 @@ def compiled_saved(model, recipe, ids):
     torch._dynamo.reset()
     cfx.min_cut_rematerialization_partition = partition
     try:
-        backend = lambda gm, inputs: cfx.compile_fx(gm, inputs, inner_compile=inner)  # noqa: E731
-        fwd = torch.compile(model, backend=backend)
-        ctx = te.autocast(recipe=recipe) if recipe is not None else contextlib.nullcontext()
-        with ctx:
-            loss = fwd(ids, labels=ids).loss
-        loss.backward()
+        fn(lambda gm, inputs: cfx.compile_fx(gm, inputs, inner_compile=inner))
     finally:
         cfx.min_cut_rematerialization_partition = real
+        torch._dynamo.reset()
     return saved
+
+
+def compiled_saved(model, recipe, ids):
+    """[(name, kind, bytes, shape)] of what the compiled forward saves (`primals_*`: inputs)."""
+    import transformer_engine_proto as te
+
+    def step(backend):
+        ctx = te.autocast(recipe=recipe) if recipe is not None else contextlib.nullcontext()
+        with ctx:
+            loss = torch.compile(model, backend=backend)(ids, labels=ids).loss
+        loss.backward()
+
+    return [(n, _kind(v), _nbytes(v) if v.numel() else 0, tuple(v.shape)) for n, v in compiled_backward_inputs(step)]
 
 
 def _fmt(n):

@@ -7,6 +7,8 @@ so, and delayed scaling's scale snapshots. The columnwise weight is not saved (b
 it again, bitwise equal), and Linears reading one tensor save its quantized copy once.
 """
 import dataclasses
+import os
+import sys
 
 import pytest
 import torch
@@ -16,6 +18,9 @@ import transformer_engine_proto as te
 from transformer_engine_proto.ops import linear as L
 from transformer_engine_proto.ops import shared_input
 from transformer_engine_proto.ops.recipe_registry import quantizers_from_key, recipe_key
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import saved_tensors  # noqa: E402
 
 TOKENS, IN, OUT = 96, 64, 128
 STATELESS = [r for r in QUANTIZED_IDS if r != "delayed"]
@@ -169,37 +174,15 @@ def test_compiled_qkv_saves_quantized_input_once():
     """Under inductor (the ops inlined), the q/k/v Linears' quantizes of one input are one: the
     backward graph gets one quantized input, not three (AOT's CSE does not merge Triton quantize
     launches on the GPU; the shared quantize does not depend on it)."""
-    import torch._inductor.compile_fx as cfx
-
-    saved = []
-    real = cfx.min_cut_rematerialization_partition
-
-    def partition(*a, **k):
-        fw, bw = real(*a, **k)
-        saved.extend(n.meta["val"] for n in bw.graph.find_nodes(op="placeholder")
-                     if not n.name.startswith(("tangents", "primals")))
-        return fw, bw
-
-    def inner(gm, example_inputs, **kwargs):
-        def run(args):
-            out = gm(*args)
-            args.clear()
-            return out
-        run._boxed_call = True
-        return run
-
     lin, h, fwd, _ = _qkv("current")
-    torch._dynamo.reset()
-    cfx.min_cut_rematerialization_partition = partition
     hits = shared_input.stats["hits"]
-    try:
-        f = torch.compile(fwd, backend=lambda gm, inp: cfx.compile_fx(gm, inp, inner_compile=inner))
+
+    def step(backend):
         with recipe_ctx(RECIPES["current"]):
-            loss = f()
+            loss = torch.compile(fwd, backend=backend)()
         loss.backward()
-    finally:
-        cfx.min_cut_rematerialization_partition = real
-        torch._dynamo.reset()
+
+    saved = [v for n, v in saved_tensors.compiled_backward_inputs(step) if not n.startswith("primals")]
     assert shared_input.stats["hits"] - hits == 2
     acts = [t for t in saved if t.dtype == torch.float8_e4m3fn and TOKENS in t.shape]
     assert len(acts) == 1, [(t.shape, t.dtype) for t in saved]
