@@ -48,7 +48,8 @@ def build(args, recipe_name):
     return model, recipe
 
 
-_TOKENS = [0]  # the token count of the run: a quantized buffer with a dim near it is an activation
+_TOKENS = [0]  # the token count: a quantized buffer with a dim near it is an activation (a shape
+# heuristic: NVFP4's packed halves read as weights; compare totals there)
 
 
 def _kind(t: torch.Tensor) -> str:
