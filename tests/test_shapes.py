@@ -112,7 +112,7 @@ def test_layernorm_linear_partial_block_equals_layernorm_then_linear(rid):
         fused.norm.weight.uniform_(0.5, 1.5)
         fused.norm.bias.uniform_(-0.5, 0.5)
     ln, lin = te.LayerNorm(64), te.Linear(64, 32)
-    ln.norm.load_state_dict(fused.norm.state_dict())
+    ln.load_state_dict(fused.norm.state_dict())
     lin.load_state_dict({"weight": fused.weight.detach(), "bias": fused.bias.detach()}, strict=False)
     x, g = torch.randn(3, 7, 64), torch.randn(3, 7, 32)
     y, dx = _run(fused, x, g, recipe, True)
@@ -120,7 +120,7 @@ def test_layernorm_linear_partial_block_equals_layernorm_then_linear(rid):
     _equal(y, y2, "output")
     _equal(dx, dx2, "dgrad")
     _equal(fused.weight.grad, lin.weight.grad, "wgrad")
-    _equal(fused.norm.weight.grad, ln.norm.weight.grad, "norm weight grad")
+    _equal(fused.norm.weight.grad, ln.weight.grad, "norm weight grad")
 
 
 MODULES = {  # (module, output features)
@@ -317,3 +317,16 @@ def test_compiled_quantizer_errors_keep_type_and_message(make, x, exc_type, firs
     with pytest.raises(exc_type) as info:  # eager: the plain type
         q(x)
     assert type(info.value) is exc_type and str(info.value).startswith(first)
+
+
+@pytest.mark.parametrize("exc", [ValueError, TypeError, RuntimeError, NotImplementedError])
+def test_raise_error_keeps_every_type_under_compile(exc):
+    from transformer_engine_proto.errors import raise_error
+
+    def f(x):
+        raise_error(exc, "layer_x: the message")
+        return x
+
+    with pytest.raises(exc) as info:
+        torch.compile(f, fullgraph=True, backend="eager")(torch.ones(2))
+    assert str(info.value).splitlines()[0] == "layer_x: the message"

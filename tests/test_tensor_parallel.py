@@ -283,7 +283,7 @@ def _mod_case(case, rank, group):
         dims = (0 if sp else None, -1)
     elif case.startswith("lnl_row"):
         ref, m = _RowLNLRef(), te.LayerNormLinear(H, H, parallel_mode="row", **kw)
-        pmap = {"norm.weight": (f"norms.{rank}.norm.weight", rep), "norm.bias": (f"norms.{rank}.norm.bias", rep),
+        pmap = {"norm.weight": (f"norms.{rank}.weight", rep), "norm.bias": (f"norms.{rank}.bias", rep),
                 "weight": ("lin.weight", c1), "bias": ("lin.bias", rep)}
         x, g = torch.randn(SEQ * BATCH, H, generator=gen), torch.randn(SEQ * BATCH, H, generator=gen)
         dims = (-1, 0 if sp else None)
@@ -301,9 +301,9 @@ def _mod_case(case, rank, group):
         ref, m = te.TransformerLayer(H, FFN, HEADS, **lkw), te.TransformerLayer(H, FFN, HEADS, **lkw, **kw)
         pmap = {}
         for name, _ in m.named_parameters():
-            if name.startswith("qkv.") and not name.startswith("qkv.norm"):
+            if name.startswith("self_attention.qkv.") and not name.startswith("self_attention.qkv.norm"):
                 pmap[name] = (name, lambda t: _thirds(t, rank, 3))
-            elif name == "proj.weight" or name == "mlp.fc2_weight":
+            elif name == "self_attention.proj.weight" or name == "mlp.fc2_weight":
                 pmap[name] = (name, c1)
             elif name == "mlp.fc1_weight" or name == "mlp.fc1_bias":
                 pmap[name] = (name, c0)

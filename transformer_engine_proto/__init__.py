@@ -2,18 +2,24 @@
 
 TE code ports by changing one import: `import transformer_engine_proto as te` gives
 `te.Linear`, `te.LayerNormLinear`, `te.LayerNormMLP`, `te.LayerNorm`, `te.RMSNorm`,
-`te.TransformerLayer`, `te.autocast` / `te.fp8_autocast` and `te.recipe`; `te.convert_model(model)`
-swaps any model's `nn.Linear` (and norms) for them in place.
+`te.DotProductAttention`, `te.MultiheadAttention`, `te.RotaryPositionEmbedding`, `te.TransformerLayer`,
+`te.GroupedLinear`, `te.autocast` / `te.fp8_autocast` and `te.recipe`, `te.checkpoint` (activation
+recompute), `te.make_graphed_callables` (CUDA graphs); `te.convert_model(model)` swaps any model's
+`nn.Linear` (and norms) for them in place.
 """
 from . import recipe  # noqa: F401
 from . import constants, quantization  # noqa: F401
 from .autocast import autocast, fp8_autocast, get_fp8_recipe, is_fp8_enabled  # noqa: F401
 from .capabilities import (get_device_compute_capability, is_bf16_available, is_fp8_available,  # noqa: F401
                            is_fp8_block_scaling_available, is_mxfp8_available, is_nvfp4_available)
-from .module import (ConversionWarning, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm,  # noqa: F401
+from .module import (ConversionWarning, GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm,  # noqa: F401
                      TransformerLayer, convert_model)
+from .module import (DotProductAttention, MultiheadAttention, RotaryPositionEmbedding,  # noqa: F401
+                     apply_rotary_pos_emb)
 from .tensor import QuantizedTensor, TensorProto, to_tensor_proto  # noqa: F401
 from .constants import DType  # noqa: F401
+from .recompute import checkpoint  # noqa: F401
+from .graph import make_graphed_callables  # noqa: F401
 from .quantization import fp8_model_init, get_default_recipe, quantized_model_init  # noqa: F401
 from .tensor import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, MXFP8Quantizer,  # noqa: F401
                      NVFP4Quantizer, Quantizer)

@@ -15,7 +15,8 @@ from typing import Optional
 
 from . import recipe as _recipe
 
-__all__ = ["autocast", "fp8_autocast", "is_fp8_enabled", "get_fp8_recipe", "get_fp8_recipe_key", "FP8GlobalState"]
+__all__ = ["autocast", "fp8_autocast", "is_fp8_enabled", "get_fp8_recipe", "get_fp8_recipe_key", "FP8GlobalState",
+           "in_activation_recompute_phase"]
 
 
 @dataclass
@@ -32,6 +33,9 @@ class _State:
 class FP8GlobalState:
     state = _State()
     modules: "weakref.WeakSet" = weakref.WeakSet()  # modules to prepare on autocast entry
+    # True while `te.checkpoint` recomputes a forward in backward: modules then use the scales of
+    # the first forward and record no amax (delayed scaling). A trace-time constant under compile.
+    recompute_phase: bool = False
 
     @classmethod
     def register_module(cls, module) -> None:
@@ -40,6 +44,12 @@ class FP8GlobalState:
 
 def get_fp8_recipe_key() -> str:
     return FP8GlobalState.state.key
+
+
+def in_activation_recompute_phase() -> bool:
+    """Whether the running forward is `te.checkpoint`'s recompute (TE's
+    `FP8GlobalStateManager.in_fp8_activation_recompute_phase`)."""
+    return FP8GlobalState.recompute_phase
 
 
 def is_fp8_enabled() -> bool:

@@ -11,7 +11,8 @@ Operands come as they are stored, with no transpose copy:
 
 Our scale buffers keep the plain (rows, K/block) layout of the format spec; cuBLAS reads them in
 its swizzled 128x4-tile layout, so each GEMM swizzles a copy (1/32 or 1/16 of the data's bytes).
-NVFP4's second-level scale is the per-tensor decode factor 1/S_enc of the operand's amax.
+NVFP4's second-level scale is the per-tensor decode factor 1/S_enc of the operand's amax. Each
+operand comes from the format's `gemm_operand` (its module under `tensor/`); this file names no format.
 `TE_PROTO_NATIVE_BLOCK_GEMM=0` turns the native path off (emulated everywhere); the variable is read
 once, at the first GEMM. `set_native_block_gemm(False | True)` switches in Python, `None` goes back to
 the variable (read again at the next GEMM).
@@ -25,10 +26,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .kernels.reference.common import true_div
-from .kernels.reference.nvfp4 import global_encode_scale
-from .tensor.mxfp8 import MXFP8TensorStorage
-from .tensor.nvfp4 import NVFP4TensorStorage
+from .tensor.storage import QuantizedTensorStorage
 
 __all__ = ["swizzle_block_scales", "native_layouts", "block_scaled_mm", "set_native_block_gemm"]
 
@@ -86,67 +84,40 @@ def native_layouts(device: torch.device) -> Optional[str]:
     return {10: "all", 12: "tn"}.get(major)
 
 
-def _nvfp4_decode_scale(amax: torch.Tensor) -> torch.Tensor:
-    """The per-tensor factor decoded values carry: 1 / S_enc (correctly rounded)."""
-    return true_div(1.0, global_encode_scale(amax))
-
-
-def _operand(t, reduce_last: bool):
-    """(outer x K matrix of op(t) as stored, its (outer, K/block) scales, NVFP4 decode scale or
-    None, K-major?, RHT seed or None), or None when t lacks the usage the GEMM reduces along.
-    `reduce_last`: the GEMM reduces over t's last dim (rowwise buffers), else over its rows."""
-    if isinstance(t, MXFP8TensorStorage):
-        if reduce_last:
-            if t._rowwise_data is None:
-                return None
-            return t._rowwise_data.reshape(-1, t._shape[-1]), t._rowwise_scale_inv, None, True, None
-        if t._columnwise_data is None:
-            return None
-        data = t._columnwise_data.reshape(-1, t._shape[-1])  # (rows, cols), blocks down the rows
-        return data.t(), t._columnwise_scale_inv.t(), None, False, None
-    if reduce_last:
-        if t._rowwise_data is None:
-            return None
-        return (t._rowwise_data.view(torch.float4_e2m1fn_x2), t._rowwise_scale_inv,
-                _nvfp4_decode_scale(t._amax_rowwise), True, None)
-    if t._columnwise_data is None:
-        return None
-    rht = t.rht_seed if t.with_rht else None  # the RHT rotates the columnwise copy only
-    return (t._columnwise_data.view(torch.float4_e2m1fn_x2), t._columnwise_scale_inv,
-            _nvfp4_decode_scale(t._amax_columnwise), True, rht)
-
-
 def block_scaled_mm(a, b, trans_a: bool, trans_b: bool, out_dtype: torch.dtype, bias, layouts: str,
                     scaled_mm=None) -> Optional[torch.Tensor]:
     """op(a) @ op(b) (+ bias) in one block-scaled `scaled_mm`, or None when this pair cannot run
     natively under `layouts` ("all" / "tn"), so the caller emulates it."""
-    fmt = next((f for f in (MXFP8TensorStorage, NVFP4TensorStorage) if isinstance(a, f)), None)
-    if fmt is None or not isinstance(b, fmt):
+    if not (isinstance(a, QuantizedTensorStorage) and isinstance(b, QuantizedTensorStorage)):
         return None
-    pa, pb = _operand(a, reduce_last=not trans_a), _operand(b, reduce_last=trans_b)
+    if a.gemm_native() != "block_scaled" or a.format_name() != b.format_name():
+        return None
+    # each operand as stored (`gemm_operand`): (outer, K) data, (outer, K/block) scales, the
+    # second-level decode scale (NVFP4's 1/S_enc) or None, K-major?, the RHT it carries or None
+    pa, pb = a.gemm_operand(reduce_last=not trans_a), b.gemm_operand(reduce_last=trans_b)
     if pa is None or pb is None:
         return None
-    mat_a, sa, ga, kmajor_a, rht_a = pa
-    rows_b, sb, gb, kmajor_b, rht_b = pb  # rows_b: op(b)^T, (N, K)
-    if layouts == "tn" and not (kmajor_a and kmajor_b):
+    mat_a, sa, rows_b, sb = pa.data, pa.scale, pb.data, pb.scale  # rows_b: op(b)^T, (N, K)
+    if layouts == "tn" and not (pa.k_major and pb.k_major):
         return None
-    if rht_a != rht_b:
+    if pa.rht_seed != pb.rht_seed:
         return None  # one rotated operand: the rotations must cancel (wgrad), else emulate
     if mat_a.shape[1] != rows_b.shape[1] or sa.shape[1] != sb.shape[1]:
         return None  # inner dims differ: the emulated path raises the error
     m, n = mat_a.shape[0], rows_b.shape[0]
-    k = sa.shape[1] * (32 if fmt is MXFP8TensorStorage else 16)
+    k = sa.shape[1] * pa.block[1]
     if m % 16 or n % 16 or k % 32:
         return None  # cuBLAS alignment (16-byte leading dims, whole 32-element K blocks)
     st, sw = F.ScalingType, F.SwizzleType
-    if fmt is MXFP8TensorStorage:
-        scale_a, rec_a, swz_a = swizzle_block_scales(sa), st.BlockWise1x32, sw.SWIZZLE_32_4_4
-        scale_b, rec_b, swz_b = swizzle_block_scales(sb), st.BlockWise1x32, sw.SWIZZLE_32_4_4
-    else:
-        rec = [st.BlockWise1x16, st.TensorWise]
+    block_rec = getattr(st, f"BlockWise1x{pa.block[1]}")  # 1x32 (MXFP8, E8M0) / 1x16 (NVFP4, E4M3)
+    if pa.global_scale is None:
+        scale_a, rec_a, swz_a = swizzle_block_scales(sa), block_rec, sw.SWIZZLE_32_4_4
+        scale_b, rec_b, swz_b = swizzle_block_scales(sb), block_rec, sw.SWIZZLE_32_4_4
+    else:  # a per-tensor second-level scale: two scales per operand
+        rec = [block_rec, st.TensorWise]
         swz = [sw.SWIZZLE_32_4_4, sw.NO_SWIZZLE]
-        scale_a, rec_a, swz_a = [swizzle_block_scales(sa), ga], rec, swz
-        scale_b, rec_b, swz_b = [swizzle_block_scales(sb), gb], rec, swz
+        scale_a, rec_a, swz_a = [swizzle_block_scales(sa), pa.global_scale], rec, swz
+        scale_b, rec_b, swz_b = [swizzle_block_scales(sb), pb.global_scale], rec, swz
     # bf16 out (what torch's block-scaled kernels are known to take; the Hopper emulation rounds its
     # product to bf16 as well), widened afterwards when the caller wants fp32
     out = (scaled_mm or F.scaled_mm)(mat_a, rows_b.t(), scale_a, rec_a, scale_b, rec_b, swizzle_a=swz_a,

@@ -32,7 +32,9 @@ def _traced_type(name: str) -> type:
     def __init__(self, message: str):
         Unsupported.__init__(self, message)
 
-    return type(name, (base, Unsupported), {"__init__": __init__, "__module__": __name__})
+    # Unsupported is itself a RuntimeError: (RuntimeError, Unsupported) has no consistent MRO
+    bases = (Unsupported,) if issubclass(Unsupported, base) else (base, Unsupported)
+    return type(name, bases, {"__init__": __init__, "__module__": __name__})
 
 
 def raise_error(exc_type: type, message: str):

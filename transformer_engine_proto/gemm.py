@@ -19,6 +19,11 @@ by format and device:
   (H a)^T (H b) = a^T b. That saves two inverse transforms and two transposes per step.
 - CPU: dequantize to float32 and matmul -- exact for the quantized values, so it is the numerical
   reference the fast paths are compared against.
+
+The path is chosen by asking the operands (the format capabilities, `tensor/format_api.py`):
+`gemm_native()` names the native path of two operands of one format, `gemm_operand()` hands over
+the stored buffers it reads, and `gemm_emulated()` a format's cheaper emulation (NVFP4's wgrad).
+No format class is named here.
 """
 from __future__ import annotations
 
@@ -30,11 +35,6 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .block_scaled_gemm import block_scaled_mm, native_layouts
-from .kernels import kernel
-from .tensor.float8 import Float8TensorStorage
-from .tensor.float8_blockwise import Float8BlockwiseQTensorStorage
-from .tensor.mxfp8 import MXFP8TensorStorage
-from .tensor.nvfp4 import NVFP4TensorStorage
 from .tensor.storage import QuantizedTensorStorage
 
 __all__ = ["gemm", "emulated_gemm"]
@@ -59,23 +59,17 @@ def emulated_gemm(a, b, *, out_dtype, trans_a=False, trans_b=False, bias=None, c
 
 
 # ---- per-tensor FP8 -----------------------------------------------------------------------------
-def _rowmajor_fp8(t: Float8TensorStorage, transpose: bool) -> Optional[torch.Tensor]:
-    """Row-major fp8 matrix of t (transpose=False) or t^T (True) from existing buffers."""
-    if transpose:
-        return t._transpose
-    return None if t._data is None else t._data.reshape(-1, t._shape[-1])
-
-
 def _tensorwise(a, b, trans_a, trans_b, out_dtype, bias):
-    a_mat = _rowmajor_fp8(a, trans_a)  # (M, K) row-major
-    b_rows = _rowmajor_fp8(b, not trans_b)  # (N, K) row-major, i.e. B column-major
-    if a_mat is None or b_rows is None:
+    pa = a.gemm_operand(reduce_last=not trans_a)  # (M, K) row-major
+    pb = b.gemm_operand(reduce_last=trans_b)  # (N, K) row-major, i.e. B column-major
+    if pa is None or pb is None:
         return None
+    a_mat, b_rows = pa.data, pb.data
     k, n = a_mat.shape[1], b_rows.shape[0]
-    if k % 16 or n % 16 or (a.fp8_dtype == b.fp8_dtype == torch.float8_e5m2):
+    if k % 16 or n % 16 or (a_mat.dtype == b_rows.dtype == torch.float8_e5m2):
         return None
     fused_bias = bias is not None and out_dtype == torch.bfloat16 and bias.dtype == torch.bfloat16
-    out = torch._scaled_mm(a_mat, b_rows.t(), a._scale_inv, b._scale_inv,
+    out = torch._scaled_mm(a_mat, b_rows.t(), pa.scale, pb.scale,
                            bias=bias if fused_bias else None, out_dtype=out_dtype)
     if bias is not None and not fused_bias:
         out = (out.float() + bias.float()).to(out_dtype)
@@ -83,15 +77,6 @@ def _tensorwise(a, b, trans_a, trans_b, out_dtype, bias):
 
 
 # ---- FP8 blockwise ------------------------------------------------------------------------------
-def _block_operand(t: Float8BlockwiseQTensorStorage, transpose: bool):
-    """(row-major fp8 matrix of op(t), its scales, block dim) from t's existing buffers."""
-    if transpose:
-        return t._columnwise_data, t._columnwise_scale_inv
-    if t._rowwise_data is None:
-        return None, None
-    return t._rowwise_data.reshape(-1, t._shape[-1]), t._rowwise_scale_inv
-
-
 def _pad_128x128(scale: torch.Tensor) -> torch.Tensor:
     """(blocks_out, blocks_k) scales -> the (L4, blocks_out) stride-(1, L4) layout cuBLAS wants.
     A contiguous scale whose blocks_k is already a multiple of 4 has that layout as its
@@ -108,20 +93,21 @@ def _pad_128x128(scale: torch.Tensor) -> torch.Tensor:
 def _blockwise(a, b, trans_a, trans_b, out_dtype, bias):
     if not hasattr(F, "scaled_mm"):
         return None
-    a_mat, sa = _block_operand(a, trans_a)  # (M, K)
-    b_rows, sb = _block_operand(b, not trans_b)  # (N, K)
-    if a_mat is None or b_rows is None or a.block_scaling_dim == 2 and b.block_scaling_dim == 2:
-        return None
+    pa = a.gemm_operand(reduce_last=not trans_a)  # (M, K) row-major and its tile scales
+    pb = b.gemm_operand(reduce_last=trans_b)  # (N, K)
+    if pa is None or pb is None or pa.block[0] > 1 and pb.block[0] > 1:
+        return None  # two 128x128 operands: no such kernel
+    a_mat, sa, b_rows, sb = pa.data, pa.scale, pb.data, pb.scale
     m, k = a_mat.shape
     n = b_rows.shape[0]
     if k % 128 or n % 16 or m % 4:
         return None
     st = F.ScalingType
-    if a.block_scaling_dim == 2:
+    if pa.block[0] > 1:
         rec_a, sa = st.BlockWise128x128, _pad_128x128(sa)
     else:
         rec_a = st.BlockWise1x128
-    if b.block_scaling_dim == 2:
+    if pb.block[0] > 1:
         rec_b, sb = st.BlockWise128x128, _pad_128x128(sb)
     else:
         rec_b = st.BlockWise1x128  # stored as (N, kb) with strides (1, N): what v2 wants
@@ -131,30 +117,15 @@ def _blockwise(a, b, trans_a, trans_b, out_dtype, bias):
     return out
 
 
-# ---- NVFP4 wgrad on Hopper (emulated) ---------------------------------------------------------------
-def _stored_columnwise(t: NVFP4TensorStorage, dtype) -> torch.Tensor:
-    """x^T (K, M) as stored (after the RHT, if any), dequantized to `dtype`."""
-    return kernel("nvfp4_dequantize_to", t._columnwise_data.device)(
-        t._columnwise_data, t._columnwise_scale_inv, t._amax_columnwise, None, None, None,
-        dtype=dtype)
+# ---- a format's own emulation (NVFP4's wgrad on Hopper) --------------------------------------------
+def _emulated_by_format(a, b, trans_a, trans_b, out_dtype, bias):
+    """The format's cheaper emulation of op(a) @ op(b) (`gemm_emulated`), or None."""
+    if not isinstance(a, QuantizedTensorStorage):
+        return None
+    return a.gemm_emulated(b, trans_a, trans_b, out_dtype, bias)
 
 
-def _nvfp4_wgrad(a, b, trans_a, trans_b, out_dtype, bias):
-    """a^T @ b from both columnwise buffers, or None when the shortcut does not apply."""
-    if not (trans_a and not trans_b and isinstance(a, NVFP4TensorStorage) and isinstance(b, NVFP4TensorStorage)):
-        return None
-    if a._columnwise_data is None or b._columnwise_data is None:
-        return None
-    if a._rowwise_data is not None or b._rowwise_data is not None:
-        return None  # only-usage views are what the ops pass; anything else takes the plain path
-    if a.with_rht != b.with_rht or (a.with_rht and a.rht_seed != b.rht_seed):
-        return None  # the rotations must cancel
-    a_t = _stored_columnwise(a, torch.bfloat16)  # (N, M)
-    b_t = _stored_columnwise(b, torch.bfloat16)  # (K, M)
-    out = a_t @ b_t.t()
-    if bias is not None:
-        out = out.float() + bias.float()
-    return out.to(out_dtype)
+_nvfp4_wgrad = _emulated_by_format  # the name tests/test_cuda.py calls (NVFP4's is the only one)
 
 
 def _high_precision(a, b, trans_a, trans_b, out_dtype, bias):
@@ -173,6 +144,10 @@ def _empty(t) -> bool:
     return statically_known_true(math.prod(shape) == 0)
 
 
+def _same_format(a, b) -> bool:
+    return isinstance(b, QuantizedTensorStorage) and a.format_name() == b.format_name()
+
+
 def gemm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype, trans_a: bool = False,
          trans_b: bool = False, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """op(a) (M,K) @ op(b) (K,N), + bias, in out_dtype. An empty operand (no tokens) takes the
@@ -181,16 +156,20 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype, trans_a: b
     device = a._buffer_device() if a_quantized else a.device
     if device.type == "cuda" and not (_empty(a) or _empty(b)):
         out = None
-        if isinstance(a, Float8TensorStorage) and isinstance(b, Float8TensorStorage):
-            out = _tensorwise(a, b, trans_a, trans_b, out_dtype, bias)
-        elif isinstance(a, Float8BlockwiseQTensorStorage) and isinstance(b, Float8BlockwiseQTensorStorage):
-            out = _blockwise(a, b, trans_a, trans_b, out_dtype, bias)
-        elif isinstance(a, (MXFP8TensorStorage, NVFP4TensorStorage)):
-            layouts = native_layouts(device)
-            if layouts is not None:
-                out = block_scaled_mm(a, b, trans_a, trans_b, out_dtype, bias, layouts)
-            if out is None and isinstance(a, NVFP4TensorStorage):
-                out = _nvfp4_wgrad(a, b, trans_a, trans_b, out_dtype, bias)
+        path = a.gemm_native() if a_quantized else None
+        if path is not None and _same_format(a, b):
+            if path == "tensorwise":
+                out = _tensorwise(a, b, trans_a, trans_b, out_dtype, bias)
+            elif path == "blockwise":
+                out = _blockwise(a, b, trans_a, trans_b, out_dtype, bias)
+            elif path == "block_scaled":
+                layouts = native_layouts(device)
+                if layouts is not None:
+                    out = block_scaled_mm(a, b, trans_a, trans_b, out_dtype, bias, layouts)
+            else:
+                raise NotImplementedError(f"gemm: {type(a).__name__}.gemm_native() named an unknown path {path!r}")
+        if out is None and a_quantized:
+            out = a.gemm_emulated(b, trans_a, trans_b, out_dtype, bias)
         if out is not None:
             return out
         if not a_quantized and not isinstance(b, QuantizedTensorStorage):

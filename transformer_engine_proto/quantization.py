@@ -107,6 +107,10 @@ class FP8GlobalStateManager:
         return torch.cuda.is_current_stream_capturing()
 
     @classmethod
+    def in_fp8_activation_recompute_phase(cls) -> bool:
+        return _autocast.in_activation_recompute_phase()
+
+    @classmethod
     def is_first_fp8_module(cls) -> bool:
         """True for the first caller inside each autocast region, False after."""
         state = _autocast.FP8GlobalState.state
@@ -179,14 +183,13 @@ class RecipeState:
         return default[slot % len(default)]
 
     def make_quantizers(self) -> list:
-        from .tensor import Float8Quantizer
         from .tensor.recipe_quantizers import quantizers_for_recipe
 
         by_role = quantizers_for_recipe(self.recipe)
         out = []
         for slot in range(self.num_quantizers):
             q = getattr(by_role, self._ROLE[self.tensor_type(slot)])
-            if isinstance(q, Float8Quantizer):  # bind this slot's delayed-scaling state
-                q = Float8Quantizer(self.scale[slot:slot + 1], self.amax_history[0, slot:slot + 1], q.fp8_dtype)
+            if q is not None and q.has_scale_state():  # bind this slot's delayed-scaling state
+                q = q.with_scale_state(self.scale[slot:slot + 1], self.amax_history[0, slot:slot + 1])
             out.append(q)
         return out

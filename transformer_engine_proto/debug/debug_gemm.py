@@ -16,7 +16,6 @@ token tensor that autograd saves; the entry is dropped when the token dies. The 
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import weakref
@@ -27,7 +26,7 @@ import torch
 from ..gemm import gemm
 from ..ops.linear import record_grad_amax
 from ..ops.recipe_registry import HIGH_PRECISION_KEY, quantizers_from_key
-from ..tensor import Float8Quantizer, QuantizedTensor
+from ..tensor import QuantizedTensor
 from . import state
 from .state import HIGH, MODIFY, QUANTIZE, TENSOR_GEMMS
 
@@ -49,7 +48,12 @@ def linear_for(gemm_module, recipe_on: bool):
 
 
 def _bind(q, scale, amax):
-    return dataclasses.replace(q, scale=scale, amax=amax) if isinstance(q, Float8Quantizer) else q
+    return q.with_scale_state(scale, amax)  # a stateless format returns itself
+
+
+def _delayed(q) -> bool:
+    """Whether the input quantizer takes its scale from module state (delayed scaling)."""
+    return q is not None and q.has_scale_state()
 
 
 def _operand(t, rowwise: bool):
@@ -161,7 +165,7 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     calls = _Calls(layer_name, key)
     q = quantizers_from_key(key)
-    delayed = isinstance(q.input, Float8Quantizer)
+    delayed = _delayed(q.input)
     amaxes = torch.zeros(2 if delayed else 0, dtype=torch.float32, device=inp.device)
     iq = _bind(q.input, fp8_scales[0:1], amaxes[0:1]) if delayed else q.input
     wq = _bind(q.weight, fp8_scales[1:2], amaxes[1:2]) if delayed else q.weight
@@ -182,7 +186,7 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 @linear_fwd.register_fake
 def _linear_fwd_fake(inp, weight, bias, fp8_scales, grad_scale, grad_amax_state, main_grad, layer_name, key,
                      input_requires_grad, weight_requires_grad, fuse_wgrad_accumulation):
-    delayed = isinstance(quantizers_from_key(key).input, Float8Quantizer)
+    delayed = _delayed(quantizers_from_key(key).input)
     return (inp.new_empty(tuple(inp.shape[:-1]) + (weight.shape[0],)),
             inp.new_empty(2 if delayed else 0, dtype=torch.float32), torch.empty(1, dtype=torch.int64, device="cpu"))
 
@@ -200,7 +204,7 @@ def linear_bwd(grad_out: torch.Tensor, token: torch.Tensor, grad_scale: Optional
                            "(was the debug session re-initialised between forward and backward?)")
     calls = _Calls(layer_name, key, plan=saved["plan"] if saved else None)
     q = quantizers_from_key(key)
-    delayed = isinstance(q.input, Float8Quantizer)
+    delayed = _delayed(q.input)
     grad_amax = torch.zeros(1, dtype=torch.float32, device=grad_out.device)
     dy = grad_out.reshape(-1, grad_out.shape[-1])
     grads = []
@@ -233,7 +237,7 @@ def _linear_bwd_fake(grad_out, token, grad_scale, layer_name, key, in_shape, wei
                                         dtype=torch.float32 if fuse_wgrad_accumulation else weight_dtype))
     if bias_requires_grad:
         grads.append(grad_out.new_empty((weight_shape[0],), dtype=weight_dtype))
-    if isinstance(quantizers_from_key(key).input, Float8Quantizer):
+    if _delayed(quantizers_from_key(key).input):
         grads.append(grad_out.new_empty((1,), dtype=torch.float32))
     return grads
 

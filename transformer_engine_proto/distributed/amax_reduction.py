@@ -29,8 +29,6 @@ import torch
 import torch.distributed as dist
 
 from .. import recipe as R
-from ..kernels import kernel
-from ..kernels.reference.common import scale_from_amax
 from ..ops.recipe_registry import recipe_from_key, recipe_key
 from ..tensor import Float8CurrentScalingQuantizer
 from ..tensor.recipe_quantizers import quantizers_for_recipe
@@ -60,12 +58,8 @@ def current_scaling_with_group_amax(q: Float8CurrentScalingQuantizer, x: torch.T
     """Current scaling of `x` (q's format and options) with the amax all-reduced (max) over
     `group` first, so every rank's shard gets the whole tensor's scale: (data, transpose,
     scale_inv, the reduced amax). Used for TP operands here and for the quantized SP gather."""
-    amax = kernel("amax", x.device)(x)
-    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    scale = scale_from_amax(amax, q.fp8_max, q.margin, q.force_pow_2_scales, q.amax_epsilon)
-    data, transpose, scale_inv = kernel("fp8_quantize_delayed", x.device)(
-        x, scale, torch.zeros_like(amax), q.fp8_dtype, rowwise, columnwise)
-    return data, transpose, scale_inv, amax
+    return q.quantize_with_reduced_amax(x, lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group),
+                                        rowwise, columnwise)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,11 @@ otherwise                   param dtype, quantized after the gather by the modul
 (Float8BlockScaling with 1x128 weight tiles and NVFP4 with 1D weight blocks fall back: their
 columnwise copy is not derivable from the rowwise one, and FSDP gathers along dim 0 only.)
 
+Each format declares its part in its own module under `tensor/` (`tensor/format_api.py`):
+`fsdp_gather_rule` (the kind, the shard's row multiple, whether uneven shards may be padded, or
+why it gathers in high precision), `fsdp_quantize_shard` (what is gathered) and `fsdp_rebuild`
+(the full buffers, and which were built after the gather). This file names no format.
+
 Delayed scaling: the module's scale buffer is used, and the pre-all-gather of each forward
 all-reduces (max) the GEMM's pending amaxes (input, weight, grad) across the shard group before
 the in-graph scale update (`DelayedScaling.reduce_amax`), so scales stay identical on every rank.
@@ -53,13 +58,9 @@ from torch.utils._pytree import tree_map, tree_map_only
 
 from .. import recipe as R
 from ..autocast import get_fp8_recipe_key
-from ..kernels.reference.common import fp8_max, scale_from_amax, transpose_2d
-from ..kernels import kernel
-from ..kernels.reference.nvfp4 import transpose_2d_blocks
 from ..ops import linear as _linear_ops
 from ..ops.recipe_registry import HIGH_PRECISION_KEY, quantizers_from_key, recipe_from_key
-from ..tensor import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, MXFP8Quantizer,
-                      NVFP4Quantizer, QuantizedTensor)
+from ..tensor import QuantizedTensor
 from ..tensor.quantized_tensor import _handles
 
 __all__ = ["FSDPWeight", "enable_quantized_all_gather", "precompute_fp8_scales_for_fsdp", "gather_format",
@@ -72,7 +73,8 @@ HP = "hp"  # gather in the param dtype; the module quantizes after the gather
 # ---- which format a weight gathers in -------------------------------------------------------------
 def gather_format(key: str, shape, world: int) -> Tuple[str, str]:
     """(kind, why not quantized) for a weight of full `shape` under recipe `key` sharded over `world`
-    ranks along dim 0. kind is "fp8" / "mxfp8" / "blockwise" / "nvfp4", or "hp" with the reason
+    ranks along dim 0. kind is the weight format's `fsdp_gather_rule().kind` ("fp8" / "mxfp8" /
+    "blockwise" / "nvfp4"), or "hp" with the reason
     ('' for high precision). Depends on global values only, so every rank decides alike."""
     q = quantizers_from_key(key).weight
     if q is None:
@@ -86,25 +88,15 @@ def gather_format(key: str, shape, world: int) -> Tuple[str, str]:
         return HP, str(e)  # the module raises the recipe's own error after the gather
     rows = shape[0]
     shard = -(-rows // world)
-    if isinstance(q, (Float8Quantizer, Float8CurrentScalingQuantizer)):
-        return "fp8", ""  # one scale per tensor: any shard (uneven ones are zero-padded)
+    rule = q.fsdp_gather_rule()  # the format's own rule (its module under tensor/)
+    if rule.pads_uneven and rule.kind is not None:
+        return rule.kind, ""  # one scale per tensor: any shard (uneven ones are zero-padded)
     if rows % world:
         return HP, (f"weight shape {shape}: dim 0 ({rows}) is not divisible by the FSDP world size {world} "
                     f"(uneven shards are padded, which block scales cannot express)")
-    if isinstance(q, MXFP8Quantizer):
-        block, kind = 32, "mxfp8"
-    elif isinstance(q, Float8BlockQuantizer):
-        if q.block_scaling_dim != 2:
-            return HP, ("Float8BlockScaling with 1x128 weight tiles: the columnwise copy cannot be derived "
-                        "from gathered rowwise data (set w_block_scaling_dim=2)")
-        block, kind = 128, "blockwise"
-    elif isinstance(q, NVFP4Quantizer):
-        if not q.with_2d_quantization:
-            return HP, ("NVFP4 with 1D weight blocks: the columnwise copy cannot be derived from gathered "
-                        "rowwise data (keep 2D weight quantization)")
-        block, kind = 16, "nvfp4"
-    else:
-        return HP, f"no quantized all-gather for {type(q).__name__}"
+    if rule.kind is None:
+        return HP, rule.reason
+    block, kind = rule.row_block, rule.kind
     if shard % block:
         return HP, (f"weight shape {shape}: the FSDP shard of {shard} rows (dim 0 {rows} / world {world}) is "
                     f"not a multiple of the {kind} block of {block} rows")
@@ -196,27 +188,15 @@ class FSDPWeight(torch.Tensor):
         if kind == HP:
             return (x,), meta
         q = quantizers_from_key(key).weight
-        if kind == "fp8":
+        scale = None
+        if delayed:  # the module's weight scale; the all-reduced weight amax goes into its history
             amax = self._global_amax(group, dtype)
-            if delayed:
-                scale = gemm.fp8_scale[1:2].clone()
-                if not in_backward:
-                    gemm.record_amax(amax.reshape(1), first=1)
-            else:
-                scale = scale_from_amax(amax, fp8_max(q.fp8_dtype), q.margin, q.force_pow_2_scales, q.amax_epsilon)
-            fq = Float8Quantizer(scale, torch.zeros_like(scale), q.fp8_dtype, rowwise_usage=True,
-                                 columnwise_usage=False)
-            t = fq.quantize(x)
-            return (t._data.view(torch.uint8),), meta + (t._scale_inv,)
-        if kind == "mxfp8":
-            t = q.with_usage(rowwise=True, columnwise=True).quantize(x)
-            return tuple(b.view(torch.uint8) for b in t.get_buffers().values()), meta
-        if kind == "blockwise":
-            t = q.with_usage(rowwise=True, columnwise=False).quantize(x)
-            return (t._rowwise_data.view(torch.uint8), t._rowwise_scale_inv.view(torch.uint8)), meta
-        amax = self._global_amax(group, dtype)  # nvfp4 (2D): one global amax for the whole weight
-        data, scale = kernel("nvfp4_quantize", x.device)(x, True, False, two_d=True, amax=amax)[:2]
-        return (data, scale.view(torch.uint8)), meta + (amax,)
+            scale = gemm.fp8_scale[1:2].clone()
+            if not in_backward:
+                gemm.record_amax(amax.reshape(1), first=1)
+        # the format quantizes the shard (its module under tensor/: `fsdp_quantize_shard`)
+        outputs, extra = q.fsdp_quantize_shard(x, lambda: self._global_amax(group, dtype), scale)
+        return outputs, meta + tuple(extra)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         kind, key, shape = metadata[:3]
@@ -228,7 +208,7 @@ class FSDPWeight(torch.Tensor):
             return x, (x,)
         q = quantizers_from_key(key).weight
         extra = tuple(_read_on_this_stream(t) for t in metadata[3:])
-        bufs, derived = _rebuild_buffers(kind, q, all_gather_outputs, extra, n)
+        bufs, derived = q.fsdp_rebuild(all_gather_outputs, extra, n)  # the format's own rebuild
         if out is not None:
             if not isinstance(out, QuantizedTensor) or set(out.get_buffers()) != set(bufs):
                 raise RuntimeError(f"FSDP2: the unsharded weight {tuple(shape)} was first gathered in another "
@@ -331,29 +311,6 @@ def _reduce_pending_amaxes(gemm, group) -> None:
     gemm.grad_amax_history[0].copy_(buf[3:])
 
 
-def _rebuild_buffers(kind, q, outputs, extra, n: int):
-    """(named buffers of the full quantized weight in flatten order, names of the buffers built
-    locally after the gather) from the gathered uint8 outputs."""
-    if kind == "fp8":
-        data = outputs[0].view(q.fp8_dtype)[:n]
-        bufs = {"_data": data, "_transpose": transpose_2d(data), "_scale_inv": extra[0].clone()}
-        return bufs, ("_transpose", "_scale_inv")
-    if kind == "mxfp8":
-        rd, rs, cd, cs = outputs
-        return {"_rowwise_data": rd.view(q.fp8_dtype), "_rowwise_scale_inv": rs.view(torch.float8_e8m0fnu),
-                "_columnwise_data": cd.view(q.fp8_dtype), "_columnwise_scale_inv": cs.view(torch.float8_e8m0fnu)}, ()
-    if kind == "blockwise":
-        data, scale = outputs[0].view(q.fp8_dtype), outputs[1].view(torch.float32)
-        return {"_rowwise_data": data, "_rowwise_scale_inv": scale, "_columnwise_data": transpose_2d(data),
-                "_columnwise_scale_inv": transpose_2d(scale)}, ("_columnwise_data", "_columnwise_scale_inv")
-    data, scale = outputs[0], outputs[1].view(torch.float8_e4m3fn)  # nvfp4
-    col_data, col_scale = transpose_2d_blocks(data, scale)
-    amax = extra[0].clone()  # private: the amax cache must not alias the weight's buffers
-    return {"_rowwise_data": data, "_rowwise_scale_inv": scale, "_columnwise_data": col_data,
-            "_columnwise_scale_inv": col_scale, "_amax_rowwise": amax, "_amax_columnwise": amax.clone()}, \
-        ("_columnwise_data", "_columnwise_scale_inv", "_amax_rowwise", "_amax_columnwise")
-
-
 # ---- the gathered weight inside the module -------------------------------------------------------------
 def gathered_weight_cache(owner: str, weight: QuantizedTensor, key: str, is_first_microbatch) -> List[torch.Tensor]:
     """The buffers of a quantized weight (an FSDP2 quantized all-gather, or a parameter made by
@@ -370,7 +327,8 @@ def gathered_weight_cache(owner: str, weight: QuantizedTensor, key: str, is_firs
     if type(weight).__qualname__ != names[0]:
         raise RuntimeError(f"{owner}: the gathered weight is a {type(weight).__name__}, recipe {key} "
                            f"takes a {names[0]}")
-    stored = _stored_buffer_names(weight._quantizer, tuple(weight.shape))
+    q = weight._quantizer
+    stored = _stored_buffer_names(key, tuple(weight.shape), q.rowwise_usage, q.columnwise_usage)
     buffers = {n: getattr(weight, n) for n in stored}
     if any(n not in buffers for n in names[1]):  # attribute reads only: dynamo traces them
         meta = {m: getattr(weight, m) for m in type(weight)._META_FIELDS}
@@ -381,8 +339,11 @@ def gathered_weight_cache(owner: str, weight: QuantizedTensor, key: str, is_firs
 
 
 @torch._dynamo.assume_constant_result
-def _stored_buffer_names(quantizer, shape) -> Tuple[str, ...]:
-    return tuple(quantizer.buffer_layout(shape))
+def _stored_buffer_names(key: str, shape, rowwise: bool, columnwise: bool) -> Tuple[str, ...]:
+    """The buffers a weight of this layout stores (plain arguments: dynamo cannot rebuild a
+    quantizer object to pass it here)."""
+    q = quantizers_from_key(key).weight.with_usage(rowwise=rowwise, columnwise=columnwise)
+    return tuple(q.buffer_layout(shape))
 
 
 @torch._dynamo.assume_constant_result

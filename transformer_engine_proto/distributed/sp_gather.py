@@ -29,6 +29,11 @@ Anything else (misaligned shards where wgrad needs the columnwise copy, 128x128 
 `save_original_input`) all-gathers in high precision, as before -- the same numbers.
 `input_gather_format` says which; a one-time warning names the reason for a fallback.
 
+Each format declares its part in its own module under `tensor/` (`tensor/format_api.py`):
+`sp_gather_rule` (the kind, the row multiple a shard needs for the columnwise copy, or why it
+gathers in high precision), `sp_quantize_shard` (the parts gathered, the buffers every rank
+shares) and `sp_finish_gather` (buffers built after the gather). This file names no format.
+
 The collective is one custom op (`te_proto::sp_all_gather_quantized`: quantize the shard, one
 all-gather of all its buffers packed as bytes, rebuild the full buffers), opaque to
 torch.compile. It returns the buffers the Linear op takes as a prequantized input, and a
@@ -45,13 +50,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..kernels.reference.common import transpose_2d
-from ..kernels.reference.nvfp4 import _apply_rht, quantize_blocks
 from ..ops.recipe_registry import quantizers_from_key
-from ..tensor import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, MXFP8Quantizer,
-                      NVFP4Quantizer, TensorProto)
+from ..tensor import (TensorProto)
 from . import tp as _tp
-from .amax_reduction import current_scaling_with_group_amax
 
 __all__ = ["HP", "input_gather_format", "all_gather_quantized", "set_quantized_sequence_parallel_gather"]
 
@@ -63,13 +64,13 @@ _ALIGN = 16  # bytes: each packed buffer starts aligned, so it can be viewed bac
 def input_gather_format(key: str, local_shape: Sequence[int], world: int, columnwise: bool) -> Tuple[str, str]:
     """(kind, why not quantized) for gathering an input shard of `local_shape` over `world` ranks
     along dim 0 under recipe `key`; `columnwise`: the GEMM's wgrad needs the columnwise copy.
-    kind is "fp8_current" / "fp8_delayed" / "mxfp8" / "blockwise" / "nvfp4", or HP with the
-    reason ('' for high precision)."""
+    kind is the input format's `sp_gather_rule().kind` ("fp8_current" / "fp8_delayed" / "mxfp8"
+    / "blockwise" / "nvfp4"), or HP with the reason ('' for high precision)."""
     local_shape = tuple(local_shape)
     if len(local_shape) < 2:
         return HP, f"input shape {local_shape} has no sequence dim to gather"
-    rows = math.prod(local_shape[:-1])  # may be a SymInt: the bools below guard on it
-    aligned = tuple(bool(rows % b == 0) for b in (16, 32, 128))
+    rows = math.prod(local_shape[:-1])  # may be a SymInt: the bool below guards on it
+    aligned = bool(rows % _row_block(key) == 0)
     return _format(key, int(local_shape[-1]), world, columnwise, aligned)
 
 
@@ -77,9 +78,16 @@ _WARNED = set()
 
 
 @torch._dynamo.assume_constant_result
-def _format(key: str, k: int, world: int, columnwise: bool, aligned: Tuple[bool, bool, bool]) -> Tuple[str, str]:
+def _row_block(key: str) -> int:
+    """The row multiple the input format's shards need for a columnwise gather (1: any)."""
+    q = quantizers_from_key(key).input
+    return 1 if q is None else q.sp_gather_rule().row_block
+
+
+@torch._dynamo.assume_constant_result
+def _format(key: str, k: int, world: int, columnwise: bool, aligned: bool) -> Tuple[str, str]:
     """Depends on plain values only: a constant to dynamo (runs once at trace time)."""
-    kind, reason = _decide(key, k, columnwise, dict(zip((16, 32, 128), aligned)))
+    kind, reason = _decide(key, k, columnwise, aligned)
     if reason and reason not in _WARNED:
         _WARNED.add(reason)
         warnings.warn(f"sequence parallel: all-gathering the input in high precision: {reason}", stacklevel=2)
@@ -94,66 +102,13 @@ def _decide(key, k, columnwise, aligned) -> Tuple[str, str]:
         q.with_usage(rowwise=True, columnwise=False).check_shape((1, k))
     except ValueError as e:
         return HP, str(e)
-    if isinstance(q, Float8Quantizer):
-        return "fp8_delayed", ""
-    if isinstance(q, Float8CurrentScalingQuantizer):
-        return "fp8_current", ""
-    if isinstance(q, MXFP8Quantizer):
-        block, kind = 32, "mxfp8"
-    elif isinstance(q, Float8BlockQuantizer):
-        if q.block_scaling_dim != 1:
-            return HP, "Float8BlockScaling with 128x128 input tiles (x_block_scaling_dim=2)"
-        block, kind = 128, "blockwise"
-    elif isinstance(q, NVFP4Quantizer):
-        if q.with_2d_quantization or q.stochastic_rounding:
-            return HP, "NVFP4 input with 2D blocks or stochastic rounding"
-        block, kind = 16, "nvfp4"
-    else:
-        return HP, f"no quantized all-gather for {type(q).__name__}"
-    if columnwise and not aligned[block]:
-        return HP, (f"{kind}: the columnwise (wgrad) copy needs the sequence-parallel shard's rows "
-                    f"(product of the leading dims) to be a multiple of {block}")
-    return kind, ""
-
-
-# ---- quantize the shard ---------------------------------------------------------------------------
-def _quantize_shard(kind: str, q, x2d: torch.Tensor, scale: Optional[torch.Tensor], group):
-    """(parts to gather as (tensor, dim along which M runs), buffers identical on every rank,
-    amax to return). Amaxes that set a shared scale are all-reduced (max) over `group` here."""
-    if kind == "fp8_current":
-        data, _, scale_inv, amax = current_scaling_with_group_amax(q, x2d, group, True, False)
-        return [("_data", data, 0)], {"_scale_inv": scale_inv}, amax
-    if kind == "fp8_delayed":
-        amax = torch.zeros(1, dtype=torch.float32, device=x2d.device)
-        shard_q = Float8Quantizer(scale, amax, q.fp8_dtype, rowwise_usage=True, columnwise_usage=False)
-        t = shard_q.quantize(x2d, internal=True)
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)  # the amax the module records: the full tensor's
-        return [("_data", t._data, 0)], {"_scale_inv": t._scale_inv}, amax
-    none = torch.zeros(1, dtype=torch.float32, device=x2d.device)
-    if kind == "mxfp8":
-        bufs = q.quantize(x2d, internal=True).get_buffers()
-        return [(name, b, 0) for name, b in bufs.items()], {}, none
-    if kind == "blockwise":  # the 1x128 scales are stored transposed: gather them in that layout
-        bufs = q.quantize(x2d, internal=True).get_buffers()
-        parts = [("_rowwise_data", bufs["_rowwise_data"], 0), ("_rowwise_scale_inv", bufs["_rowwise_scale_inv"].t(), 1)]
-        if q.columnwise_usage:
-            parts += [("_columnwise_data", bufs["_columnwise_data"], 1),
-                      ("_columnwise_scale_inv", bufs["_columnwise_scale_inv"].t(), 0)]
-        return parts, {}, none
-    # nvfp4: the kernel's math with global amaxes (rowwise, columnwise after the RHT), one all-reduce
-    f = x2d.float()
-    xt = transpose_2d(f) if q.columnwise_usage else None
-    if xt is not None and q.with_rht:
-        xt = _apply_rht(xt, q.rht_seed)
-    amaxes = torch.cat([t.abs().amax().float().reshape(1) for t in (f, xt) if t is not None])
-    dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=group)
-    data, s = quantize_blocks(f, amaxes[0:1], False)
-    parts, same = [("_rowwise_data", data, 0), ("_rowwise_scale_inv", s, 0)], {"_amax_rowwise": amaxes[0:1].clone()}
-    if xt is not None:
-        data, s = quantize_blocks(xt, amaxes[1:2], False)
-        parts += [("_columnwise_data", data, 1), ("_columnwise_scale_inv", s, 1)]
-        same["_amax_columnwise"] = amaxes[1:2].clone()
-    return parts, same, amaxes[0:1].clone()
+    rule = q.sp_gather_rule()  # the format's own rule (its module under tensor/)
+    if rule.kind is None:
+        return HP, rule.reason
+    if columnwise and not aligned:
+        return HP, (f"{rule.kind}: the columnwise (wgrad) copy needs the sequence-parallel shard's rows "
+                    f"(product of the leading dims) to be a multiple of {rule.row_block}")
+    return rule.kind, ""
 
 
 def _gather_parts(parts, group, world: int) -> Dict[str, torch.Tensor]:
@@ -196,15 +151,12 @@ def sp_all_gather_quantized(x: torch.Tensor, scale: Optional[torch.Tensor], grou
     group = _tp._group(group_name)
     k = x.shape[-1]
     x2d = x.contiguous().reshape(-1, k)
-    parts, same, amax = _quantize_shard(kind, q, x2d, scale, group)
+    # the format quantizes the shard and completes the gathered buffers (its module under tensor/)
+    parts, same, amax = q.sp_quantize_shard(x2d, scale, lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX,
+                                                                                  group=group))
     bufs = dict(same, **_gather_parts(parts, group, world))
     m = x2d.shape[0] * world
-    if kind in ("fp8_current", "fp8_delayed") and columnwise:
-        bufs["_transpose"] = transpose_2d(bufs["_data"])  # exact for per-tensor scaling
-    if kind == "blockwise":
-        bufs["_rowwise_scale_inv"] = bufs["_rowwise_scale_inv"].t()
-        if columnwise:
-            bufs["_columnwise_scale_inv"] = bufs["_columnwise_scale_inv"].t()
+    q.sp_finish_gather(bufs)
     full = (x.shape[0] * world,) + tuple(x.shape[1:])
     return _stand_in(full, x), amax, [bufs[name] for name in q.buffer_layout((m, k))]
 

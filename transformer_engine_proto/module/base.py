@@ -18,7 +18,9 @@ __all__ = ["TransformerEngineBaseModule"]
 _counter = itertools.count()
 # ---- precision debug tools (issue 5): TE-style default layer names (`layernorm_linear_3`, ...)
 _DEFAULT_NAMES = {"LayerNormLinear": "layernorm_linear", "LayerNormMLP": "layernorm_mlp",
-                  "TransformerLayer": "transformer_layer", "RMSNorm": "rmsnorm", "LayerNorm": "layernorm"}
+                  "TransformerLayer": "transformer_layer", "RMSNorm": "rmsnorm", "LayerNorm": "layernorm",
+                  "DotProductAttention": "dot_product_attention", "MultiheadAttention": "multihead_attention",
+                  "GroupedLinear": "grouped_linear"}
 # ---- end debug
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .. import recipe as R
-from ..autocast import get_fp8_recipe, get_fp8_recipe_key
+from ..autocast import get_fp8_recipe, get_fp8_recipe_key, in_activation_recompute_phase
 from ..debug import debug_gemm as _debug_gemm  # precision debug tools (issue 5)
 from ..distributed import amax_reduction as _amax_reduction
 from ..distributed import fsdp as _fsdp
@@ -111,6 +111,13 @@ class QuantizedGemm(nn.Module):
         state_dict.setdefault(prefix + "nonfinite_amax_count", torch.zeros_like(self.nonfinite_amax_count))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
+    def __getstate__(self):
+        # a copy in flight (a CUDA event) belongs to this process and this object: deepcopy and
+        # pickling start without one
+        state = self.__dict__.copy()
+        state["_nonfinite_poll"] = None
+        return state
+
     # ---- non-finite amax report -------------------------------------------------------------
     def poll_nonfinite(self, name: str) -> None:
         """Warn once (per process) when delayed scaling has skipped an inf/NaN amax.
@@ -134,7 +141,7 @@ class QuantizedGemm(nn.Module):
             if self._nonfinite_poll is not None and self._nonfinite_poll[1].query():
                 host, self._nonfinite_poll = self._nonfinite_poll[0], None
             if self._nonfinite_poll is None:
-                copy = torch.empty(count.shape, dtype=count.dtype, pin_memory=True)
+                copy = torch.empty(count.shape, dtype=count.dtype, device="cpu", pin_memory=True)
                 copy.copy_(count, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record()
@@ -253,7 +260,9 @@ class QuantizedGemm(nn.Module):
                 self._alloc_weight_cache(key, weight)
             cache = [getattr(self, n) for n in self._cache_names]
             cache_mode = linear_ops.CACHE_FILL if is_first_microbatch else linear_ops.CACHE_USE
-        if delayed and cache_mode != linear_ops.CACHE_USE:
+        # te.checkpoint's recompute: the first forward's scales, no history update, no amax recorded
+        record = delayed and not in_activation_recompute_phase()
+        if record and cache_mode != linear_ops.CACHE_USE:
             if recipe.amax_history_len > self.amax_history.shape[0]:
                 if torch.compiler.is_compiling():
                     raise RuntimeError(
@@ -287,7 +296,7 @@ class QuantizedGemm(nn.Module):
             save_original_input=save_original_input, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
             **extra,
         )
-        if delayed:
+        if record:
             self.record_amax(amaxes.detach())
             if sp_amax is not None:  # the input was quantized before its gather: record its amax
                 self.record_amax(sp_amax.detach())

@@ -1,92 +1,134 @@
-"""`TransformerLayer`: pre-norm self-attention + MLP with every GEMM quantized.
+"""`TransformerLayer`: pre-norm self-attention (`MultiheadAttention`) + MLP (`LayerNormMLP`), every
+GEMM quantized; attention itself (softmax(QK^T)V) runs in high precision (`DotProductAttention`).
 
-Attention itself (softmax(QK^T)V) runs in high precision through
-`F.scaled_dot_product_attention`; QKV, the output projection and the MLP use our quantized
-modules. Inputs are [seq, batch, hidden] by default (TE's "sbhd"), or "bshd".
+Inputs are [seq, batch, hidden] by default (TE's "sbhd"), "bshd", or packed "thd" [tokens, hidden]
+with `cu_seqlens_q` / `cu_seqlens_kv`. A Llama layer in one module:
+`TransformerLayer(h, ffn, heads, num_gqa_groups=kv_heads, normalization="RMSNorm", activation="swiglu",
+bias=False, self_attn_mask_type="causal", hidden_dropout=0, attention_dropout=0)` and
+`forward(x, rotary_pos_emb=RotaryPositionEmbedding(h // heads)(seq))`.
+
+Submodules and parameter names: `self_attention.qkv` (a LayerNormLinear: the input norm and the
+fused QKV GEMM, weight rows [Q (h*d); K (g*d); V (g*d)], i.e. MultiheadAttention's
+`qkv_weight_interleaved=False`), `self_attention.proj`, `mlp`. `layer.qkv` / `layer.proj` still
+name the two attention GEMM modules, and state dicts saved with the former top-level `qkv.` /
+`proj.` keys load (renamed on load).
 
 Tensor parallelism (`tp_group` / `tp_size` / `sequence_parallel`, as TE): QKV is a column-parallel
 LayerNormLinear, the output projection a row-parallel Linear and the MLP fc1-column / fc2-row;
-each rank computes attention for num_attention_heads / tp_size heads. The QKV weight's local
-shard holds this rank's heads of each of Q, K and V: `cat([W[i*h:(i+1)*h].chunk(tp)[r] for i in
-range(3)])` for hidden size h (the same rule as the gated MLP halves). With `sequence_parallel`
-the input and output are dim-0 shards (the sequence in "sbhd"); norms, residuals and hidden
-dropout run on the shard (dropout RNG is not tracked across ranks here).
+each rank computes attention for num_attention_heads / tp_size heads (and num_gqa_groups /
+tp_size KV heads). The QKV weight's local shard holds this rank's heads of each of Q, K and V:
+`cat([part.chunk(tp)[r] for part in W.split([h*d, g*d, g*d])])` (the same rule as the gated MLP
+halves). With `sequence_parallel` the input and output are dim-0 shards (the sequence in "sbhd");
+norms, residuals and hidden dropout run on the shard (dropout RNG is not tracked across ranks here).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..errors import raise_error, shape_str
+from .attention import canonical_mask_type
 from .base import TransformerEngineBaseModule
-from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
-from .linear import Linear
+from .multihead_attention import MultiheadAttention
 
 __all__ = ["TransformerLayer"]
 
 
 class TransformerLayer(TransformerEngineBaseModule):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int, *,
-                 layernorm_epsilon: float = 1e-5, hidden_dropout: float = 0.1, attention_dropout: float = 0.1,
-                 self_attn_mask_type: str = "causal", normalization: str = "LayerNorm",
+                 num_gqa_groups: Optional[int] = None, layernorm_epsilon: float = 1e-5, hidden_dropout: float = 0.1,
+                 attention_dropout: float = 0.1, init_method=None, output_layer_init_method=None,
+                 layer_number: Optional[int] = None, kv_channels: Optional[int] = None,
+                 self_attn_mask_type: str = "causal", window_size: Optional[Tuple[int, int]] = None,
+                 bottom_right_diagonal: Optional[bool] = None, normalization: str = "LayerNorm",
                  activation: str = "gelu", bias: bool = True, attn_input_format: str = "sbhd",
+                 rotary_pos_interleaved: bool = False, zero_centered_gamma: bool = False,
                  params_dtype: Optional[torch.dtype] = None, device=None, fuse_wgrad_accumulation: bool = False,
                  name: Optional[str] = None, tp_group=None, tp_size: Optional[int] = None,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, layer_type: str = "encoder"):
         super().__init__(name)
-        if hidden_size % num_attention_heads:
+        if layer_type != "encoder":
+            raise NotImplementedError(f"{self.name}: layer_type={layer_type!r} is not supported (only 'encoder': "
+                                      "no cross-attention block; build one from te.MultiheadAttention)")
+        if kv_channels is None and hidden_size % num_attention_heads:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_attention_heads {num_attention_heads}")
         want = dist.get_world_size(tp_group) if tp_group is not None else (tp_size or 1)
         if isinstance(want, int) and want > 1 and num_attention_heads % want:
             raise ValueError(f"{self.name}: num_attention_heads={num_attention_heads} is not divisible by "
                              f"tp_size={want} (heads are split across tensor-parallel ranks)")
-        if self_attn_mask_type not in ("causal", "no_mask"):
-            raise ValueError(f"self_attn_mask_type must be 'causal' or 'no_mask', got {self_attn_mask_type!r}")
-        if attn_input_format not in ("sbhd", "bshd"):
-            raise ValueError(f"attn_input_format must be 'sbhd' or 'bshd', got {attn_input_format!r}")
+        self_attn_mask_type = canonical_mask_type(f"TransformerLayer {self.name}", self_attn_mask_type)
+        if attn_input_format not in ("sbhd", "bshd", "thd"):
+            raise ValueError(f"attn_input_format must be 'sbhd', 'bshd' or 'thd', got {attn_input_format!r}")
         self.hidden_size, self.num_heads = hidden_size, num_attention_heads
-        self.causal = self_attn_mask_type == "causal"
-        self.attn_input_format = attn_input_format
+        self.self_attn_mask_type, self.attn_input_format = self_attn_mask_type, attn_input_format
         self.hidden_dropout, self.attention_dropout = hidden_dropout, attention_dropout
         common = dict(params_dtype=params_dtype, device=device, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
                       tp_group=tp_group, tp_size=tp_size, sequence_parallel=sequence_parallel)
-        tp = want > 1
-        self.qkv = LayerNormLinear(hidden_size, 3 * hidden_size, layernorm_epsilon, bias,
-                                   normalization=normalization, name=f"{self.name}.qkv",
-                                   parallel_mode="column" if tp else None, **common)
-        self.proj = Linear(hidden_size, hidden_size, bias, name=f"{self.name}.proj",
-                           parallel_mode="row" if tp else None, **common)
+        self.self_attention = MultiheadAttention(
+            hidden_size, num_attention_heads, kv_channels, attention_dropout, layernorm_epsilon, init_method,
+            output_layer_init_method, layer_number, self_attn_mask_type, window_size, bottom_right_diagonal,
+            num_gqa_groups=num_gqa_groups, input_layernorm=True, set_parallel_mode=True,
+            qkv_weight_interleaved=False, rotary_pos_interleaved=rotary_pos_interleaved, bias=bias,
+            normalization=normalization, zero_centered_gamma=zero_centered_gamma, qkv_format=attn_input_format,
+            name=f"{self.name}.self_attention", **common)
         self.mlp = LayerNormMLP(hidden_size, ffn_hidden_size, layernorm_epsilon, bias,
-                                normalization=normalization, activation=activation,
-                                name=f"{self.name}.mlp", **common)
-        self.tp_size = self.proj.tp_size
-        self.sequence_parallel = self.proj.sequence_parallel
-        self.local_heads = num_attention_heads // self.tp_size
-        self.local_hidden = hidden_size // self.tp_size
+                                normalization=normalization, activation=activation, init_method=init_method,
+                                output_layer_init_method=output_layer_init_method,
+                                zero_centered_gamma=zero_centered_gamma, name=f"{self.name}.mlp", **common)
+        self.tp_size = self.self_attention.tp_size
+        self.sequence_parallel = self.self_attention.sequence_parallel
+        self.local_heads = self.self_attention.heads_local
+        self.local_hidden = self.local_heads * self.self_attention.kv_channels
+        self._register_load_state_dict_pre_hook(_rename_old_attention_keys)
 
-    def _attention(self, x: torch.Tensor, is_first_microbatch) -> torch.Tensor:
-        qkv = self.qkv(x, is_first_microbatch=is_first_microbatch)
-        if self.attn_input_format == "sbhd":
-            qkv = qkv.transpose(0, 1)  # -> [batch, seq, 3*hidden]
-        b, s, _ = qkv.shape
-        head_dim = self.local_hidden // self.local_heads  # not -1: an empty batch has no size to infer
-        q, k, v = qkv.view(b, s, 3, self.local_heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        dropout = self.attention_dropout if self.training else 0.0
-        ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=self.causal)
-        ctx = ctx.transpose(1, 2).reshape(b, s, self.local_hidden)
-        if self.attn_input_format == "sbhd":
-            ctx = ctx.transpose(0, 1)
-        return self.proj(ctx.contiguous(), is_first_microbatch=is_first_microbatch)
+    @property
+    def qkv(self):
+        return self.self_attention.qkv
 
-    def forward(self, hidden_states: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+    @property
+    def proj(self):
+        return self.self_attention.proj
+
+    @property
+    def causal(self) -> bool:
+        return "causal" in self.self_attn_mask_type
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, self_attn_mask_type: Optional[str] = None,
+                window_size: Optional[Tuple[int, int]] = None, encoder_output=None, enc_dec_attn_mask=None,
+                is_first_microbatch: Optional[bool] = None, checkpoint_core_attention: bool = False,
+                inference_params=None, rotary_pos_emb=None, core_attention_bias_type: str = "no_bias",
+                core_attention_bias=None, alibi_slopes=None, cu_seqlens_q: Optional[torch.Tensor] = None,
+                cu_seqlens_kv: Optional[torch.Tensor] = None, cu_seqlens_q_padded: Optional[torch.Tensor] = None,
+                cu_seqlens_kv_padded: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
+                max_seqlen_kv: Optional[int] = None, bottom_right_diagonal: Optional[bool] = None,
+                fast_zero_fill: bool = True, pad_between_seqs: Optional[bool] = None) -> torch.Tensor:
         self._check_input(hidden_states, self.hidden_size, "hidden_states")
-        if hidden_states.dim() != 3:
-            raise_error(ValueError, f"{self.name}: hidden_states must be 3D ({self.attn_input_format}), "
+        rank = 2 if self.attn_input_format == "thd" else 3
+        if hidden_states.dim() != rank:
+            raise_error(ValueError, f"{self.name}: hidden_states must be {rank}D ({self.attn_input_format}), "
                                     f"got {shape_str(hidden_states)}")
+        if encoder_output is not None or enc_dec_attn_mask is not None:
+            raise ValueError(f"{self.name}: encoder_output / enc_dec_attn_mask need layer_type='decoder' "
+                             "(not supported)")
         drop = self.hidden_dropout if self.training else 0.0
-        x = hidden_states + F.dropout(self._attention(hidden_states, is_first_microbatch), drop, self.training)
+        attn = self.self_attention(
+            hidden_states, attention_mask=attention_mask, attn_mask_type=self_attn_mask_type, window_size=window_size,
+            bottom_right_diagonal=bottom_right_diagonal, is_first_microbatch=is_first_microbatch,
+            checkpoint_core_attention=checkpoint_core_attention, inference_params=inference_params,
+            rotary_pos_emb=rotary_pos_emb, core_attention_bias_type=core_attention_bias_type,
+            core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
+            cu_seqlens_kv_padded=cu_seqlens_kv_padded, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+            fast_zero_fill=fast_zero_fill, pad_between_seqs=pad_between_seqs)
+        x = hidden_states + F.dropout(attn, drop, self.training)
         return x + F.dropout(self.mlp(x, is_first_microbatch=is_first_microbatch), drop, self.training)
+
+
+def _rename_old_attention_keys(state_dict, prefix, *args):
+    """State dicts from before the MultiheadAttention rebuild kept QKV / proj at `qkv.` / `proj.`."""
+    for key in [k for k in state_dict if k.startswith((prefix + "qkv.", prefix + "proj."))]:
+        state_dict[prefix + "self_attention." + key[len(prefix):]] = state_dict.pop(key)

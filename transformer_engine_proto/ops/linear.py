@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..gemm import gemm
-from ..tensor import Float8Quantizer, TensorProto
+from ..tensor import TensorProto
 from ..tensor.storage import QuantizedTensorStorage
 from . import shared_input
 from .eager_path import eager_function
@@ -103,7 +103,8 @@ class LinearPlan:
 
     @property
     def delayed(self) -> bool:
-        return isinstance(self.quantizers.input, Float8Quantizer)
+        q = self.quantizers.input  # scale from module state: delayed scaling
+        return q is not None and q.has_scale_state()
 
     @property
     def m(self) -> int:
@@ -235,15 +236,6 @@ def rebuild(proto: TensorProto, buffers: Sequence[torch.Tensor]) -> QuantizedTen
                                        internal=True)
 
 
-def _with_state(q: Float8Quantizer, scale: torch.Tensor, amax: torch.Tensor) -> Float8Quantizer:
-    """`q` bound to this call's delayed-scaling tensors. A field copy, not `dataclasses.replace`
-    (which re-runs __init__ and the checks: host time per GEMM); the tensors come from the
-    module's own buffers or this op, so the checks hold."""
-    bound = object.__new__(type(q))
-    bound.__dict__.update(q.__dict__, scale=scale, amax=amax)
-    return bound
-
-
 def _scale_slot(scales: torch.Tensor, slot: int) -> torch.Tensor:
     """scales[slot] as a (1,) tensor for a quantize kernel. While inductor traces the op a fresh
     copy: inductor cannot pass a slice of a buffer computed in the graph (the in-graph scale
@@ -255,7 +247,7 @@ def _scale_slot(scales: torch.Tensor, slot: int) -> torch.Tensor:
 def _bind_delayed(q, scales, slot: int):
     """(q bound to scales[slot] and a fresh amax, that amax (1,): the quantize records into it)."""
     amax = torch.zeros(1, dtype=torch.float32, device=scales.device)
-    return _with_state(q, _scale_slot(scales, slot), amax), amax
+    return q.with_scale_state(_scale_slot(scales, slot), amax), amax
 
 
 def _plan(key, inp, weight, input_requires_grad, weight_requires_grad, cache_mode, save_original_input,
@@ -385,12 +377,12 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
     if plan.quantized and (input_requires_grad or weight_requires_grad):  # bias-only: dbias from dy
         gq = plan.grad_quantizer()
         if plan.delayed:
-            gq = _with_state(gq, grad_scale, grad_amax)
+            gq = gq.with_scale_state(grad_scale, grad_amax)
         dy_q = gq.quantize(pad_rows(dy, rows), internal=True)
         if plan.save_original_input and weight_requires_grad:
             iq = plan.quantizers.input.with_usage(rowwise=False, columnwise=True)
             if plan.delayed:  # reuse the forward's scale; the amax was recorded in forward
-                iq = _with_state(iq, _scale_slot(fp8_scales, 0), torch.zeros(1, device=dy.device))
+                iq = iq.with_scale_state(_scale_slot(fp8_scales, 0), torch.zeros(1, device=dy.device))
             x = iq.quantize(pad_rows(x, rows), internal=True)
     grads = []
     if input_requires_grad:

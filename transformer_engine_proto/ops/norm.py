@@ -91,39 +91,27 @@ def norm_quantize_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     can write both from one read of the input. With `columnwise` the rows are zero-padded to the
     recipe's row block, as linear_fwd expects (ops/row_padding.py)."""
     q = _input_quantizer(key, columnwise)
-    if _fused_current_scaling(q):
-        return norm_fp8_current(inp, weight, bias, eps, kind, zero_centered_gamma, q)
+    fused = q.fused_norm_quantize(inp, weight, bias, eps, kind, zero_centered_gamma)  # the format's own kernel
+    if fused is not None:
+        return fused
     out, mu, rsigma = kernel("norm_fwd", inp.device)(inp, weight, bias, eps, kind, zero_centered_gamma)
     out2d = out.reshape(-1, out.shape[-1])
     out2d = pad_rows(out2d, gemm_rows(out2d.shape[0], key, columnwise))
     return out, mu, rsigma, list(q.quantize(out2d, internal=True).get_buffers().values())
 
 
-def _fused_current_scaling(q) -> bool:
-    """Plain per-tensor current scaling (not a subclass, e.g. one that all-reduces its amax)."""
-    from ..tensor import Float8CurrentScalingQuantizer
-
-    return type(q) is Float8CurrentScalingQuantizer
-
-
 def norm_fp8_current(inp, weight, bias, eps: float, kind: str, zero_centered_gamma: bool, q):
-    """(y, mu, rsigma, buffers): the norm and `q.quantize(y.reshape(-1, K)).get_buffers()` for a
-    `Float8CurrentScalingQuantizer` q, with the amax taken by the norm kernel itself (no separate
-    pass over y). The buffers are in the quantizer's `buffer_layout` order, the flattening order
-    (`TensorProto.inner_names`)."""
-    y, mu, rsigma, data, transpose, scale_inv, _ = kernel("norm_fp8_current_quantize", inp.device)(
-        inp, weight, bias, eps, kind, zero_centered_gamma, q.fp8_dtype, q.rowwise_usage,
-        q.columnwise_usage, q.margin, q.force_pow_2_scales, q.amax_epsilon)
-    shape = (inp.numel() // inp.shape[-1], inp.shape[-1])
-    made = {"_data": data, "_transpose": transpose, "_scale_inv": scale_inv}
-    return y, mu, rsigma, [made[name] for name in q.buffer_layout(shape)]
+    """The FP8 current-scaling fused norm + quantize (`tensor/float8.py`), for its tests."""
+    from ..tensor.float8 import norm_quantize_current
+
+    return norm_quantize_current(q, inp, weight, bias, eps, kind, zero_centered_gamma)
 
 
 def _input_quantizer(key: str, columnwise: bool):
     from .recipe_registry import quantizers_from_key
 
     q = quantizers_from_key(key).input
-    if q is None or q.__class__.__name__ == "Float8Quantizer":
+    if q is None or q.has_scale_state():
         raise ValueError("norm_quantize_fwd needs a recipe whose input quantizer is stateless "
                          "(not high precision, not DelayedScaling)")
     return q.with_usage(rowwise=True, columnwise=columnwise)

@@ -13,10 +13,11 @@ from typing import Dict, Optional
 import torch
 
 from ..kernels import kernel
-from ..kernels.reference.common import fp8_max, transpose_2d
+from ..kernels.reference.common import FP8_MAX, fp8_max, scale_from_amax, transpose_2d
 from .quantized_tensor import QuantizedTensor
 from ..constants import DType
 from .quantizer import BufferSpec, Quantizer, flat_2d, te_constructor
+from .format_api import GatherRule, GemmOperand, UsageView
 from .storage import QuantizedTensorStorage
 
 __all__ = [
@@ -83,6 +84,36 @@ class Float8TensorStorage(QuantizedTensorStorage):
             return None
         return {"_data": self._transpose, "_transpose": self._data, "_scale_inv": self._scale_inv}
 
+    # ---- format capabilities (tensor/format_api.py) ------------------------------------------
+    FORMAT_NAME = "fp8_per_tensor"  # either recipe: the tensor does not say which
+
+    def gemm_native(self):
+        return "tensorwise"
+
+    def gemm_operand(self, reduce_last):
+        """Row-major op(t): the data (reduce_last) or the FP8 transpose, one scale_inv."""
+        if reduce_last:
+            data = None if self._data is None else self._data.reshape(-1, self._shape[-1])
+        else:
+            data = self._transpose
+        return None if data is None else GemmOperand(data, self._scale_inv, (0, 0))
+
+    def debug_usage_view(self, x2d, columnwise):
+        m, k = x2d.shape
+        data = self._transpose if columnwise else self._data.reshape(m, k)
+        xs = x2d.t() if columnwise else x2d
+        si = self._scale_inv.float()
+        return UsageView(xs, data.float() * si, data.float().abs() == FP8_MAX[self.fp8_dtype], si)
+
+    def debug_internals(self):
+        return {"fp8_dtype": str(self.fp8_dtype).replace("torch.", ""),
+                "rowwise_data": None if self._data is None else self._data.reshape(-1, self._shape[-1]),
+                "columnwise_data": self._transpose, "scale_inv": self._scale_inv}
+
+    @classmethod
+    def debug_reconstruct(cls, d, usage):
+        return d[f"{usage}_data"].float() * d["scale_inv"].float(), usage == "columnwise"
+
 
 class Float8Tensor(Float8TensorStorage, QuantizedTensor):
     """Per-tensor scaled FP8 tensor (either recipe)."""
@@ -111,6 +142,35 @@ class _Float8QuantizerBase(Quantizer):
             out["_transpose"] = BufferSpec((k, m), self.fp8_dtype)
         out["_scale_inv"] = BufferSpec((1,), torch.float32)
         return out
+
+    # ---- format capabilities (tensor/format_api.py) ------------------------------------------
+    def row_block(self):
+        return 1  # one scale per tensor: any row count
+
+    def fsdp_gather_rule(self):
+        return GatherRule("fp8", pads_uneven=True)  # one scale per tensor: any shard, uneven ones padded
+
+    def fsdp_quantize_shard(self, x, global_amax, scale):
+        """The rowwise fp8 bytes, scaled with the whole weight's scale: the module's (delayed
+        scaling) or one from the all-reduced amax (current scaling)."""
+        if scale is None:
+            scale = self._scale_from_amax(global_amax())
+        fq = Float8Quantizer(scale, torch.zeros_like(scale), self.fp8_dtype, rowwise_usage=True,
+                             columnwise_usage=False)
+        t = fq.quantize(x)
+        return (t._data.view(torch.uint8),), (t._scale_inv,)
+
+    def fsdp_rebuild(self, outputs, extra, rows):
+        data = outputs[0].view(self.fp8_dtype)[:rows]  # uneven shards were zero-padded
+        bufs = {"_data": data, "_transpose": transpose_2d(data), "_scale_inv": extra[0].clone()}
+        return bufs, ("_transpose", "_scale_inv")  # the transpose is exact: built after the gather
+
+    def sp_finish_gather(self, bufs):
+        if self.columnwise_usage:
+            bufs["_transpose"] = transpose_2d(bufs["_data"])  # exact for per-tensor scaling
+
+    def _scale_from_amax(self, amax):
+        raise ValueError(f"{type(self).__name__}: a delayed-scaling weight gathers with its module's scale")
 
     def _pack(self, data, transpose, scale_inv) -> Dict[str, torch.Tensor]:
         out = {}
@@ -174,6 +234,37 @@ class Float8Quantizer(_Float8QuantizerBase):
             return super(Float8Quantizer, stateful).update_quantized(src, dst)
         return super().update_quantized(src, dst)
 
+    # ---- format capabilities (tensor/format_api.py) ------------------------------------------
+    def has_scale_state(self):
+        return True
+
+    def with_scale_state(self, scale, amax):
+        """A field copy, not `dataclasses.replace` (which re-runs __init__ and the checks: host time
+        per GEMM, the linear ops call this); the callers pass the module's own fp32 one-element
+        buffers (or slices of them), so the checks hold."""
+        bound = object.__new__(type(self))
+        bound.__dict__.update(self.__dict__, scale=scale, amax=amax)
+        return bound
+
+    def sp_gather_rule(self):
+        return GatherRule("fp8_delayed", pads_uneven=True)
+
+    def sp_quantize_shard(self, x2d, scale, all_reduce_max):
+        """Rowwise bytes with the module's scale; the shard amax is all-reduced so the module
+        records the full tensor's."""
+        amax = torch.zeros(1, dtype=torch.float32, device=x2d.device)
+        shard_q = Float8Quantizer(scale, amax, self.fp8_dtype, rowwise_usage=True, columnwise_usage=False)
+        t = shard_q.quantize(x2d, internal=True)
+        all_reduce_max(amax)
+        return [("_data", t._data, 0)], {"_scale_inv": t._scale_inv}, amax
+
+    DEBUG_RECIPE = "fp8_delayed_scaling"
+
+    @classmethod
+    def debug_quantizer(cls, fp8_dtype, tensor_name):
+        raise ValueError("stats of fp8_delayed_scaling need the DelayedScaling recipe to be the training recipe "
+                         "(its scales come from the amax history)")
+
     def _quantize_buffers(self, x):
         if self.scale is None or self.amax is None:
             raise RuntimeError(
@@ -205,9 +296,62 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
     def fp8_max(self) -> float:
         return fp8_max(self.fp8_dtype)
 
+    # ---- format capabilities (tensor/format_api.py) ------------------------------------------
+    def has_scale_state(self):
+        return False
+
+    def sp_gather_rule(self):
+        return GatherRule("fp8_current", pads_uneven=True)
+
+    def sp_quantize_shard(self, x2d, scale, all_reduce_max):
+        """Rowwise bytes scaled with the all-reduced amax: every rank uses the full tensor's scale."""
+        data, _, scale_inv, amax = self.quantize_with_reduced_amax(x2d, all_reduce_max, True, False)
+        return [("_data", data, 0)], {"_scale_inv": scale_inv}, amax
+
+    def quantize_with_reduced_amax(self, x, all_reduce_max, rowwise: bool, columnwise: bool):
+        """(data, transpose, scale_inv, amax): current scaling of `x` with its amax all-reduced
+        (max) first by `all_reduce_max` (in place), so shards of one tensor share its scale."""
+        amax = kernel("amax", x.device)(x)
+        all_reduce_max(amax)
+        scale = scale_from_amax(amax, self.fp8_max, self.margin, self.force_pow_2_scales, self.amax_epsilon)
+        data, transpose, scale_inv = kernel("fp8_quantize_delayed", x.device)(
+            x, scale, torch.zeros_like(amax), self.fp8_dtype, rowwise, columnwise)
+        return data, transpose, scale_inv, amax
+
+    def fused_norm_quantize(self, inp, weight, bias, eps, kind, zero_centered_gamma):
+        """The norm with its output's amax taken by the norm kernel itself (no separate pass over
+        y). This class only: a subclass may quantize otherwise (AmaxReducingQuantizer all-reduces
+        its amax)."""
+        if type(self) is not Float8CurrentScalingQuantizer:
+            return None
+        return norm_quantize_current(self, inp, weight, bias, eps, kind, zero_centered_gamma)
+
+    def _scale_from_amax(self, amax):
+        return scale_from_amax(amax, fp8_max(self.fp8_dtype), self.margin, self.force_pow_2_scales, self.amax_epsilon)
+
+    DEBUG_RECIPE = "fp8_current_scaling"
+
+    @classmethod
+    def debug_quantizer(cls, fp8_dtype, tensor_name):
+        return Float8CurrentScalingQuantizer(fp8_dtype or torch.float8_e4m3fn)
+
     def _quantize_buffers(self, x):
         data, transpose, scale_inv, _ = kernel("fp8_quantize_current", x.device)(
             x, self.fp8_dtype, self.rowwise_usage, self.columnwise_usage,
             self.margin, self.force_pow_2_scales, self.amax_epsilon,
         )
         return self._pack(data, transpose, scale_inv)
+
+
+def norm_quantize_current(q: Float8CurrentScalingQuantizer, inp, weight, bias, eps: float, kind: str,
+                          zero_centered_gamma: bool):
+    """(y, mu, rsigma, buffers): the norm and `q.quantize(y.reshape(-1, K)).get_buffers()` for a
+    `Float8CurrentScalingQuantizer` q in one kernel, the amax taken by the norm kernel itself. The
+    buffers are in the quantizer's `buffer_layout` order, the flattening order
+    (`TensorProto.inner_names`)."""
+    y, mu, rsigma, data, transpose, scale_inv, _ = kernel("norm_fp8_current_quantize", inp.device)(
+        inp, weight, bias, eps, kind, zero_centered_gamma, q.fp8_dtype, q.rowwise_usage,
+        q.columnwise_usage, q.margin, q.force_pow_2_scales, q.amax_epsilon)
+    shape = (inp.numel() // inp.shape[-1], inp.shape[-1])
+    made = {"_data": data, "_transpose": transpose, "_scale_inv": scale_inv}
+    return y, mu, rsigma, [made[name] for name in q.buffer_layout(shape)]

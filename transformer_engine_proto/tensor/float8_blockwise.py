@@ -49,10 +49,12 @@ from typing import Dict
 import torch
 
 from ..kernels import kernel
-from ..kernels.reference.common import fp8_max, transpose_2d
+from ..kernels.reference.blockwise import expand_tiles
+from ..kernels.reference.common import FP8_MAX, fp8_max, transpose_2d
 from .quantized_tensor import QuantizedTensor
 from ..constants import DType
 from .quantizer import BufferSpec, Quantizer, flat_2d, te_constructor
+from .format_api import GatherRule, GemmOperand, UsageView
 from .storage import QuantizedTensorStorage
 
 __all__ = ["Float8BlockQuantizer", "Float8BlockwiseQTensorStorage", "Float8BlockwiseQTensor"]
@@ -142,6 +144,47 @@ class Float8BlockwiseQTensorStorage(QuantizedTensorStorage):
         }
 
 
+    # ---- format capabilities (tensor/format_api.py) ------------------------------------------
+    FORMAT_NAME = "fp8_block_scaling"
+
+    def gemm_native(self):
+        return "blockwise"
+
+    def gemm_operand(self, reduce_last):
+        """Row-major op(t) and its tile scales as stored (1x128 scales outer-dim-major)."""
+        if reduce_last:
+            if self._rowwise_data is None:
+                return None
+            data, scale = self._rowwise_data.reshape(-1, self._shape[-1]), self._rowwise_scale_inv
+        else:
+            data, scale = self._columnwise_data, self._columnwise_scale_inv
+        return None if data is None else GemmOperand(data, scale, (self._block_rows, BLOCK))
+
+    def debug_usage_view(self, x2d, columnwise):
+        m, k = x2d.shape
+        data = self._columnwise_data if columnwise else self._rowwise_data.reshape(m, k)
+        s = (self._columnwise_scale_inv if columnwise else self._rowwise_scale_inv).float()
+        r, c = data.shape
+        dq = data.float() * expand_tiles(s, self._block_rows, r, c)
+        return UsageView(x2d.t() if columnwise else x2d, dq, data.float().abs() == FP8_MAX[self.fp8_dtype], s)
+
+    def debug_internals(self):
+        rd = self._rowwise_data
+        return {"fp8_dtype": str(self.fp8_dtype).replace("torch.", ""), "block_scaling_dim": self.block_scaling_dim,
+                "rowwise_data": None if rd is None else rd.reshape(-1, self._shape[-1]),
+                "columnwise_data": self._columnwise_data,
+                "rowwise_scale_inv": self._rowwise_scale_inv, "columnwise_scale_inv": self._columnwise_scale_inv}
+
+    @classmethod
+    def debug_reconstruct(cls, d, usage):
+        data = d[f"{usage}_data"]
+        r, c = data.shape
+        rows = 1 if d["block_scaling_dim"] == 1 else BLOCK
+        s = d[f"{usage}_scale_inv"].float()
+        expanded = s.repeat_interleave(rows, 0)[:r].repeat_interleave(BLOCK, 1)[:, :c]
+        return data.float() * expanded, usage == "columnwise"
+
+
 class Float8BlockwiseQTensor(Float8BlockwiseQTensorStorage, QuantizedTensor):
     """FP8 tensor with per-tile (1x128 or 128x128) fp32 scales."""
 
@@ -190,6 +233,53 @@ class Float8BlockQuantizer(Quantizer):
 
     def metadata(self):
         return {"fp8_dtype": self.fp8_dtype, "block_scaling_dim": self.block_scaling_dim}
+
+    # ---- format capabilities (tensor/format_api.py) ------------------------------------------
+    def row_block(self):
+        return 1  # partial tiles at the edges: any row count
+
+    def has_scale_state(self):
+        return False
+
+    def fsdp_gather_rule(self):
+        if self.block_scaling_dim != 2:
+            return GatherRule(None, reason="Float8BlockScaling with 1x128 weight tiles: the columnwise copy cannot "
+                                           "be derived from gathered rowwise data (set w_block_scaling_dim=2)")
+        return GatherRule("blockwise", BLOCK)  # rowwise gathered, the columnwise copy is its exact transpose
+
+    def fsdp_quantize_shard(self, x, global_amax, scale):
+        t = self.with_usage(rowwise=True, columnwise=False).quantize(x)
+        return (t._rowwise_data.view(torch.uint8), t._rowwise_scale_inv.view(torch.uint8)), ()
+
+    def fsdp_rebuild(self, outputs, extra, rows):
+        data, scale = outputs[0].view(self.fp8_dtype), outputs[1].view(torch.float32)
+        return {"_rowwise_data": data, "_rowwise_scale_inv": scale, "_columnwise_data": transpose_2d(data),
+                "_columnwise_scale_inv": transpose_2d(scale)}, ("_columnwise_data", "_columnwise_scale_inv")
+
+    def sp_gather_rule(self):
+        if self.block_scaling_dim != 1:
+            return GatherRule(None, reason="Float8BlockScaling with 128x128 input tiles (x_block_scaling_dim=2)")
+        return GatherRule("blockwise", BLOCK)  # columnwise tiles run 128 along the rows
+
+    def sp_quantize_shard(self, x2d, scale, all_reduce_max):
+        """The 1x128 scales are stored transposed (outer-dim-major): gathered in that layout."""
+        bufs = self.quantize(x2d, internal=True).get_buffers()
+        parts = [("_rowwise_data", bufs["_rowwise_data"], 0), ("_rowwise_scale_inv", bufs["_rowwise_scale_inv"].t(), 1)]
+        if self.columnwise_usage:
+            parts += [("_columnwise_data", bufs["_columnwise_data"], 1),
+                      ("_columnwise_scale_inv", bufs["_columnwise_scale_inv"].t(), 0)]
+        return parts, {}, torch.zeros(1, dtype=torch.float32, device=x2d.device)
+
+    def sp_finish_gather(self, bufs):
+        bufs["_rowwise_scale_inv"] = bufs["_rowwise_scale_inv"].t()
+        if self.columnwise_usage:
+            bufs["_columnwise_scale_inv"] = bufs["_columnwise_scale_inv"].t()
+
+    DEBUG_RECIPE = "fp8_block_scaling"
+
+    @classmethod
+    def debug_quantizer(cls, fp8_dtype, tensor_name):
+        return Float8BlockQuantizer(fp8_dtype or torch.float8_e4m3fn, block_scaling_dim=2 if tensor_name == "weight" else 1)
 
     def buffer_layout(self, shape) -> Dict[str, BufferSpec]:
         m, k = flat_2d(shape)

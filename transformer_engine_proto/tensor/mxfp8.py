@@ -14,10 +14,11 @@ from typing import Dict
 import torch
 
 from ..kernels import kernel
-from ..kernels.reference.common import fp8_max
+from ..kernels.reference.common import FP8_MAX, fp8_max
 from .quantized_tensor import QuantizedTensor
 from ..constants import DType
 from .quantizer import BufferSpec, Quantizer, flat_2d, te_constructor
+from .format_api import GatherRule, GemmOperand, UsageView
 from .storage import QuantizedTensorStorage
 
 __all__ = ["MXFP8TensorStorage", "MXFP8Tensor", "MXFP8Quantizer", "MXFP8_BLOCK_SIZE"]
@@ -61,6 +62,51 @@ class MXFP8TensorStorage(QuantizedTensorStorage):
     # Base `_make_columnwise_from_rowwise` (an error) is kept: columnwise blocks need the
     # original values. Base `_transpose_buffers` (None) is kept: a transpose would change the
     # block direction, so t() falls back to the dequantized tensor.
+
+
+    # ---- format capabilities (tensor/format_api.py) ------------------------------------------
+    FORMAT_NAME = "mxfp8"
+
+    def gemm_native(self):
+        return "block_scaled"
+
+    def gemm_operand(self, reduce_last):
+        """Rowwise: K-major as stored. Columnwise (blocks of 32 down the rows, not transposed):
+        a transposed view, K-minor (cuBLAS runs that layout on 10.x only)."""
+        b = MXFP8_BLOCK_SIZE
+        if reduce_last:
+            if self._rowwise_data is None:
+                return None
+            return GemmOperand(self._rowwise_data.reshape(-1, self._shape[-1]), self._rowwise_scale_inv, (1, b))
+        if self._columnwise_data is None:
+            return None
+        data = self._columnwise_data.reshape(-1, self._shape[-1])  # (rows, cols), blocks down the rows
+        return GemmOperand(data.t(), self._columnwise_scale_inv.t(), (1, b), k_major=False)
+
+    def debug_usage_view(self, x2d, columnwise):
+        m, k = x2d.shape
+        b = MXFP8_BLOCK_SIZE
+        data = (self._columnwise_data if columnwise else self._rowwise_data).reshape(m, k).float()
+        s = (self._columnwise_scale_inv if columnwise else self._rowwise_scale_inv).float()
+        dq = (data.reshape(m // b, b, k) * s.unsqueeze(1) if columnwise
+              else data.reshape(m, k // b, b) * s.unsqueeze(2)).reshape(m, k)
+        return UsageView(x2d, dq, data.abs() == FP8_MAX[self.fp8_dtype], s)
+
+    def debug_internals(self):
+        k = self._shape[-1]
+        return {"fp8_dtype": str(self.fp8_dtype).replace("torch.", ""), "block_size": MXFP8_BLOCK_SIZE,
+                "rowwise_data": None if self._rowwise_data is None else self._rowwise_data.reshape(-1, k),
+                "columnwise_data": None if self._columnwise_data is None else self._columnwise_data.reshape(-1, k),
+                "rowwise_scale_inv": self._rowwise_scale_inv, "columnwise_scale_inv": self._columnwise_scale_inv}
+
+    @classmethod
+    def debug_reconstruct(cls, d, usage):
+        data, b = d[f"{usage}_data"], MXFP8_BLOCK_SIZE
+        s = d[f"{usage}_scale_inv"].float()
+        r, c = data.shape
+        vals = (data.float().reshape(r // b, b, c) * s.unsqueeze(1) if usage == "columnwise"
+                else data.float().reshape(r, c // b, b) * s.unsqueeze(2)).reshape(r, c)
+        return vals, False  # the columnwise data is not transposed
 
 
 class MXFP8Tensor(MXFP8TensorStorage, QuantizedTensor):
@@ -113,6 +159,38 @@ class MXFP8Quantizer(Quantizer):
 
     def row_block(self) -> int:
         return MXFP8_BLOCK_SIZE if self.columnwise_usage else 1  # columnwise blocks run along rows
+
+    # ---- format capabilities (tensor/format_api.py) ------------------------------------------
+    def has_scale_state(self):
+        return False
+
+    def fsdp_gather_rule(self):
+        return GatherRule("mxfp8", MXFP8_BLOCK_SIZE)  # both usages gathered (32x1 blocks need whole blocks)
+
+    def fsdp_quantize_shard(self, x, global_amax, scale):
+        t = self.with_usage(rowwise=True, columnwise=True).quantize(x)
+        return tuple(b.view(torch.uint8) for b in t.get_buffers().values()), ()
+
+    def fsdp_rebuild(self, outputs, extra, rows):
+        rd, rs, cd, cs = outputs
+        return {"_rowwise_data": rd.view(self.fp8_dtype), "_rowwise_scale_inv": rs.view(_SCALE_DTYPE),
+                "_columnwise_data": cd.view(self.fp8_dtype), "_columnwise_scale_inv": cs.view(_SCALE_DTYPE)}, ()
+
+    def sp_gather_rule(self):
+        return GatherRule("mxfp8", MXFP8_BLOCK_SIZE)
+
+    def sp_quantize_shard(self, x2d, scale, all_reduce_max):
+        bufs = self.quantize(x2d, internal=True).get_buffers()  # every buffer's rows run along dim 0
+        return [(name, b, 0) for name, b in bufs.items()], {}, torch.zeros(1, dtype=torch.float32, device=x2d.device)
+
+    def sp_finish_gather(self, bufs):
+        pass  # gathered as they are laid out
+
+    DEBUG_RECIPE = "mxfp8"
+
+    @classmethod
+    def debug_quantizer(cls, fp8_dtype, tensor_name):
+        return MXFP8Quantizer(fp8_dtype or torch.float8_e4m3fn)
 
     def buffer_layout(self, shape) -> Dict[str, BufferSpec]:
         m, k = flat_2d(shape)

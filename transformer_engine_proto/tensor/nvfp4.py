@@ -15,10 +15,13 @@ from typing import Dict, Optional
 import torch
 
 from ..kernels import kernel
-from ..kernels.reference.nvfp4 import BLOCK, transpose_2d_blocks
+from ..kernels.reference.common import transpose_2d, true_div
+from ..kernels.reference.nvfp4 import (BLOCK, _apply_rht, global_encode_scale, quantize_blocks, rht_matrix,
+                                       transpose_2d_blocks, unpack_fp4, unpack_fp4_codes)
 from .quantized_tensor import QuantizedTensor
 from ..constants import DType
 from .quantizer import BufferSpec, Quantizer, flat_2d, te_constructor
+from .format_api import GatherRule, GemmOperand, UsageView
 from .storage import QuantizedTensorStorage
 
 __all__ = ["NVFP4Quantizer", "NVFP4TensorStorage", "NVFP4Tensor"]
@@ -107,6 +110,94 @@ class NVFP4TensorStorage(QuantizedTensorStorage):
         }
 
 
+    # ---- format capabilities (tensor/format_api.py) ------------------------------------------
+    FORMAT_NAME = "nvfp4"
+
+    def gemm_native(self):
+        return "block_scaled"
+
+    def gemm_operand(self, reduce_last):
+        """Both usages K-major as stored (the columnwise copy holds rows of x^T), E4M3 block scales
+        and the per-tensor decode factor 1/S_enc; the RHT rotates the columnwise copy only."""
+        usage = "rowwise" if reduce_last else "columnwise"
+        data = getattr(self, f"_{usage}_data")
+        if data is None:
+            return None
+        decode = true_div(1.0, global_encode_scale(getattr(self, f"_amax_{usage}")))  # correctly rounded
+        rht = self.rht_seed if self.with_rht and not reduce_last else None
+        return GemmOperand(data.view(torch.float4_e2m1fn_x2), getattr(self, f"_{usage}_scale_inv"), (1, BLOCK),
+                           global_scale=decode, rht_seed=rht)
+
+    def gemm_emulated(self, other, trans_a, trans_b, out_dtype, bias):
+        """The Hopper wgrad self^T @ other from both columnwise buffers as stored, or None when
+        the shortcut does not apply: the random Hadamard transform is not undone, since H is
+        orthonormal and both operands carry it along the reduction dim ((H a)^T (H b) = a^T b).
+        Saves two inverse transforms and two transposes per step."""
+        a, b = self, other
+        if not (trans_a and not trans_b and isinstance(b, NVFP4TensorStorage)):
+            return None
+        if a._columnwise_data is None or b._columnwise_data is None:
+            return None
+        if a._rowwise_data is not None or b._rowwise_data is not None:
+            return None  # only-usage views are what the ops pass; anything else takes the plain path
+        if a.with_rht != b.with_rht or (a.with_rht and a.rht_seed != b.rht_seed):
+            return None  # the rotations must cancel
+        a_t = a._stored_columnwise(torch.bfloat16)  # (N, M)
+        b_t = b._stored_columnwise(torch.bfloat16)  # (K, M)
+        out = a_t @ b_t.t()
+        if bias is not None:
+            out = out.float() + bias.float()
+        return out.to(out_dtype)
+
+    def _stored_columnwise(self, dtype) -> torch.Tensor:
+        """x^T (K, M) as stored (after the RHT, if any), dequantized to `dtype`."""
+        return kernel("nvfp4_dequantize_to", self._columnwise_data.device)(
+            self._columnwise_data, self._columnwise_scale_inv, self._amax_columnwise, None, None, None,
+            dtype=dtype)
+
+    def debug_usage_view(self, x2d, columnwise):
+        if columnwise:
+            data, s, amax = self._columnwise_data, self._columnwise_scale_inv, self._amax_columnwise
+            xs = x2d.t().contiguous()
+            if self.with_rht:
+                xs = _apply_rht(xs, self.rht_seed)
+        else:
+            data, s, amax, xs = self._rowwise_data, self._rowwise_scale_inv, self._amax_rowwise, x2d
+        vals = unpack_fp4(data)
+        r, c = vals.shape
+        enc = global_encode_scale(amax)
+        dq = ((vals.reshape(r, c // BLOCK, BLOCK) * s.float().unsqueeze(-1)) / enc).reshape(r, c)
+        sat = (unpack_fp4_codes(data) & 7) == 7
+        return UsageView(xs, dq, sat, s.float() / enc)
+
+    def debug_internals(self):
+        out = dict(with_rht=bool(self.with_rht), rht_seed=int(self.rht_seed),
+                   with_2d_quantization=bool(self.with_2d_quantization))
+        for usage in ("rowwise", "columnwise"):
+            data = getattr(self, f"_{usage}_data")
+            if data is None:
+                continue
+            amax = getattr(self, f"_amax_{usage}")
+            out[f"{usage}_data"] = unpack_fp4(data)
+            out[f"{usage}_scale_inv"] = getattr(self, f"_{usage}_scale_inv")
+            out[f"amax_{usage}"] = amax
+            out[f"{usage}_global_encode_scale"] = global_encode_scale(amax)
+        if self.with_rht and self._columnwise_data is not None:
+            out["rht_matrix"] = rht_matrix(self.rht_seed, self._columnwise_data.device)
+        return out
+
+    @classmethod
+    def debug_reconstruct(cls, d, usage):
+        data = d[f"{usage}_data"]
+        r, c = data.shape
+        s = d[f"{usage}_scale_inv"].float()
+        vals = ((data.reshape(r, c // BLOCK, BLOCK) * s.unsqueeze(-1)) / d[f"{usage}_global_encode_scale"]).reshape(r, c)
+        col = usage == "columnwise"
+        if col and d.get("with_rht"):  # undo the Hadamard transform exactly as the dequantize kernel does
+            vals = _apply_rht(vals, int(d["rht_seed"]), inverse=True)
+        return vals, col
+
+
 class NVFP4Tensor(NVFP4TensorStorage, QuantizedTensor):
     """NVFP4 tensor (1D or 2D blocks, optional RHT on the columnwise operand)."""
 
@@ -158,6 +249,61 @@ class NVFP4Quantizer(Quantizer):
 
     def row_block(self) -> int:
         return BLOCK if self.columnwise_usage else 1  # columnwise blocks (and RHT runs) along rows
+
+    # ---- format capabilities (tensor/format_api.py) ------------------------------------------
+    def has_scale_state(self):
+        return False
+
+    def fsdp_gather_rule(self):
+        if not self.with_2d_quantization:
+            return GatherRule(None, reason="NVFP4 with 1D weight blocks: the columnwise copy cannot be derived from "
+                                           "gathered rowwise data (keep 2D weight quantization)")
+        return GatherRule("nvfp4", BLOCK)  # rowwise gathered, columnwise by exact 16x16 relayout
+
+    def fsdp_quantize_shard(self, x, global_amax, scale):
+        """Packed data + E4M3 scales of 16x16 blocks with the whole weight's (all-reduced) amax."""
+        amax = global_amax()
+        data, scale = kernel("nvfp4_quantize", x.device)(x, True, False, two_d=True, amax=amax)[:2]
+        return (data, scale.view(torch.uint8)), (amax,)
+
+    def fsdp_rebuild(self, outputs, extra, rows):
+        data, scale = outputs[0], outputs[1].view(torch.float8_e4m3fn)
+        col_data, col_scale = transpose_2d_blocks(data, scale)
+        amax = extra[0].clone()  # private: the amax cache must not alias the weight's buffers
+        return {"_rowwise_data": data, "_rowwise_scale_inv": scale, "_columnwise_data": col_data,
+                "_columnwise_scale_inv": col_scale, "_amax_rowwise": amax, "_amax_columnwise": amax.clone()}, \
+            ("_columnwise_data", "_columnwise_scale_inv", "_amax_rowwise", "_amax_columnwise")
+
+    def sp_gather_rule(self):
+        if self.with_2d_quantization or self.stochastic_rounding:
+            return GatherRule(None, reason="NVFP4 input with 2D blocks or stochastic rounding")
+        return GatherRule("nvfp4", BLOCK)  # columnwise 16-row blocks (and 16-row RHT runs)
+
+    def sp_quantize_shard(self, x2d, scale, all_reduce_max):
+        """The kernel's math with global amaxes (rowwise, and columnwise after the RHT), one
+        all-reduce; the pure-torch reference (no fused kernel takes a global amax)."""
+        f = x2d.float()
+        xt = transpose_2d(f) if self.columnwise_usage else None
+        if xt is not None and self.with_rht:
+            xt = _apply_rht(xt, self.rht_seed)
+        amaxes = torch.cat([t.abs().amax().float().reshape(1) for t in (f, xt) if t is not None])
+        all_reduce_max(amaxes)
+        data, s = quantize_blocks(f, amaxes[0:1], False)
+        parts, same = [("_rowwise_data", data, 0), ("_rowwise_scale_inv", s, 0)], {"_amax_rowwise": amaxes[0:1].clone()}
+        if xt is not None:
+            data, s = quantize_blocks(xt, amaxes[1:2], False)
+            parts += [("_columnwise_data", data, 1), ("_columnwise_scale_inv", s, 1)]
+            same["_amax_columnwise"] = amaxes[1:2].clone()
+        return parts, same, amaxes[0:1].clone()
+
+    def sp_finish_gather(self, bufs):
+        pass  # gathered as they are laid out
+
+    DEBUG_RECIPE = "nvfp4"
+
+    @classmethod
+    def debug_quantizer(cls, fp8_dtype, tensor_name):
+        return NVFP4Quantizer(with_2d_quantization=tensor_name == "weight")
 
     def buffer_layout(self, shape) -> Dict[str, BufferSpec]:
         m, k = flat_2d(shape)

@@ -17,8 +17,10 @@ import torch
 
 from ..constants import DType, as_torch_dtype
 from ..errors import raise_error
+from .format_api import GatherRule, missing_capability
 
-__all__ = ["Quantizer", "BufferSpec", "HIGH_PRECISION_DTYPES", "check_input", "te_constructor"]
+__all__ = ["Quantizer", "BufferSpec", "HIGH_PRECISION_DTYPES", "check_input", "te_constructor",
+           "debug_recipe_names", "quantizer_class_by_debug_recipe"]
 
 HIGH_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -102,6 +104,18 @@ def te_constructor(te_positional: Tuple[str, ...] = (), te_only: Optional[Dict[s
     return decorate
 
 
+_DEBUG_RECIPES: Dict[str, type] = {}  # debug recipe name -> the quantizer class that declares it
+
+
+def debug_recipe_names() -> Tuple[str, ...]:
+    """Every declared `DEBUG_RECIPE`, in the order the formats were defined."""
+    return tuple(_DEBUG_RECIPES)
+
+
+def quantizer_class_by_debug_recipe(name: str) -> type:
+    return _DEBUG_RECIPES[name]  # KeyError: no format declares it
+
+
 @dataclass(frozen=True)
 class Quantizer:
     """Base quantizer. Subclasses declare their tensor class and `buffer_layout`.
@@ -112,6 +126,16 @@ class Quantizer:
 
     rowwise_usage: bool = field(default=True, kw_only=True)
     columnwise_usage: bool = field(default=True, kw_only=True)
+
+    # TE's recipe name of this quantizer in the debug tools ("mxfp8", ...); a class attribute, not
+    # a field. The class that sets it registers it (`quantizer_class_by_debug_recipe`).
+    DEBUG_RECIPE = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("DEBUG_RECIPE")
+        if name is not None:
+            _DEBUG_RECIPES.setdefault(name, cls)
 
     # ---- what subclasses provide -------------------------------------------------------
     @property
@@ -128,12 +152,87 @@ class Quantizer:
 
     def row_block(self) -> int:
         """The multiple the rows (product of the leading dims) must be for this usage; 1: any.
-        The Linear op zero-pads a GEMM's tokens to it (`ops/row_padding.py`)."""
-        return 1
+        The Linear op zero-pads a GEMM's tokens to it (`ops/row_padding.py`). A format capability:
+        each format declares it."""
+        raise missing_capability(self, "row_block")
 
     def _quantize_buffers(self, x: torch.Tensor) -> Dict[str, torch.Tensor]:
         """Run the kernels: returns exactly the buffers `buffer_layout` describes."""
         raise NotImplementedError
+
+    # ---- format capabilities (docs/adding_a_format.md): each format declares them; the defaults
+    # raise NotImplementedError naming the format and the capability, never a quiet fallback ----
+    def has_scale_state(self) -> bool:
+        """Whether the scale comes from module state the linear op passes in and the amax is
+        recorded there (delayed scaling: the module's scale / amax-history buffers), rather than
+        from the tensor itself."""
+        raise missing_capability(self, "has_scale_state")
+
+    def with_scale_state(self, scale: torch.Tensor, amax: torch.Tensor) -> "Quantizer":
+        """This quantizer bound to a module's `scale` and `amax` buffers (formats with scale
+        state); a format without scale state returns itself."""
+        if not self.has_scale_state():
+            return self
+        raise missing_capability(self, "with_scale_state")
+
+    def fsdp_gather_rule(self) -> GatherRule:
+        """How a GEMM weight of this quantizer all-gathers under FSDP2 (dim-0 shards, both usages
+        needed after the gather): the gather kind and the shard's row multiple, or kind None with
+        the reason it gathers in high precision (`distributed/fsdp.py`)."""
+        raise missing_capability(self, "fsdp_gather_rule")
+
+    def fsdp_quantize_shard(self, x: torch.Tensor, global_amax, scale: Optional[torch.Tensor]):
+        """(tensors FSDP2 all-gathers along dim 0, extra per-tensor metadata tensors) for this rank's
+        (M, K) weight shard `x`, for a format whose `fsdp_gather_rule` names a kind. `global_amax()`
+        gives the whole weight's amax (all-reduced, cached); `scale` is the module's scale for a
+        format with scale state, else None."""
+        raise missing_capability(self, "fsdp_quantize_shard")
+
+    def fsdp_rebuild(self, outputs, extra, rows: int):
+        """(named buffers of the full weight in flatten order, names of the buffers built locally
+        after the gather) from the gathered `outputs` and `fsdp_quantize_shard`'s `extra`; `rows`:
+        the weight's dim 0 (uneven shards were zero-padded)."""
+        raise missing_capability(self, "fsdp_rebuild")
+
+    def sp_gather_rule(self) -> GatherRule:
+        """How a GEMM input of this quantizer all-gathers under sequence parallelism: the gather
+        kind and the row multiple a shard needs when the columnwise (wgrad) copy is gathered too,
+        or kind None with the reason (`distributed/sp_gather.py`)."""
+        raise missing_capability(self, "sp_gather_rule")
+
+    def sp_quantize_shard(self, x2d: torch.Tensor, scale: Optional[torch.Tensor], all_reduce_max):
+        """(parts to all-gather as (buffer name, tensor, the dim along which the rows run), buffers
+        identical on every rank, the amax the module records) for this rank's (M, K) input shard,
+        for a format whose `sp_gather_rule` names a kind. `all_reduce_max(t)` all-reduces (max) a
+        tensor in place over the group (amaxes that set a shared scale); `scale` is the module's
+        scale for a format with scale state, else None. The gathered buffers must equal those of
+        quantizing the whole input, bit for bit."""
+        raise missing_capability(self, "sp_quantize_shard")
+
+    def sp_finish_gather(self, bufs: Dict[str, torch.Tensor]) -> None:
+        """Complete the gathered buffers in place into this quantizer's `buffer_layout` (e.g. build
+        a transpose after the gather, or restore a scale layout the parts were gathered in)."""
+        raise missing_capability(self, "sp_finish_gather")
+
+    def fused_norm_quantize(self, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                            eps: float, kind: str, zero_centered_gamma: bool):
+        """Optional: (y, mu, rsigma, buffers in `buffer_layout` order) of a LayerNorm / RMSNorm and
+        this quantize of its (M, K) output in one fused kernel, or None (the default): the norm
+        runs, then `quantize` (`ops/norm.py`, `te_proto::norm_quantize_fwd`)."""
+        return None
+
+    def debug_recipe_name(self) -> str:
+        """TE's recipe name for this quantizer in the debug tools' stat names: `DEBUG_RECIPE`."""
+        if type(self).DEBUG_RECIPE is None:
+            raise missing_capability(self, "DEBUG_RECIPE")
+        return type(self).DEBUG_RECIPE
+
+    @classmethod
+    def debug_quantizer(cls, fp8_dtype: Optional[torch.dtype], tensor_name: str) -> "Quantizer":
+        """A quantizer of this format for a tensor role (`tensor_name`: "weight", "activation",
+        ...), for debug stats of this recipe while another one trains (`fp8_dtype`: the
+        requested FP8 dtype or None)."""
+        raise missing_capability(cls, "debug_quantizer")
 
     def metadata(self) -> Dict[str, object]:
         """Non-tensor constructor kwargs beyond shape/dtype/quantizer (e.g. fp8_dtype)."""

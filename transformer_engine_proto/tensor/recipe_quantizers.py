@@ -92,8 +92,8 @@ def _custom_quantizers(recipe: R.CustomRecipe) -> RoleQuantizers:
         if not isinstance(q, Quantizer):
             raise TypeError(f"CustomRecipe: qfactory returned {type(q).__name__} for {role!r}; expected a "
                             "transformer_engine_proto.tensor quantizer")
-        if isinstance(q, Float8Quantizer):
-            raise NotImplementedError(f"CustomRecipe: qfactory returned a delayed-scaling Float8Quantizer for "
+        if q.has_scale_state():
+            raise NotImplementedError(f"CustomRecipe: qfactory returned a delayed-scaling {type(q).__name__} for "
                                       f"{role!r}; delayed scaling keeps its state in the modules: use "
                                       "recipe.DelayedScaling")
         made[role] = q.with_usage(rowwise=True, columnwise=True)

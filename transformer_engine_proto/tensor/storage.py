@@ -12,7 +12,10 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["QuantizedTensorStorage", "storage_class_by_qualname", "registered_storage_classes"]
+from .format_api import GemmOperand, UsageView, missing_capability
+
+__all__ = ["QuantizedTensorStorage", "storage_class_by_qualname", "registered_storage_classes",
+           "storage_class_by_format"]
 
 _REGISTRY: Dict[str, type] = {}
 
@@ -32,12 +35,22 @@ def registered_storage_classes() -> Dict[str, type]:
     return dict(_REGISTRY)
 
 
+def storage_class_by_format(name: str) -> type:
+    """The storage class whose `FORMAT_NAME` is `name` (as `format_name()` answers)."""
+    for cls in _REGISTRY.values():
+        if cls.FORMAT_NAME == name:
+            return cls
+    raise KeyError(f"no quantized storage class declares the format {name!r}")
+
+
 class QuantizedTensorStorage:
     """Holds the buffers; subclasses define the format (buffers, dequantize, layout helpers)."""
 
     _FLATTEN_TENSOR_BUFFERS: Tuple[Tuple[str, str], ...] = ()
     # Non-tensor constructor kwargs stored as attributes of the same name (e.g. fp8_dtype).
     _META_FIELDS: Tuple[str, ...] = ()
+    # The format's name (the debug tools' format family, e.g. "mxfp8"); None: not declared.
+    FORMAT_NAME: Optional[str] = None
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -191,6 +204,52 @@ class QuantizedTensorStorage:
         if self._quantizer is not None:
             self._quantizer = self._quantizer.with_usage(rowwise=rowwise, columnwise=columnwise)
         return self
+
+    # ---- format capabilities (docs/adding_a_format.md): each format declares them; the defaults
+    # raise NotImplementedError naming the format and the capability, never a quiet fallback ----
+    @classmethod
+    def format_name(cls) -> str:
+        """The format family ("fp8_per_tensor", "mxfp8", ...): dumps record it, `reconstruct`
+        finds the format's class by it (`storage_class_by_format`)."""
+        if cls.FORMAT_NAME is None:
+            raise missing_capability(cls, "format_name")
+        return cls.FORMAT_NAME
+
+    def gemm_native(self) -> Optional[str]:
+        """The native scaled-GEMM path `gemm.py` may take when both operands are of this format:
+        "tensorwise" (`torch._scaled_mm`, one scale per tensor), "blockwise" (`F.scaled_mm`
+        1x128 / 128x128 fp32 block scales, Hopper), "block_scaled" (`F.scaled_mm` block-scaled
+        MMA with E8M0 / E4M3 scales, compute capability 10.x / 12.x, `block_scaled_gemm.py`), or
+        None: always emulated (dequantize + matmul)."""
+        raise missing_capability(self, "gemm_native")
+
+    def gemm_operand(self, reduce_last: bool) -> Optional[GemmOperand]:
+        """This tensor as a native GEMM operand, from its stored buffers with no copy: reduced
+        over its last dim (`reduce_last`, the rowwise buffers) or over its rows (columnwise);
+        None when it lacks that usage. Asked only where `gemm_native()` is not None."""
+        raise missing_capability(self, "gemm_operand")
+
+    def gemm_emulated(self, other, trans_a: bool, trans_b: bool, out_dtype: torch.dtype,
+                      bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Optional: a cheaper CUDA emulation of op(self) @ op(other) than dequantizing both
+        (NVFP4's wgrad), or None (the default): `gemm.py` dequantizes and multiplies in bf16."""
+        return None
+
+    def debug_usage_view(self, x2d: torch.Tensor, columnwise: bool) -> UsageView:
+        """The float32 original (M, K) `x2d` and this tensor's values side by side in one usage's
+        buffer layout, with the saturated codes and every block's scale_inv (debug stats)."""
+        raise missing_capability(self, "debug_usage_view")
+
+    def debug_internals(self) -> Dict[str, object]:
+        """The format's buffers decoded into plain tensors with plain row-major scale layouts
+        (debug dumps), enough for `debug_reconstruct`; keys as `debug/quant_view.internals` says."""
+        raise missing_capability(self, "debug_internals")
+
+    @classmethod
+    def debug_reconstruct(cls, d: Dict[str, object], usage: str) -> Tuple[torch.Tensor, bool]:
+        """(float32 values of one usage, whether they are the transpose of the logical 2D tensor)
+        from a dump `debug_internals` wrote, using plain torch only."""
+        raise missing_capability(cls, "debug_reconstruct")
 
     # ---- native view / transpose hooks (return None when the layout does not allow it) ---
     def _view_buffers(self, shape) -> Optional[Dict[str, torch.Tensor]]:

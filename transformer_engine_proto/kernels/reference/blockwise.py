@@ -10,6 +10,7 @@ from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import guard_or_true
 
 from .. import register_kernel
 from .common import fp8_max, saturating_cast, scale_from_amax, transpose_2d
@@ -27,7 +28,7 @@ def tile_scales(x2d: torch.Tensor, rows: int, fp8_dtype, power_2: bool, epsilon:
     r, c = x2d.shape
     rt, ct = ceil_div(r, rows), ceil_div(c, TILE)
     a = x2d.float().abs()
-    if rt * rows != r or ct * TILE != c:
+    if guard_or_true(rt * rows != r) or guard_or_true(ct * TILE != c):  # unknown (a data-dependent row count): pad, maybe by 0
         a = F.pad(a, (0, ct * TILE - c, 0, rt * rows - r))
     amax = a.reshape(rt, rows, ct, TILE).amax(dim=(1, 3))
     return scale_from_amax(amax, fp8_max(fp8_dtype), 0, power_2, epsilon)

@@ -14,7 +14,11 @@ def abs_max(x: torch.Tensor) -> torch.Tensor:
     which torch's amax() rejects. Decided on the shape alone: a symbolic size is never guarded."""
     if statically_known_true(x.numel() == 0):
         return x.new_zeros(1, dtype=torch.float32)
-    return x.abs().amax().float().reshape(1)
+    if statically_known_true(x.numel() != 0):
+        return x.abs().amax().float().reshape(1)
+    # a row count that is data (an unbacked SymInt: a GroupedLinear expert's tokens under compile)
+    # may be 0 at run time: reduce with one zero prepended (a copy)
+    return torch.cat([x.new_zeros(1), x.abs().reshape(-1)]).amax().float().reshape(1)
 
 
 def fp8_max(fp8_dtype: torch.dtype) -> float:
@@ -74,3 +78,4 @@ def transpose_2d(x2d: torch.Tensor) -> torch.Tensor:
     where `.t().contiguous()` would keep the old strides and break layout equality)."""
     out = torch.empty((x2d.shape[1], x2d.shape[0]), dtype=x2d.dtype, device=x2d.device)
     return out.copy_(x2d.t())
+

@@ -1,0 +1,204 @@
+"""te.checkpoint: the recomputed forward uses the first forward's scales and records no amax, so
+a checkpointed model trains bit for bit like the plain one (loss, grads, weights, delayed-scaling
+amax history and scales), eagerly (reentrant and not) and under torch.compile."""
+import copy
+
+import pytest
+import torch
+
+import transformer_engine_proto as te
+from linear_cases import RECIPE_IDS, RECIPES, fresh_dynamo, graph_breaks, recipe_ctx
+from transformer_engine_proto import recompute as te_recompute
+from transformer_engine_proto.module.gemm_state import QuantizedGemm
+
+STEPS = 3
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = te.LayerNormLinear(32, 64)
+        self.fc2 = te.Linear(64, 32)
+
+    def forward(self, x):
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class Model(torch.nn.Module):
+    def __init__(self, mode):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([Block(), Block()])
+        self.mode = mode  # None, "reentrant", "non_reentrant", "torch" (plain torch.utils.checkpoint)
+
+    def forward(self, x):
+        for b in self.blocks:
+            if self.mode is None:
+                x = b(x)
+            elif self.mode == "torch":
+                x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False)
+            else:
+                x = te.checkpoint(b, x, use_reentrant=self.mode == "reentrant")
+        return x
+
+
+def _train(model, recipe, steps=STEPS, compiled=None, backward_in_autocast=False, batch=64):
+    torch.manual_seed(5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fn = compiled if compiled is not None else model
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(batch, 32, requires_grad=True)
+        with recipe_ctx(recipe):
+            loss = fn(x).square().mean()
+            if backward_in_autocast:
+                loss.backward()
+        if not backward_in_autocast:
+            loss.backward()
+        losses.append(loss.detach())
+        grads = [p.grad.clone() for p in model.parameters()] + [x.grad]
+        opt.step()
+        opt.zero_grad()
+    return losses, grads
+
+
+def _pair(mode):
+    torch.manual_seed(0)
+    ref = Model(None)
+    ck = copy.deepcopy(ref)
+    ck.mode = mode
+    return ref, ck
+
+
+def _assert_same(ref, ck, results_ref, results_ck):
+    (l1, g1), (l2, g2) = results_ref, results_ck
+    for a, b in zip(l1 + g1, l2 + g2):
+        assert torch.equal(a, b)
+    for (n, a), b in zip(ref.state_dict().items(), ck.state_dict().values()):
+        assert torch.equal(a, b), n  # weights and every delayed-scaling buffer
+
+
+@pytest.mark.parametrize("rid", RECIPE_IDS)
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant"])
+def test_checkpoint_trains_like_the_plain_model(rid, mode, monkeypatch):
+    recipe = RECIPES[rid]
+    ref, ck = _pair(mode)
+    updates, ops = [], []
+    real_update, real_forward = QuantizedGemm._update_delayed_scales, QuantizedGemm.forward
+    monkeypatch.setattr(QuantizedGemm, "_update_delayed_scales",
+                        lambda self, r: updates.append(1) or real_update(self, r))
+    monkeypatch.setattr(QuantizedGemm, "forward", lambda self, *a, **k: ops.append(1) or real_forward(self, *a, **k))
+    r_ref = _train(ref, recipe)
+    n_updates, n_ops = len(updates), len(ops)
+    r_ck = _train(ck, recipe)
+    _assert_same(ref, ck, r_ref, r_ck)
+    assert len(ops) - n_ops == 2 * n_ops  # the checkpointed run did recompute every GEMM
+    assert len(updates) - n_updates == n_updates  # ... and updated the scales once per step
+    if rid == "delayed":  # the histories compared above did move
+        h = ref.blocks[0].fc2.gemm.amax_history
+        assert h[0].gt(0).all() and h[-(STEPS - 1):].gt(0).all()  # rolled: older steps at the end
+
+
+def test_plain_torch_checkpoint_would_update_twice():
+    """The control: torch.utils.checkpoint recomputes with the delayed-scaling update and amax
+    recording on (backward inside autocast, so the recompute even sees the recipe): the history
+    rolls twice per step and the run diverges from the plain model."""
+    ref, ck = _pair("torch")
+    _train(ref, RECIPES["delayed"], backward_in_autocast=True)
+    _train(ck, RECIPES["delayed"], backward_in_autocast=True)
+    assert not torch.equal(ref.blocks[0].fc2.gemm.amax_history, ck.blocks[0].fc2.gemm.amax_history)
+
+
+def test_recompute_phase_flag_is_seen_only_in_recompute():
+    seen = []
+    lin = te.Linear(32, 32)
+
+    def fn(x):
+        seen.append(te.quantization.FP8GlobalStateManager.in_fp8_activation_recompute_phase())
+        seen.append(te.get_fp8_recipe() is not None)
+        return lin(x)
+
+    x = torch.randn(16, 32, requires_grad=True)
+    with te.autocast(recipe=RECIPES["current"]):
+        y = te.checkpoint(fn, x, use_reentrant=False)
+    y.sum().backward()  # outside autocast: the recompute still runs with the recipe
+    assert seen == [False, True, True, True]
+    assert te.distributed.checkpoint is te.checkpoint
+
+
+def _backend(backward_graphs):
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def fw(gm, _):
+        return make_boxed_func(gm.forward)
+
+    def bw(gm, _):
+        backward_graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    # aot_eager's partitioner, with the backward graph kept for inspection
+    return aot_autograd(fw_compiler=fw, bw_compiler=bw, partition_fn=min_cut_rematerialization_partition,
+                        keep_inference_input_mutations=True)
+
+
+def _recomputed_linears(graphs) -> int:
+    return sum(n.target is torch.ops.te_proto.linear_fwd.default for g in graphs for n in g.graph.nodes)
+
+
+@pytest.mark.parametrize("rid", ["delayed", "current", "mxfp8"])
+def test_checkpoint_compiled_matches_plain_eager(rid, monkeypatch):
+    """fullgraph, checkpoint inside the compiled model: no graph break, the backward graph does
+    recompute the Linear forwards, and the run is bit for bit the plain eager one (losses, grads,
+    weights, delayed-scaling buffers). Activations (256 x 32) are above the save threshold, the
+    scaling state (1024 x 2) below it."""
+    monkeypatch.setattr(te_recompute, "SMALL_NUMEL", 4096)
+    recipe = RECIPES[rid]
+    ref, ck = _pair("reentrant")  # reentrant is eager only: under compile te.checkpoint traces the other one
+    fresh_dynamo()
+    graphs = []
+    compiled = torch.compile(ck, fullgraph=True, backend=_backend(graphs))
+    r_ref = _train(ref, recipe, batch=256)
+    r_ck = _train(ck, recipe, compiled=compiled, batch=256)
+    assert graph_breaks() == 0
+    assert _recomputed_linears(graphs) == 4
+    _assert_same(ref, ck, r_ref, r_ck)
+
+
+def test_compiled_recompute_of_the_scale_update_would_diverge(monkeypatch):
+    """The control: recompute everything (threshold 0) and the replayed scale computation reads
+    the amax history the forward already updated, so delayed scaling diverges from eager."""
+    monkeypatch.setattr(te_recompute, "SMALL_NUMEL", 0)
+    ref, ck = _pair("non_reentrant")
+    fresh_dynamo()
+    compiled = torch.compile(ck, fullgraph=True, backend="aot_eager")
+    losses_ref, _ = _train(ref, RECIPES["delayed"], batch=256)
+    losses_ck, _ = _train(ck, RECIPES["delayed"], compiled=compiled, batch=256)
+    assert not all(torch.equal(a, b) for a, b in zip(losses_ref, losses_ck))
+
+
+def test_unsupported_arguments():
+    lin = te.Linear(32, 32)
+    x = torch.randn(4, 32)
+    with pytest.raises(NotImplementedError, match="distribute_saved_activations"):
+        te.checkpoint(lin, x, distribute_saved_activations=True)
+    with pytest.raises(NotImplementedError, match="get_rng_state_tracker"):
+        te.checkpoint(lin, x, get_rng_state_tracker=lambda: None)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rid", RECIPE_IDS)
+def test_cuda_checkpoint_trains_like_the_plain_model(rid):
+    """On the GPU (Triton quantize kernels, torch._scaled_mm): te.checkpoint, eager, bit for bit."""
+    recipe = RECIPES[rid]
+    ref, ck = _pair("non_reentrant")
+    ref, ck = ref.to("cuda", torch.bfloat16), ck.to("cuda", torch.bfloat16)
+    torch.set_default_device("cuda")
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        r_ref = _train(ref, recipe, batch=128)
+        r_ck = _train(ck, recipe, batch=128)
+    finally:
+        torch.set_default_device(None)
+        torch.set_default_dtype(torch.float32)
+    _assert_same(ref, ck, r_ref, r_ck)

@@ -1,0 +1,279 @@
+"""te.GroupedLinear: every recipe equals a loop of per-expert te.Linear (same weights), empty
+experts, list and tensor splits, one graph for any split of the same total under torch.compile."""
+import copy
+
+import pytest
+import torch
+
+import transformer_engine_proto as te
+from linear_cases import RECIPE_IDS, RECIPES, fresh_dynamo, graph_breaks, recipe_ctx, unique_graphs
+from transformer_engine_proto.module.grouped_linear import grouped_mm_supported
+
+N, K, OUT = 3, 32, 64
+SPLITS = [[32, 0, 64], [61, 35, 0], [0, 96, 0]]  # empty experts; 61 / 35: partial MXFP8 / NVFP4 row blocks
+
+
+def _pair(bias=True, dtype=torch.float32):
+    torch.manual_seed(0)
+    g = te.GroupedLinear(N, K, OUT, bias=bias, params_dtype=dtype)
+    with torch.no_grad():
+        for i in range(N):
+            getattr(g, f"bias{i}").normal_() if bias else None
+    refs = [te.Linear(K, OUT, bias=bias, params_dtype=dtype) for _ in range(N)]
+    with torch.no_grad():
+        for i, r in enumerate(refs):
+            r.weight.copy_(getattr(g, f"weight{i}"))
+            if bias:
+                r.bias.copy_(getattr(g, f"bias{i}"))
+    return g, refs
+
+
+def _ref_loop(refs, x, splits):
+    return torch.cat([r(p) for r, p in zip(refs, torch.split(x, splits))])
+
+
+def _step(fn, x, dy):
+    x = x.detach().clone().requires_grad_()
+    y = fn(x)
+    y.backward(dy)
+    return y.detach(), x.grad
+
+
+def _state(module_gemms):
+    return [torch.cat([g.amax_history.flatten(), g.fp8_scale, g.grad_fp8_scale, g.grad_amax_history.flatten()])
+            for g in module_gemms]
+
+
+@pytest.mark.parametrize("rid", RECIPE_IDS)
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["list", "tensor"])
+def test_matches_loop_of_linear(rid, as_tensor):
+    """Forward, dgrad, wgrad, dbias (and delayed scaling's per-expert state) over three steps
+    whose splits differ and leave experts empty: bitwise where the same kernels run (every
+    recipe: the expert loop), within fp32 tolerance for high precision (torch._grouped_mm)."""
+    recipe = RECIPES[rid]
+    g, refs = _pair()
+    torch.manual_seed(1)
+    for splits in SPLITS:
+        x, dy = torch.randn(96, K), torch.randn(96, OUT)
+        m = torch.tensor(splits) if as_tensor else splits
+        with recipe_ctx(recipe):
+            y, dx = _step(lambda t: g(t, m), x, dy)
+            y_ref, dx_ref = _step(lambda t: _ref_loop(refs, t, splits), x, dy)
+        exact = recipe is not None or not grouped_mm_supported(x.device, x.dtype, K, OUT)
+        check = torch.testing.assert_close if not exact else (lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0))
+        check(y, y_ref)
+        check(dx, dx_ref)
+        for i, r in enumerate(refs):
+            check(getattr(g, f"weight{i}").grad, r.weight.grad)
+            check(getattr(g, f"bias{i}").grad, r.bias.grad)
+    for a, b in zip(_state(g.gemms), _state([r.gemm for r in refs])):
+        assert torch.equal(a, b)
+    if rid == "delayed":  # the scales did move: the comparison above is not of untouched buffers
+        assert not torch.equal(g.gemms[0].fp8_scale, torch.ones(2))
+
+
+def test_high_precision_grouped_mm_matches_loop_of_linear():
+    """bf16 high precision goes through torch._grouped_mm (on torch 2.13 CPU): forward and every
+    grad equal a loop of te.Linear within bf16 rounding (the bias is added after the grouped GEMM,
+    not inside it); use_grouped_tensor=False takes the expert loop."""
+    assert grouped_mm_supported(torch.device("cpu"), torch.bfloat16, K, OUT)
+    assert not grouped_mm_supported(torch.device("cpu"), torch.bfloat16, 12, OUT)  # 24-byte rows
+    assert not grouped_mm_supported(torch.device("cpu"), torch.float32, K, OUT)  # compile's meta: bf16 only
+    g, refs = _pair(dtype=torch.bfloat16)
+    calls = []
+    real = torch._grouped_mm
+    torch._grouped_mm = lambda *a, **k: calls.append(1) or real(*a, **k)
+    x, dy = torch.randn(96, K, dtype=torch.bfloat16), torch.randn(96, OUT, dtype=torch.bfloat16)
+    try:
+        y, dx = _step(lambda t: g(t, torch.tensor([32, 0, 64])), x, dy)
+    finally:
+        torch._grouped_mm = real
+    assert calls == [1]
+    y_ref, dx_ref = _step(lambda t: _ref_loop(refs, t, [32, 0, 64]), x, dy)
+    tol = dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(y, y_ref, **tol)
+    torch.testing.assert_close(dx, dx_ref, **tol)
+    for i, r in enumerate(refs):
+        torch.testing.assert_close(getattr(g, f"weight{i}").grad, r.weight.grad, **tol)
+        torch.testing.assert_close(getattr(g, f"bias{i}").grad, r.bias.grad, **tol)
+    assert torch.equal(g.weight1.grad, torch.zeros_like(g.weight1))  # the empty expert
+    g.use_grouped_tensor = False
+    torch.testing.assert_close(g(x, [32, 0, 64]), y, **tol)
+
+
+def test_return_bias_and_state_dict_names():
+    g = te.GroupedLinear(2, K, OUT, return_bias=True)
+    assert set(dict(g.named_parameters())) == {"weight0", "weight1", "bias0", "bias1"}
+    with torch.no_grad():
+        g.bias0.fill_(1.0)
+    x = torch.randn(8, K)
+    out, biases = g(x, [3, 5])
+    assert out.shape == (8, OUT) and len(biases) == 2 and biases[0] is g.bias0
+    torch.testing.assert_close(out[:3], x[:3] @ g.weight0.T)  # the bias is returned, not added
+
+
+@pytest.mark.parametrize("bad, msg", [([32, 32, 0], "sum to 64 but the input has 96"),
+                                      ([96, 0], "must be 3 split sizes"),
+                                      ([100, -4, 0], "negative size")])
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["list", "tensor"])
+def test_wrong_splits_name_the_layer(bad, msg, as_tensor):
+    g = te.GroupedLinear(N, K, OUT, name="experts_fc1")
+    with pytest.raises(ValueError, match=f"experts_fc1: .*{msg}"):
+        g(torch.randn(96, K), torch.tensor(bad) if as_tensor else bad)
+
+
+@pytest.mark.parametrize("rid", ["mxfp8", "nvfp4"])
+def test_any_split_for_block_formats(rid, monkeypatch):
+    """Token counts that MXFP8's / NVFP4's row blocks do not divide (the Linear op pads them),
+    eager and compiled (aot_eager, tensor splits): bitwise the loop of te.Linear."""
+    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
+    g, refs = _pair()
+    fresh_dynamo()
+    cg = torch.compile(g, fullgraph=True, backend="aot_eager")
+    for splits in ([40, 56, 0], [7, 0, 89]):
+        x = torch.randn(96, K)
+        with recipe_ctx(RECIPES[rid]):
+            y_ref = _ref_loop(refs, x, splits)
+            assert torch.equal(g(x, splits), y_ref)
+            assert torch.equal(cg(x, torch.tensor(splits)), y_ref)
+    assert graph_breaks() == 0 and unique_graphs() == 1
+
+
+@pytest.mark.parametrize("rid, dtype", [("high_precision", torch.float32), ("high_precision", torch.bfloat16),
+                                        ("delayed", torch.float32), ("mxfp8", torch.float32)],
+                         ids=["hp-loop", "hp-grouped_mm", "delayed", "mxfp8"])
+def test_compiled_tensor_splits_one_graph_no_recompile(rid, dtype, monkeypatch):
+    """Two (three) different splits of the same total through one compiled graph: no recompile,
+    no graph break, and the same numbers as eager (aot_eager: bitwise)."""
+    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
+    recipe = RECIPES[rid]
+    g, _ = _pair(dtype=dtype)
+    ge, _ = _pair(dtype=dtype)
+    fresh_dynamo()
+    cg = torch.compile(g, fullgraph=True, backend="aot_eager")
+    torch.manual_seed(2)
+    for splits in SPLITS:
+        x, dy = torch.randn(96, K, dtype=dtype), torch.randn(96, OUT, dtype=dtype)
+        with recipe_ctx(recipe):
+            y, dx = _step(lambda t: cg(t, torch.tensor(splits)), x, dy)
+            y_e, dx_e = _step(lambda t: ge(t, torch.tensor(splits)), x, dy)
+        assert torch.equal(y, y_e) and torch.equal(dx, dx_e)
+        assert torch.equal(g.weight1.grad, ge.weight1.grad)
+    assert graph_breaks() == 0
+    assert unique_graphs() == 1
+    for a, b in zip(_state(g.gemms), _state(ge.gemms)):
+        assert torch.equal(a, b)
+
+
+def test_compiled_list_splits_wrong_sum_is_the_same_error():
+    g = te.GroupedLinear(N, K, OUT, name="experts_gate")
+    fresh_dynamo()
+    cg = torch.compile(g, fullgraph=True, backend="aot_eager")
+    with pytest.raises(ValueError, match="experts_gate: m_splits sum to 64 but the input has 96 tokens"):
+        cg(torch.randn(96, K), [32, 32, 0])
+
+
+def test_compiled_tensor_splits_wrong_sum_raises(monkeypatch):
+    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
+    g = te.GroupedLinear(N, K, OUT, name="experts_up")
+    fresh_dynamo()
+    cg = torch.compile(g, fullgraph=True, backend="aot_eager")
+    with recipe_ctx(RECIPES["current"]):
+        cg(torch.randn(96, K), torch.tensor([32, 64, 0]))
+        with pytest.raises(RuntimeError, match="experts_up: m_splits do not sum to the input's token count"):
+            cg(torch.randn(96, K), torch.tensor([32, 32, 0]))
+
+
+def test_compiled_tensor_splits_need_capture_scalar_outputs(monkeypatch):
+    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", False)
+    g = te.GroupedLinear(N, K, OUT, name="experts_down")
+    fresh_dynamo()
+    cg = torch.compile(g, fullgraph=True, backend="aot_eager")
+    with recipe_ctx(RECIPES["current"]):
+        with pytest.raises(Exception, match="experts_down: .*capture_scalar_outputs = True"):
+            cg(torch.randn(96, K), torch.tensor([32, 64, 0]))
+
+
+def test_inductor_tensor_splits_current_scaling(monkeypatch):
+    """One small inductor case: tensor splits, Float8CurrentScaling, two splits, one graph."""
+    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
+    g, refs = _pair()
+    fresh_dynamo()
+    cg = torch.compile(g, fullgraph=True)
+    for splits in SPLITS[:2]:
+        x = torch.randn(96, K)
+        with recipe_ctx(RECIPES["current"]):
+            y = cg(x, torch.tensor(splits))
+            y_ref = _ref_loop(refs, x, splits)
+        torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    assert graph_breaks() == 0 and unique_graphs() == 1
+
+
+def test_unsupported_arguments_are_errors():
+    with pytest.raises(TypeError, match="unsupported arguments \\['ub_overlap_ag'\\]"):
+        te.GroupedLinear(2, K, OUT, ub_overlap_ag=True)
+    with pytest.raises(NotImplementedError, match="tensor parallelism"):
+        te.GroupedLinear(2, K, OUT, tp_size=2, parallel_mode="column")
+
+
+# ---- GPU (qa/L1_gpu.sh): Triton quantize kernels, torch._grouped_mm on sm90, inductor with unbacked sizes ----
+@pytest.mark.cuda
+@pytest.mark.parametrize("rid", RECIPE_IDS)
+def test_cuda_matches_loop_of_linear(rid):
+    recipe = RECIPES[rid]
+    torch.manual_seed(0)
+    g = te.GroupedLinear(N, 128, 256, params_dtype=torch.bfloat16, device="cuda")
+    refs = [te.Linear(128, 256, params_dtype=torch.bfloat16, device="cuda") for _ in range(N)]
+    with torch.no_grad():
+        for i, r in enumerate(refs):
+            r.weight.copy_(getattr(g, f"weight{i}"))
+            r.bias.copy_(getattr(g, f"bias{i}").normal_())
+    for splits in ([128, 0, 256], [0, 384, 0], [96, 160, 128]):
+        x = torch.randn(384, 128, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(384, 256, device="cuda", dtype=torch.bfloat16)
+        with recipe_ctx(recipe):
+            y, dx = _step(lambda t: g(t, torch.tensor(splits, device="cuda")), x, dy)
+            y_ref, dx_ref = _step(lambda t: _ref_loop(refs, t, splits), x, dy)
+        tol = dict(rtol=2e-2, atol=2e-2) if recipe is None else dict(rtol=0, atol=0)
+        torch.testing.assert_close(y, y_ref, **tol)
+        torch.testing.assert_close(dx, dx_ref, **tol)
+        for i, r in enumerate(refs):
+            torch.testing.assert_close(getattr(g, f"weight{i}").grad, r.weight.grad, **tol)
+            getattr(g, f"weight{i}").grad = None
+            r.weight.grad = None
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rid", ["delayed", "current", "mxfp8"])
+def test_cuda_tensor_splits_with_a_recipe_under_compile_is_refused_clearly(rid, monkeypatch):
+    """The Triton quantize kernels check sizes at trace time, which unbacked expert sizes cannot
+    answer: a clear error naming the layer and the way out, not a dynamo guard failure."""
+    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
+    g = te.GroupedLinear(N, 128, 256, params_dtype=torch.bfloat16, device="cuda", name="experts")
+    fresh_dynamo()
+    x = torch.randn(384, 128, device="cuda", dtype=torch.bfloat16)
+    with recipe_ctx(RECIPES[rid]):
+        with pytest.raises(NotImplementedError, match="experts: .*pass m_splits as a list"):
+            torch.compile(g, fullgraph=True)(x, torch.tensor([128, 0, 256], device="cuda"))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rid", ["high_precision"])
+def test_cuda_inductor_tensor_splits_one_graph(rid, monkeypatch):
+    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", True)
+    recipe = RECIPES[rid]
+    torch.manual_seed(0)
+    g = te.GroupedLinear(N, 128, 256, params_dtype=torch.bfloat16, device="cuda")
+    ge = copy.deepcopy(g)
+    fresh_dynamo()
+    cg = torch.compile(g, fullgraph=True)
+    for splits in ([128, 0, 256], [256, 128, 0], [0, 0, 384]):
+        x = torch.randn(384, 128, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(384, 256, device="cuda", dtype=torch.bfloat16)
+        m = torch.tensor(splits, device="cuda")
+        with recipe_ctx(recipe):
+            y, dx = _step(lambda t: cg(t, m), x, dy)
+            y_e, dx_e = _step(lambda t: ge(t, m), x, dy)
+        torch.testing.assert_close(y, y_e, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(dx, dx_e, rtol=2e-2, atol=2e-2)
+    assert graph_breaks() == 0 and unique_graphs() == 1

@@ -1,0 +1,310 @@
+"""`DotProductAttention`: TE's core attention (softmax(Q K^T * scale + mask) V) on torch's SDPA.
+
+Attention runs in the inputs' precision (bf16 / fp32; TE's default `fp8_dpa=False`) through
+`F.scaled_dot_product_attention`: `is_causal=True` for plain top-left causal masks, no mask for
+"no_mask", and otherwise an explicit boolean mask built on the device from token positions
+(padding, bottom-right causal, sliding windows, "arbitrary", and the document mask of packed "thd"
+input). Building it needs no host sync and no data-dependent Python, so every case traces with
+`torch.compile(fullgraph=True)`; `cu_seqlens` is a tensor input, so a new split of the same token
+count reuses the compiled graph.
+
+Why not FlexAttention: on torch 2.13 CPU `flex_attention` has no backward ("FlexAttention does not
+support backward on CPU"), so it cannot train here; the explicit mask costs O(s_q * s_kv) bools per
+batch element (for "thd": per packed batch) and computes the masked-out blocks.
+
+Rows that no key may attend (padded query tokens, the first rows of a bottom-right mask with
+s_q > s_kv) return zeros, as TE's fused backends do.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+from .base import TransformerEngineBaseModule
+from .rope import token_positions
+
+__all__ = ["DotProductAttention", "ATTN_MASK_TYPES", "QKV_FORMATS", "attention_mask_from_positions"]
+
+ATTN_MASK_TYPES = ("no_mask", "padding", "causal", "padding_causal", "causal_bottom_right",
+                   "padding_causal_bottom_right", "arbitrary")
+QKV_FORMATS = ("sbhd", "bshd", "thd")
+_THD_MASK = {"no_mask": "padding", "causal": "padding_causal", "causal_bottom_right": "padding_causal_bottom_right"}
+
+
+def canonical_mask_type(who: str, mask_type: str) -> str:
+    mask_type = mask_type.replace(",", "_")
+    if mask_type == "causal_padding":
+        mask_type = "padding_causal"
+    if mask_type not in ATTN_MASK_TYPES:
+        raise ValueError(f"{who}: attn_mask_type must be one of {ATTN_MASK_TYPES}, got {mask_type!r}")
+    return mask_type
+
+
+def check_window(who: str, window_size) -> Tuple[int, int]:
+    """TE's (left, right) window; None and (-1, -1) mean no window, -1 on a side means unbounded."""
+    if window_size is None:
+        return (-1, -1)
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) and w >= -1 for w in window_size)):
+        raise ValueError(f"{who}: window_size must be a (left, right) tuple of ints >= -1, got {window_size!r}")
+    return (int(window_size[0]), int(window_size[1]))
+
+
+def attention_mask_from_positions(q_pos, kv_pos, mask_type: str, window: Tuple[int, int], offset=None,
+                                  q_valid=None, kv_valid=None, q_seq=None, kv_seq=None) -> Optional[torch.Tensor]:
+    """Boolean "may attend" mask [..., s_q, s_kv] (True = attend, SDPA's convention).
+
+    q_pos / kv_pos: positions inside each sequence ([..., s_q] / [..., s_kv]); offset: per-query
+    shift of the diagonal (0: top-left alignment, len_kv - len_q: bottom-right); q_valid /
+    kv_valid: padding; q_seq / kv_seq: sequence ids of packed tokens (block-diagonal mask).
+    Query i may attend key j when i + offset - left <= j <= i + offset + right (causal: right = 0)."""
+    mask = None
+
+    def _and(m, c):
+        return c if m is None else m & c
+
+    left, right = window
+    if "causal" in mask_type:
+        right = 0
+    if left >= 0 or right >= 0:
+        qi = q_pos if offset is None else q_pos + offset
+        d = qi.unsqueeze(-1) - kv_pos.unsqueeze(-2)  # i + offset - j
+        if right >= 0:
+            mask = _and(mask, d >= -right)
+        if left >= 0:
+            mask = _and(mask, d <= left)
+    if q_valid is not None:
+        mask = _and(mask, q_valid.unsqueeze(-1) & kv_valid.unsqueeze(-2))
+    if q_seq is not None:
+        mask = _and(mask, q_seq.unsqueeze(-1) == kv_seq.unsqueeze(-2))
+    return mask
+
+
+def _to_bhsd(t: torch.Tensor, fmt: str) -> torch.Tensor:
+    if fmt == "bshd":
+        return t.transpose(1, 2)
+    if fmt == "sbhd":
+        return t.permute(1, 2, 0, 3)
+    return t.transpose(0, 1).unsqueeze(0)  # thd -> [1, h, t, d]
+
+
+def _from_bhsd(o: torch.Tensor, fmt: str) -> torch.Tensor:
+    b, h, s, d = o.shape
+    if fmt == "bshd":
+        return o.transpose(1, 2).reshape(b, s, h * d)
+    if fmt == "sbhd":
+        return o.permute(2, 0, 1, 3).reshape(s, b, h * d)
+    return o.squeeze(0).transpose(0, 1).reshape(s, h * d)
+
+
+class DotProductAttention(TransformerEngineBaseModule):
+    """Drop-in for `transformer_engine.pytorch.DotProductAttention` (high-precision attention).
+
+    Inputs: "sbhd" [s, b, h, d], "bshd" [b, s, h, d] or "thd" [t, h, d] (packed sequences with
+    `cu_seqlens_q` / `cu_seqlens_kv` [b + 1]); output with heads folded: [s, b, h*d], [b, s, h*d]
+    or [t, h*d]. GQA / MQA: `num_gqa_groups` key/value heads. `attention_mask` follows TE: True
+    means masked out; "padding*" takes [b, 1, 1, s] (a (q, kv) tuple for cross attention) or
+    `cu_seqlens_q` / `cu_seqlens_kv`; "arbitrary" a mask broadcastable to [b, h, s_q, s_kv]."""
+
+    def __init__(self, num_attention_heads: int, kv_channels: Union[int, Tuple[int, int]],
+                 num_gqa_groups: Optional[int] = None, attention_dropout: float = 0.0, qkv_format: str = "sbhd",
+                 attn_mask_type: str = "causal", window_size: Optional[Tuple[int, int]] = None,
+                 bottom_right_diagonal: Optional[bool] = None, sequence_parallel: bool = False, tp_size: int = 1,
+                 get_rng_state_tracker=None, tp_group=None, layer_number: Optional[int] = None,
+                 attention_type: str = "self", cp_group=None, cp_global_ranks=None, cp_stream=None,
+                 cp_comm_type: str = "p2p", softmax_scale: Optional[float] = None, softmax_type: str = "vanilla",
+                 return_max_logit: bool = False, name: Optional[str] = None, **unsupported):
+        super().__init__(name)
+        who = f"DotProductAttention {self.name}"
+        if unsupported:
+            raise TypeError(f"{who}: unsupported arguments {sorted(unsupported)}")
+        if cp_group is not None or cp_global_ranks is not None or cp_stream is not None:
+            raise NotImplementedError(f"{who}: context parallelism (cp_group, cp_global_ranks, cp_stream) is not supported")
+        if softmax_type != "vanilla" or return_max_logit:
+            raise NotImplementedError(f"{who}: softmax_type={softmax_type!r} / return_max_logit are not supported "
+                                      "(only the vanilla softmax)")
+        if get_rng_state_tracker is not None:
+            raise NotImplementedError(f"{who}: get_rng_state_tracker is not supported (dropout uses torch's RNG)")
+        if qkv_format not in QKV_FORMATS:
+            raise ValueError(f"{who}: qkv_format must be one of {QKV_FORMATS}, got {qkv_format!r}")
+        if attention_type not in ("self", "cross"):
+            raise ValueError(f"{who}: attention_type must be 'self' or 'cross', got {attention_type!r}")
+        tp = dist.get_world_size(tp_group) if tp_group is not None else (tp_size or 1)
+        groups = num_gqa_groups or num_attention_heads
+        if num_attention_heads <= 0 or num_attention_heads % groups:
+            raise ValueError(f"{who}: num_attention_heads={num_attention_heads} is not divisible by "
+                             f"num_gqa_groups={groups}")
+        if num_attention_heads % tp or groups % tp:
+            raise ValueError(f"{who}: num_attention_heads={num_attention_heads} and num_gqa_groups={groups} must "
+                             f"be divisible by tp_size={tp} (heads are split across tensor-parallel ranks)")
+        self.num_attention_heads, self.num_gqa_groups = num_attention_heads, groups
+        self.heads_per_partition, self.groups_per_partition = num_attention_heads // tp, groups // tp
+        self.hidden_size_per_attention_head_k, self.hidden_size_per_attention_head_v = (
+            kv_channels if isinstance(kv_channels, (tuple, list)) else (kv_channels, kv_channels))
+        self.kv_channels = kv_channels
+        self.attention_dropout, self.qkv_format = attention_dropout, qkv_format
+        self.attn_mask_type = canonical_mask_type(who, attn_mask_type)
+        self.window_size = check_window(who, window_size)
+        self.bottom_right_diagonal = bottom_right_diagonal
+        self.attention_type, self.layer_number, self.sequence_parallel = attention_type, layer_number, sequence_parallel
+        self.softmax_scale = (softmax_scale if softmax_scale is not None
+                              else self.hidden_size_per_attention_head_k ** -0.5)
+
+    def _who(self) -> str:
+        return f"DotProductAttention {self.name}"
+
+    def _check_qkv(self, q, k, v, fmt):
+        who, rank = self._who(), 3 if fmt == "thd" else 4
+        for n, t in (("query_layer", q), ("key_layer", k), ("value_layer", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != rank:
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{who}: {n} must be a {rank}D tensor for qkv_format {fmt!r}, got {shape}")
+        if q.dtype != k.dtype or q.dtype != v.dtype or not q.dtype.is_floating_point:
+            raise TypeError(f"{who}: query/key/value dtypes must be one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        hq, hk, hv = q.shape[-2], k.shape[-2], v.shape[-2]
+        if hq != self.heads_per_partition or hk != self.groups_per_partition or hv != hk:
+            raise ValueError(f"{who}: expected {self.heads_per_partition} query heads and {self.groups_per_partition} "
+                             f"key/value heads (num_gqa_groups), got {hq}, {hk}, {hv}")
+        dk, dv = self.hidden_size_per_attention_head_k, self.hidden_size_per_attention_head_v
+        if q.shape[-1] != dk or k.shape[-1] != dk or v.shape[-1] != dv:
+            raise ValueError(f"{who}: head dims must be kv_channels={self.kv_channels}, got q {q.shape[-1]}, "
+                             f"k {k.shape[-1]}, v {v.shape[-1]}")
+        if fmt != "thd":
+            b = 1 if fmt == "sbhd" else 0
+            if q.shape[b] != k.shape[b] or k.shape[:2] != v.shape[:2]:
+                raise ValueError(f"{who}: query/key/value batch or sequence dims disagree for {fmt!r}: "
+                                 f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        elif k.shape[0] != v.shape[0]:
+            raise ValueError(f"{who}: key_layer and value_layer token counts differ: {k.shape[0]} vs {v.shape[0]}")
+
+    def forward(self, query_layer: torch.Tensor, key_layer: torch.Tensor, value_layer: torch.Tensor,
+                attention_mask=None, qkv_format: Optional[str] = None,
+                cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_kv: Optional[torch.Tensor] = None,
+                cu_seqlens_q_padded: Optional[torch.Tensor] = None, cu_seqlens_kv_padded: Optional[torch.Tensor] = None,
+                max_seqlen_q: Optional[int] = None, max_seqlen_kv: Optional[int] = None,
+                attn_mask_type: Optional[str] = None, window_size: Optional[Tuple[int, int]] = None,
+                bottom_right_diagonal: Optional[bool] = None, checkpoint_core_attention: bool = False,
+                core_attention_bias_type: str = "no_bias", core_attention_bias=None, alibi_slopes=None,
+                fast_zero_fill: bool = True, inference_params=None, **unsupported) -> torch.Tensor:
+        """max_seqlen_q / max_seqlen_kv are accepted and not needed (no host sync either way)."""
+        who = self._who()
+        if unsupported:
+            raise TypeError(f"{who}: unsupported forward arguments {sorted(unsupported)}")
+        if core_attention_bias_type != "no_bias" or core_attention_bias is not None or alibi_slopes is not None:
+            raise NotImplementedError(f"{who}: attention bias / ALiBi (core_attention_bias_type="
+                                      f"{core_attention_bias_type!r}) is not supported")
+        if inference_params is not None:
+            raise NotImplementedError(f"{who}: inference_params (KV cache) is not supported")
+        fmt = qkv_format or self.qkv_format
+        if fmt not in QKV_FORMATS:
+            raise ValueError(f"{who}: qkv_format must be one of {QKV_FORMATS}, got {fmt!r}")
+        mask_type = canonical_mask_type(who, attn_mask_type) if attn_mask_type is not None else self.attn_mask_type
+        window = check_window(who, window_size) if window_size is not None else self.window_size
+        if bottom_right_diagonal is None:
+            bottom_right_diagonal = self.bottom_right_diagonal
+        self._check_qkv(query_layer, key_layer, value_layer, fmt)
+        if fmt == "thd":
+            mask_type = _THD_MASK.get(mask_type, mask_type)
+            if cu_seqlens_q is None or cu_seqlens_kv is None:
+                raise ValueError(f"{who}: qkv_format 'thd' needs cu_seqlens_q and cu_seqlens_kv")
+            if mask_type == "arbitrary" or attention_mask is not None:
+                raise ValueError(f"{who}: qkv_format 'thd' takes its mask from cu_seqlens (padding mask types), "
+                                 "not an attention_mask / 'arbitrary'")
+        if cu_seqlens_q is not None and (cu_seqlens_q.dim() != 1 or cu_seqlens_kv is None
+                                         or cu_seqlens_kv.shape != cu_seqlens_q.shape or cu_seqlens_q.is_floating_point()):
+            raise ValueError(f"{who}: cu_seqlens_q and cu_seqlens_kv must be integer tensors of one shape [batch + 1]")
+        args = (query_layer, key_layer, value_layer, attention_mask, fmt, cu_seqlens_q, cu_seqlens_kv,
+                cu_seqlens_q_padded, cu_seqlens_kv_padded, mask_type, window, bottom_right_diagonal)
+        if checkpoint_core_attention and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self._attend, *args, use_reentrant=False)
+        return self._attend(*args)
+
+    def _mask(self, q, k, attention_mask, fmt, cu_q, cu_kv, pad_q, pad_kv, mask_type, window, bottom_right):
+        """(SDPA's attn_mask or None, is_causal)."""
+        who = self._who()
+        sq, skv = q.shape[-2], k.shape[-2]  # [b, h, s, d]
+        no_window = window[0] < 0 and (window[1] < 0 or (window[1] == 0 and "causal" in mask_type))
+        if mask_type == "no_mask" and no_window:
+            return None, False
+        if mask_type == "causal" and no_window:
+            return None, True  # SDPA's is_causal is top-left aligned
+        if mask_type == "causal_bottom_right" and no_window and sq == skv:
+            return None, True
+        if mask_type in ("causal", "padding_causal"):
+            bottom_right = False
+        elif bottom_right is None or mask_type.endswith("bottom_right"):
+            bottom_right = True
+        dev = q.device
+        q_pos, kv_pos = torch.arange(sq, device=dev), torch.arange(skv, device=dev)
+        q_valid = kv_valid = q_seq = kv_seq = None
+        offset = (skv - sq) if bottom_right else None
+        arbitrary = None
+        if fmt == "thd":
+            q_seq, q_pos = token_positions(pad_q if pad_q is not None else cu_q, sq)
+            kv_seq, kv_pos = token_positions(pad_kv if pad_kv is not None else cu_kv, skv)
+            len_q, len_kv = cu_q.diff(), cu_kv.diff()
+            nseq = len_q.numel()
+            q_valid = (q_seq < nseq) & (q_pos < len_q[q_seq.clamp(max=nseq - 1)])
+            kv_valid = (kv_seq < nseq) & (kv_pos < len_kv[kv_seq.clamp(max=nseq - 1)])
+            if bottom_right:
+                idx = q_seq.clamp(max=nseq - 1)
+                offset = len_kv[idx] - len_q[idx]
+        elif "padding" in mask_type:
+            if attention_mask is not None:
+                mq, mkv = attention_mask if isinstance(attention_mask, (tuple, list)) else (attention_mask, attention_mask)
+                if mq.dtype != torch.bool or mkv.dtype != torch.bool:
+                    raise TypeError(f"{who}: a padding attention_mask must be bool (True = masked out)")
+                q_valid, kv_valid = ~mq.reshape(mq.shape[0], -1), ~mkv.reshape(mkv.shape[0], -1)
+                if q_valid.shape[-1] != sq or kv_valid.shape[-1] != skv:
+                    raise ValueError(f"{who}: padding attention_mask must be [b, 1, 1, s] with s = {sq} (q) / "
+                                     f"{skv} (kv), got {tuple(mq.shape)} / {tuple(mkv.shape)}")
+            elif cu_q is not None:
+                q_valid = q_pos[None, :] < cu_q.diff()[:, None]
+                kv_valid = kv_pos[None, :] < cu_kv.diff()[:, None]
+            else:
+                raise ValueError(f"{who}: attn_mask_type {mask_type!r} needs attention_mask or cu_seqlens_q/kv")
+            if bottom_right:
+                offset = (kv_valid.sum(-1) - q_valid.sum(-1))[:, None]  # [b, 1]
+            q_pos, kv_pos = q_pos[None, :], kv_pos[None, :]
+        elif mask_type == "arbitrary":
+            if attention_mask is None or attention_mask.dtype != torch.bool:
+                raise ValueError(f"{who}: attn_mask_type 'arbitrary' needs a bool attention_mask (True = masked out)")
+            arbitrary = ~attention_mask
+        elif attention_mask is not None:
+            raise ValueError(f"{who}: attention_mask is only used with padding or arbitrary masks, "
+                             f"not attn_mask_type {mask_type!r}")
+        if offset is not None and offset.__class__ is int and offset == 0:
+            offset = None
+        mask = attention_mask_from_positions(q_pos, kv_pos, mask_type, window, offset, q_valid, kv_valid,
+                                             q_seq, kv_seq)
+        if mask is not None:
+            mask = mask.unsqueeze(-3)  # [.., 1, s_q, s_kv]
+            if mask.dim() == 3:
+                mask = mask.unsqueeze(0)
+        if arbitrary is not None:
+            mask = arbitrary if mask is None else mask & arbitrary
+        return mask, False
+
+    def _attend(self, q, k, v, attention_mask, fmt, cu_q, cu_kv, pad_q, pad_kv, mask_type, window, bottom_right):
+        q, k, v = _to_bhsd(q, fmt), _to_bhsd(k, fmt), _to_bhsd(v, fmt)
+        mask, causal = self._mask(q, k, attention_mask, fmt, cu_q, cu_kv, pad_q, pad_kv, mask_type, window, bottom_right)
+        row_ok = None
+        if mask is not None:
+            # rows no key may attend: attend anywhere (no NaN), then zero the output
+            row_ok = mask.any(-1, keepdim=True)
+            mask = mask | ~row_ok
+        dropout = self.attention_dropout if self.training else 0.0
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
+                                           scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1])
+        if row_ok is not None:
+            o = o * row_ok.to(o.dtype)
+        return _from_bhsd(o, fmt)
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_attention_heads}, gqa_groups={self.num_gqa_groups}, kv_channels={self.kv_channels}, "
+                f"qkv_format={self.qkv_format!r}, attn_mask_type={self.attn_mask_type!r}, "
+                f"window_size={self.window_size}, name={self.name!r}")

@@ -1,0 +1,225 @@
+"""`GroupedLinear`: TE's grouped GEMM layer for MoE experts (one weight per expert).
+
+`forward(inp, m_splits)`: `inp` is [sum(m_splits), in_features] with the tokens grouped by
+expert; expert i multiplies its `m_splits[i]` rows by `weight{i}`. Two paths:
+
+- high precision with `torch._grouped_mm` (bf16, on CPU or CUDA sm90+, feature dims
+  whose rows are 16-byte multiples): one grouped GEMM over an int32 offsets tensor. The splits
+  stay data: no host sync, nothing for torch.compile to specialize on.
+- every recipe (and high precision where the grouped kernel does not apply): a loop over the
+  experts, each through its own `QuantizedGemm` (so delayed scaling keeps per-expert amax
+  history and scales), exactly what a loop of per-expert `te.Linear` computes. The loop slices
+  the input by the split sizes, so it needs them as Python numbers: a list is used as given; a
+  tensor is read to the host (`tolist()`, one device-to-host copy, as TE's own split-quantize
+  path does). Under torch.compile the sizes of a tensor become unbacked SymInts
+  (`torch._dynamo.config.capture_scalar_outputs = True` is required), so a new split of the same
+  total reuses the graph, with no recompile and no graph break.
+
+The FP8 grouped GEMM (`torch._scaled_grouped_mm`, rowwise scales, Hopper) is not wired yet:
+`_scaled_grouped_gemm` is the place (see its docstring).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from .. import kernels
+from ..autocast import get_fp8_recipe
+from ..errors import raise_error, shape_str
+from .base import TransformerEngineBaseModule
+from .gemm_state import QuantizedGemm
+from .linear import _init_weight
+
+__all__ = ["GroupedLinear", "grouped_mm_supported"]
+
+_HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype, in_features: int, out_features: int) -> bool:
+    """Whether `torch._grouped_mm` takes these operands: bf16 (its meta function, which compile
+    uses, takes nothing else; CPU eager also runs fp32), on CPU or CUDA compute capability 9.0+,
+    both feature dims' rows a multiple of 16 bytes (its stride rule)."""
+    if not _HAS_GROUPED_MM or dtype != torch.bfloat16:
+        return False
+    size = torch.empty((), dtype=dtype).element_size()
+    if (in_features * size) % 16 or (out_features * size) % 16:
+        return False
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cpu"
+
+
+class GroupedLinear(TransformerEngineBaseModule):
+    """Drop-in for `transformer_engine.pytorch.GroupedLinear`: `num_gemms` experts, each
+    y_i = x_i W_i^T + b_i on its own rows. Parameters `weight0..weight{n-1}` ([out, in]) and
+    `bias0..bias{n-1}` as TE names them. Arguments after `out_features` are keyword-only."""
+
+    def __init__(self, num_gemms: int, in_features: int, out_features: int, *, bias: bool = True,
+                 return_bias: bool = False, params_dtype: Optional[torch.dtype] = None, device=None,
+                 init_method=None, fuse_wgrad_accumulation: bool = False, save_original_input: bool = False,
+                 name: Optional[str] = None, sequence_parallel: bool = False, tp_group=None, tp_size: int = 1,
+                 parallel_mode: Optional[str] = None, get_rng_state_tracker=None, rng_tracker_name=None,
+                 delay_wgrad_compute: bool = False, use_grouped_tensor: Optional[bool] = None, **unsupported):
+        super().__init__(name)
+        if unsupported:
+            raise TypeError(f"{self.name}: GroupedLinear: unsupported arguments {sorted(unsupported)}")
+        if num_gemms <= 0 or in_features <= 0 or out_features <= 0:
+            raise ValueError(f"{self.name}: GroupedLinear needs positive num_gemms and features, got "
+                             f"({num_gemms}, {in_features}, {out_features})")
+        if tp_group is not None or (tp_size or 1) != 1 or parallel_mode is not None or sequence_parallel:
+            raise NotImplementedError(f"{self.name}: GroupedLinear with tensor parallelism is not supported "
+                                      "(TE leaves the MoE communication to the dispatcher; use tp_size=1)")
+        if get_rng_state_tracker is not None or rng_tracker_name is not None:
+            raise NotImplementedError(f"{self.name}: get_rng_state_tracker / rng_tracker_name are not supported")
+        if delay_wgrad_compute:
+            raise NotImplementedError(f"{self.name}: delay_wgrad_compute=True is not supported")
+        self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
+        self.return_bias, self.use_bias = return_bias, bias
+        self.fuse_wgrad_accumulation, self.save_original_input = fuse_wgrad_accumulation, save_original_input
+        # None: torch._grouped_mm wherever it applies (high precision); False: always the expert loop
+        self.use_grouped_tensor = use_grouped_tensor
+        dtype = params_dtype or torch.get_default_dtype()
+        for i in range(num_gemms):
+            w = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
+            _init_weight(w, init_method)
+            self.register_parameter(f"weight{i}", w)
+            b = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+            self.register_parameter(f"bias{i}", b)
+        self.gemms = nn.ModuleList(QuantizedGemm(device) for _ in range(num_gemms))
+
+    @property
+    def weights(self) -> List[torch.Tensor]:
+        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    @property
+    def biases(self) -> List[Optional[torch.Tensor]]:
+        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+
+    def _gemms(self):
+        return list(zip(self.gemms, self.weights))
+
+    # ---- the splits ---------------------------------------------------------------------------
+    def _check_splits(self, m_splits, tokens: int):
+        """(the splits as a tensor or None, as host ints or None). A list / tuple of ints, or a 1-D
+        integer tensor of length num_gemms: read and checked on the host in eager (one sync, as
+        TE's `tolist()`); under compile a tensor stays data (the sum is checked in the graph)."""
+        n = self.num_gemms
+        if isinstance(m_splits, torch.Tensor):
+            if m_splits.dim() != 1 or m_splits.shape[0] != n or m_splits.dtype.is_floating_point \
+                    or m_splits.dtype == torch.bool:
+                raise_error(ValueError, f"{self.name}: m_splits must be {n} split sizes (a list of ints or a 1-D "
+                                        f"integer tensor), got a tensor of shape {shape_str(m_splits)} and dtype "
+                                        f"{m_splits.dtype}")
+            if torch.compiler.is_compiling():
+                return m_splits, None
+            sizes = m_splits.tolist()
+            self._check_split_values(sizes, tokens)
+            return m_splits, sizes
+        if not isinstance(m_splits, (list, tuple)) or len(m_splits) != n:
+            raise_error(ValueError, f"{self.name}: m_splits must be {n} split sizes, got {m_splits!r}")
+        sizes = [int(s) for s in m_splits]
+        self._check_split_values(sizes, tokens)
+        return None, sizes
+
+    def _check_split_values(self, sizes: Sequence[int], tokens: int) -> None:
+        if any(s < 0 for s in sizes):
+            raise_error(ValueError, f"{self.name}: m_splits has a negative size: {list(sizes)}")
+        if sum(sizes) != tokens:
+            raise_error(ValueError, f"{self.name}: m_splits sum to {sum(sizes)} but the input has {tokens} tokens "
+                                    f"(rows); splits {list(sizes)}")
+
+    def _sizes_in_graph(self, splits: torch.Tensor, tokens, quantized: bool) -> list:
+        """The split sizes as unbacked SymInts, with what the loop needs of them asserted."""
+        if not torch._dynamo.config.capture_scalar_outputs:
+            raise_error(RuntimeError,
+                        f"{self.name}: GroupedLinear with a tensor of m_splits under torch.compile reads the sizes "
+                        "into the graph as data: set torch._dynamo.config.capture_scalar_outputs = True (or pass "
+                        "m_splits as a list of ints: each new split then recompiles)")
+        if quantized and splits.device.type == "cuda" and kernels.get_backend() == "triton":
+            raise_error(NotImplementedError,
+                        f"{self.name}: GroupedLinear with a tensor of m_splits under torch.compile with a recipe on "
+                        "CUDA: the Triton quantize kernels' launch checks need each expert's token count at trace "
+                        "time; pass m_splits as a list of ints (each new split recompiles)")
+        # first, a check that names the layer (the graph's own assert on the SymInts only names symbols)
+        torch._assert_async(splits.sum() == tokens, f"{self.name}: m_splits do not sum to the input's token count "
+                                                    "(rows)")
+        sizes = splits.tolist()
+        for s in sizes:
+            torch._check(s >= 0)
+        torch._check(sum(sizes) == tokens)
+        return sizes
+
+    # ---- forward ------------------------------------------------------------------------------
+    def forward(self, inp: torch.Tensor, m_splits: Union[Sequence[int], torch.Tensor],
+                is_first_microbatch: Optional[bool] = None):
+        self._check_input(inp, self.in_features)
+        if inp.dim() != 2:
+            raise_error(ValueError, f"{self.name}: GroupedLinear takes a 2-D input [tokens, in_features], got shape "
+                                    f"{shape_str(inp)}")
+        tokens = inp.shape[0]
+        splits, sizes = self._check_splits(m_splits, tokens)
+        recipe = get_fp8_recipe()
+        bias_in_gemm = self.use_bias and not self.return_bias
+        if recipe is not None:
+            out = self._scaled_grouped_gemm(inp, splits, sizes, recipe)
+        elif self.use_grouped_tensor is not False and grouped_mm_supported(
+                inp.device, inp.dtype, self.in_features, self.out_features) and inp.dtype == self.weight0.dtype:
+            out = self._grouped_mm(inp, splits, sizes, tokens, bias_in_gemm)
+        else:
+            out = None
+        if out is None:
+            out = self._expert_loop(inp, splits, sizes, tokens, bias_in_gemm, is_first_microbatch)
+        if self.return_bias:
+            return out, self.biases
+        return out
+
+    def _grouped_mm(self, inp, splits, sizes, tokens, with_bias: bool) -> torch.Tensor:
+        """High precision: one `torch._grouped_mm` over the cumulative offsets (int32)."""
+        if splits is not None:
+            if sizes is None:  # compiling: the splits are data, checked in the graph
+                torch._assert_async(splits.sum() == tokens,
+                                    f"{self.name}: m_splits do not sum to the input's token count")
+            offsets = splits.to(device=inp.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        else:
+            ends, total = [], 0
+            for s in sizes:
+                total += s
+                ends.append(total)
+            offsets = torch.tensor(ends, dtype=torch.int32, device=inp.device)
+        weights = torch.stack(self.weights)  # [n, out, in]
+        out = torch._grouped_mm(inp, weights.transpose(-2, -1), offs=offsets)
+        if with_bias:
+            # each row's expert: the first offset past the row
+            rows = torch.arange(tokens, device=inp.device, dtype=torch.int32)
+            expert = torch.searchsorted(offsets, rows, right=True).clamp_(max=self.num_gemms - 1)
+            # added in fp32, so the bias grad (a per-expert sum over its rows) accumulates in fp32 as in Linear
+            out = (out.float() + torch.stack(self.biases).float()[expert]).to(out.dtype)
+        return out
+
+    def _expert_loop(self, inp, splits, sizes, tokens, with_bias: bool, is_first_microbatch) -> torch.Tensor:
+        """One quantized GEMM per expert on its slice of the tokens (what a loop of te.Linear does)."""
+        if sizes is None:
+            sizes = self._sizes_in_graph(splits, tokens, get_fp8_recipe() is not None)
+        outs = []
+        for gemm, x, w, b in zip(self.gemms, torch.split(inp, sizes), self.weights, self.biases):
+            outs.append(gemm(x, w, b if with_bias else None, is_first_microbatch=is_first_microbatch,
+                             save_original_input=self.save_original_input,
+                             fuse_wgrad_accumulation=self.fuse_wgrad_accumulation))
+        return torch.cat(outs)
+
+    def _scaled_grouped_gemm(self, inp, splits, sizes, recipe) -> Optional[torch.Tensor]:
+        """The hook for an FP8 grouped GEMM: return the output, or None for the expert loop.
+
+        Not wired yet. On Hopper, `torch._scaled_grouped_mm(a_fp8, b_fp8_t, scale_a, scale_b,
+        offs=offsets, out_dtype=bf16)` takes rowwise (per-row, fp32) scales for e4m3 operands with
+        offsets that are multiples of 16: that fits a per-token / per-channel current-scaling
+        recipe, which this package does not have (Float8CurrentScaling is per tensor, and delayed
+        scaling's per-expert state would need an amax per expert segment). Until then every
+        recipe runs the expert loop, which matches per-expert te.Linear bit for bit."""
+        return None
+
+    def extra_repr(self) -> str:
+        return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.use_bias}, name={self.name!r}")

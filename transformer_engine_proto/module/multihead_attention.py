@@ -1,0 +1,190 @@
+"""`MultiheadAttention`: QKV projection -> RoPE -> DotProductAttention -> output projection.
+
+QKV and the output projection are our quantized `LayerNormLinear` / `Linear`, so every recipe
+applies to them; attention itself runs in high precision (`DotProductAttention`).
+
+Submodules: `qkv` (self attention: one fused GEMM to h*d + 2*g*d features, a LayerNormLinear with
+`input_layernorm=True`, else a Linear) or `query` + `key_value` (cross attention: the query from
+`hidden_states`, keys and values from `encoder_output`), `core_attention`, `proj`.
+
+The fused QKV weight's rows: with `qkv_weight_interleaved=True` (TE's default) grouped per KV
+head, [g, h/g + 2, d] (the h/g query heads of a group, then its key, then its value); with
+False, [Q (h*d); K (g*d); V (g*d)]. `fuse_qkv_params` is accepted for TE compatibility: the QKV
+weight is always one parameter here. Tensor parallel (`set_parallel_mode=True`, tp_size > 1):
+QKV column-parallel, proj row-parallel, each rank computing h/tp query and g/tp KV heads; the
+interleaved layout shards as a contiguous chunk, the other as the rank's chunk of each of Q, K, V.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .attention import DotProductAttention
+from .base import TransformerEngineBaseModule
+from .layernorm_linear import LayerNormLinear
+from .linear import Linear
+from .rope import apply_rotary_pos_emb
+
+__all__ = ["MultiheadAttention"]
+
+_UB = ("ub_overlap_ag", "ub_overlap_rs", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad")
+
+
+class MultiheadAttention(TransformerEngineBaseModule):
+    """Drop-in for `transformer_engine.pytorch.MultiheadAttention` (TE's arguments and defaults).
+
+    hidden_states: [s, b, hidden] ("sbhd"), [b, s, hidden] ("bshd") or [t, hidden] ("thd", with
+    cu_seqlens_q / cu_seqlens_kv). `rotary_pos_emb`: frequencies [s, 1, 1, d] from
+    `RotaryPositionEmbedding(d)(max_seq_len)`, or a (query, key) pair of them."""
+
+    def __init__(self, hidden_size: int, num_attention_heads: int, kv_channels: Optional[int] = None,
+                 attention_dropout: float = 0.1, layernorm_epsilon: float = 1e-5, init_method=None,
+                 output_layer_init_method=None, layer_number: Optional[int] = None, attn_mask_type: str = "causal",
+                 window_size: Optional[Tuple[int, int]] = None, bottom_right_diagonal: Optional[bool] = None,
+                 tp_group=None, tp_size: Optional[int] = 1, num_gqa_groups: Optional[int] = None,
+                 fuse_wgrad_accumulation: bool = False, get_rng_state_tracker=None, sequence_parallel: bool = False,
+                 params_dtype: Optional[torch.dtype] = None, return_bias: bool = False,
+                 return_layernorm_output: bool = False, input_layernorm: bool = False, attention_type: str = "self",
+                 set_parallel_mode: bool = False, fuse_qkv_params: bool = False, zero_centered_gamma: bool = False,
+                 qkv_weight_interleaved: bool = True, rotary_pos_interleaved: bool = False,
+                 ub_overlap_ag: bool = False, ub_overlap_rs: bool = False, ub_overlap_rs_dgrad: bool = False,
+                 ub_bulk_dgrad: bool = False, ub_bulk_wgrad: bool = False, bias: bool = True,
+                 normalization: str = "LayerNorm", device=None, qkv_format: str = "sbhd", name: Optional[str] = None,
+                 qk_norm_type: Optional[str] = None, qk_norm_eps: float = 1e-6, qk_norm_before_rope: bool = False,
+                 seq_length: Optional[int] = None, micro_batch_size: Optional[int] = None,
+                 softmax_type: str = "vanilla", **unsupported):
+        super().__init__(name)
+        who = f"MultiheadAttention {self.name}"
+        if unsupported:
+            raise TypeError(f"{who}: unsupported arguments {sorted(unsupported)}")
+        ub = [n for n, v in zip(_UB, (ub_overlap_ag, ub_overlap_rs, ub_overlap_rs_dgrad, ub_bulk_dgrad, ub_bulk_wgrad)) if v]
+        if ub:
+            raise NotImplementedError(f"{who}: userbuffers overlap ({', '.join(ub)}) is not supported")
+        if qk_norm_type is not None:
+            raise NotImplementedError(f"{who}: qk_norm_type={qk_norm_type!r} is not supported")
+        if attention_type not in ("self", "cross"):
+            raise ValueError(f"{who}: attention_type must be 'self' or 'cross', got {attention_type!r}")
+        if kv_channels is None:
+            if num_attention_heads <= 0 or hidden_size % num_attention_heads:
+                raise ValueError(f"{who}: hidden_size {hidden_size} is not divisible by num_attention_heads "
+                                 f"{num_attention_heads} (or pass kv_channels)")
+            kv_channels = hidden_size // num_attention_heads
+        if not isinstance(kv_channels, int) or kv_channels <= 0:
+            raise ValueError(f"{who}: kv_channels must be a positive int (one head dim for q, k and v), got {kv_channels!r}")
+        tp = dist.get_world_size(tp_group) if tp_group is not None else (tp_size or 1)
+        if tp > 1 and not set_parallel_mode:
+            raise ValueError(f"{who}: tp_size={tp} needs set_parallel_mode=True (column-parallel QKV, row-parallel proj)")
+        self.core_attention = DotProductAttention(
+            num_attention_heads, kv_channels, num_gqa_groups, attention_dropout, qkv_format, attn_mask_type,
+            window_size, bottom_right_diagonal, sequence_parallel, tp_size or 1, None, tp_group, layer_number,
+            attention_type, softmax_type=softmax_type, name=f"{self.name}.core_attention")
+        if get_rng_state_tracker is not None:
+            raise NotImplementedError(f"{who}: get_rng_state_tracker is not supported (dropout uses torch's RNG)")
+        self.hidden_size, self.num_attention_heads, self.kv_channels = hidden_size, num_attention_heads, kv_channels
+        self.num_gqa_groups = self.core_attention.num_gqa_groups
+        self.attention_type, self.qkv_format, self.input_layernorm = attention_type, qkv_format, input_layernorm
+        self.qkv_weight_interleaved, self.rotary_pos_interleaved = qkv_weight_interleaved, rotary_pos_interleaved
+        self.fuse_qkv_params, self.layer_number = fuse_qkv_params, layer_number
+        self.return_bias, self.return_layernorm_output = return_bias, return_layernorm_output and input_layernorm
+        self.heads_local = self.core_attention.heads_per_partition
+        self.groups_local = self.core_attention.groups_per_partition
+        h, g, d = num_attention_heads, self.num_gqa_groups, kv_channels
+        common = dict(params_dtype=params_dtype, device=device, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+                      tp_group=tp_group, tp_size=tp_size, sequence_parallel=sequence_parallel)
+        column = "column" if tp > 1 else None
+        ln = dict(eps=layernorm_epsilon, normalization=normalization, zero_centered_gamma=zero_centered_gamma,
+                  return_layernorm_output=self.return_layernorm_output)
+
+        def _in_proj(out_features, suffix):
+            if input_layernorm:
+                return LayerNormLinear(hidden_size, out_features, bias=bias, init_method=init_method,
+                                       parallel_mode=column, name=f"{self.name}.{suffix}", **ln, **common)
+            return Linear(hidden_size, out_features, bias, init_method=init_method, parallel_mode=column,
+                          name=f"{self.name}.{suffix}", **common)
+
+        if attention_type == "self":
+            self.qkv = _in_proj((h + 2 * g) * d, "qkv")
+        else:
+            self.query = _in_proj(h * d, "query")
+            self.key_value = Linear(hidden_size, 2 * g * d, bias, init_method=init_method, parallel_mode=column,
+                                    name=f"{self.name}.key_value", **common)
+        self.proj = Linear(h * d, hidden_size, bias, init_method=output_layer_init_method or init_method,
+                           parallel_mode="row" if tp > 1 else None, return_bias=return_bias,
+                           name=f"{self.name}.proj", **common)
+        self.tp_size, self.sequence_parallel = self.proj.tp_size, self.proj.sequence_parallel
+
+    def _split_qkv(self, qkv: torch.Tensor):
+        lead, hl, gl, d = qkv.shape[:-1], self.heads_local, self.groups_local, self.kv_channels
+        if self.qkv_weight_interleaved:
+            t = qkv.view(*lead, gl, hl // gl + 2, d)
+            q = t[..., : hl // gl, :].reshape(*lead, hl, d)
+            return q, t[..., -2, :], t[..., -1, :]
+        q, k, v = qkv.split([hl * d, gl * d, gl * d], dim=-1)
+        return q.view(*lead, hl, d), k.view(*lead, gl, d), v.view(*lead, gl, d)
+
+    def _split_kv(self, kv: torch.Tensor):
+        lead, gl, d = kv.shape[:-1], self.groups_local, self.kv_channels
+        if self.qkv_weight_interleaved:
+            t = kv.view(*lead, gl, 2, d)
+            return t[..., 0, :], t[..., 1, :]
+        k, v = kv.chunk(2, dim=-1)
+        return k.view(*lead, gl, d), v.view(*lead, gl, d)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, encoder_output: Optional[torch.Tensor] = None,
+                attn_mask_type: Optional[str] = None, window_size: Optional[Tuple[int, int]] = None,
+                bottom_right_diagonal: Optional[bool] = None, is_first_microbatch: Optional[bool] = None,
+                checkpoint_core_attention: bool = False, inference_params=None, rotary_pos_emb=None,
+                core_attention_bias_type: str = "no_bias", core_attention_bias=None, alibi_slopes=None,
+                cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_kv: Optional[torch.Tensor] = None,
+                cu_seqlens_q_padded: Optional[torch.Tensor] = None, cu_seqlens_kv_padded: Optional[torch.Tensor] = None,
+                max_seqlen_q: Optional[int] = None, max_seqlen_kv: Optional[int] = None, fast_zero_fill: bool = True,
+                pad_between_seqs: Optional[bool] = None):
+        who = f"MultiheadAttention {self.name}"
+        self._check_input(hidden_states, self.hidden_size, "hidden_states")
+        rank = 2 if self.qkv_format == "thd" else 3
+        if hidden_states.dim() != rank:
+            raise ValueError(f"{who}: hidden_states must be {rank}D for qkv_format {self.qkv_format!r}, "
+                             f"got {tuple(hidden_states.shape)}")
+        mb = dict(is_first_microbatch=is_first_microbatch)
+        ln_out = None
+        if self.attention_type == "self":
+            if encoder_output is not None:
+                raise ValueError(f"{who}: encoder_output is only used with attention_type='cross'")
+            qkv = self.qkv(hidden_states, **mb)
+            if self.return_layernorm_output:
+                qkv, ln_out = qkv
+            q, k, v = self._split_qkv(qkv)
+        else:
+            if encoder_output is None:
+                raise ValueError(f"{who}: attention_type='cross' needs encoder_output")
+            self._check_input(encoder_output, self.hidden_size, "encoder_output")
+            q = self.query(hidden_states, **mb)
+            if self.return_layernorm_output:
+                q, ln_out = q
+            q = q.view(*q.shape[:-1], self.heads_local, self.kv_channels)
+            k, v = self._split_kv(self.key_value(encoder_output, **mb))
+        if rotary_pos_emb is not None:
+            q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb, rotary_pos_emb)
+            cu_q = cu_seqlens_q_padded if pad_between_seqs else cu_seqlens_q
+            cu_kv = cu_seqlens_kv_padded if pad_between_seqs else cu_seqlens_kv
+            q = apply_rotary_pos_emb(q, q_emb, self.qkv_format, interleaved=self.rotary_pos_interleaved, cu_seqlens=cu_q)
+            k = apply_rotary_pos_emb(k, k_emb, self.qkv_format, interleaved=self.rotary_pos_interleaved, cu_seqlens=cu_kv)
+        ctx = self.core_attention(
+            q, k, v, attention_mask=attention_mask, qkv_format=self.qkv_format, cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
+            cu_seqlens_kv_padded=cu_seqlens_kv_padded, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+            attn_mask_type=attn_mask_type, window_size=window_size, bottom_right_diagonal=bottom_right_diagonal,
+            checkpoint_core_attention=checkpoint_core_attention, core_attention_bias_type=core_attention_bias_type,
+            core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes, fast_zero_fill=fast_zero_fill,
+            inference_params=inference_params)
+        out = self.proj(ctx.contiguous(), **mb)
+        outputs = out if isinstance(out, tuple) else (out,)
+        if ln_out is not None:
+            outputs += (ln_out,)
+        return outputs if len(outputs) > 1 else outputs[0]
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, heads={self.num_attention_heads}, gqa_groups={self.num_gqa_groups}, "
+                f"kv_channels={self.kv_channels}, attention_type={self.attention_type!r}, name={self.name!r}")
