@@ -366,7 +366,7 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
         wq = plan.dgrad_weight().quantizer
         with _stays_in_backward():
             if plan.delayed:  # the forward's scale (snapshot); this amax was recorded in forward
-                wq = _with_state(wq, _scale_slot(fp8_scales, 1), torch.zeros(1, device=dy.device))
+                wq = wq.with_scale_state(_scale_slot(fp8_scales, 1), torch.zeros(1, device=dy.device))
             w = wq.quantize(weight, internal=True)
     else:
         w = weight
