@@ -160,7 +160,7 @@ def test_weight_requantized_in_backward_is_bitwise_the_forward_one(rid):
     torch.manual_seed(0)
     w = torch.randn(OUT, IN, dtype=torch.bfloat16)
     if rid == "delayed":
-        q = L._with_state(q, torch.tensor([3.5]), torch.zeros(1))
+        q = q.with_scale_state(torch.tensor([3.5]), torch.zeros(1))
     both = q.with_usage(rowwise=True, columnwise=True).quantize(w, internal=True).only_usage(False)
     col = q.with_usage(rowwise=False, columnwise=True).quantize(w, internal=True)
     a, b = both.get_buffers(), col.get_buffers()
