@@ -98,6 +98,9 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[_
         yield
     finally:
         FP8GlobalState.state = saved
+        from .ops import shared_input
+
+        shared_input.clear()  # quantized inputs shared within the forward (issue 21)
 
 
 def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Optional[_recipe.Recipe] = None,

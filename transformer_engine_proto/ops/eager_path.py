@@ -14,6 +14,8 @@ from typing import Callable
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from . import shared_input
+
 __all__ = ["takes_eager_path", "eager_function"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -40,7 +42,8 @@ def eager_function(op, setup_context: Callable, backward: Callable, backward_bod
     n_outputs = len(op._opoverload._schema.returns)
 
     def forward(ctx, *inputs):
-        output = body(*inputs)
+        with shared_input.scope():  # Linears reading one tensor share its quantized copy
+            output = body(*inputs)
         setup_context(ctx, inputs, output)
         ctx.backward_op = backward_body
         ctx.mark_non_differentiable(*(output[i] for i in non_differentiable))

@@ -26,6 +26,9 @@ import torch.utils._pytree as pytree
 from torch._functorch._aot_autograd.functional_utils import from_fun, to_fun
 from torch._inductor import decomposition as _inductor_decomp
 from torch._subclasses.functional_tensor import FunctionalTensorMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from . import shared_input
 
 __all__ = ["inline_in_inductor", "set_inductor_inlining", "inductor_inlining_enabled"]
 
@@ -61,9 +64,16 @@ def _functional(body: Callable) -> Callable:
     buffers it allocates itself (the ops mutate none of their inputs), so nothing is copied back."""
 
     def run(*args, **kwargs):
+        owner = _get_current_dispatch_mode()  # the trace: shared inputs never cross traces
+        raw = pytree.tree_leaves((args, kwargs))
         with FunctionalTensorMode():
             args, kwargs = pytree.tree_map(to_fun, (args, kwargs))
-            out = body(*args, **kwargs)
+            # Linears reading one traced tensor share its quantized copy (ops/shared_input.py)
+            sources = {id(f): r for f, r in zip(pytree.tree_leaves((args, kwargs)), raw)
+                       if isinstance(r, torch.Tensor)}
+            with shared_input.scope(sources, owner, wrap=to_fun, unwrap=from_fun, commit=False) as shared:
+                out = body(*args, **kwargs)
+        shared.commit()
         return pytree.tree_map(from_fun, out)
 
     return run

@@ -1,25 +1,32 @@
 """Linear forward/backward as `torch.library` custom ops (namespace `te_proto`).
 
-Both ops return plain tensors only. Quantized tensors that backward needs (the columnwise input
-for wgrad, the columnwise weight for dgrad) leave the forward op as their flattened buffers; the
-fake impls build the same lists from `TensorProto`s, which `LinearPlan` derives from the call's
-flags (never from live `requires_grad`). Both ops are functional: the forward returns the amaxes
+Both ops return plain tensors only. The quantized tensor that backward needs from forward (the
+columnwise input for wgrad) leaves the forward op as its flattened buffers; the fake impls build
+the same lists from `TensorProto`s, which `LinearPlan` derives from the call's flags (never from
+live `requires_grad`). The columnwise weight for dgrad is not saved: backward quantizes it again
+from the weight (a parameter, alive anyway), with the forward's scale under delayed scaling, so
+its bytes equal the forward's and no quantized copy of every weight is kept from forward to
+backward (issue 21; with the weight cache, backward reads the cache). Both ops are functional: the forward returns the amaxes
 and the backward the gradient amax, and the autograd wrapper (`_backward`) writes the latter into
 the module's pending buffer (`record_grad_amax`) and accumulates `main_grad`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import torch
+import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import is_fake
+from torch.utils.checkpoint import CheckpointPolicy
 
 from ..gemm import gemm
 from ..tensor import TensorProto
 from ..tensor.storage import QuantizedTensorStorage
+from . import shared_input
 from .eager_path import eager_function
 from .inductor_lowering import inline_in_inductor
 from .recipe_registry import quantizers_from_key
@@ -132,7 +139,14 @@ class LinearPlan:
 
     @_memo
     def saved_weight(self) -> Optional[TensorProto]:
-        if self.quantized and self.input_requires_grad and self.cache_mode != CACHE_USE:
+        """Never: backward quantizes the columnwise weight from the weight (`dgrad_weight`)."""
+        return None
+
+    @_memo
+    def dgrad_weight(self) -> Optional[TensorProto]:
+        """The columnwise weight dgrad reads: quantized in backward from the saved weight (not a
+        saved tensor), or read from the weight cache (CACHE_USE)."""
+        if self.quantized and self.input_requires_grad:
             return self._proto("weight", self.weight_shape, self.weight_dtype, False, True)
         return None
 
@@ -168,8 +182,7 @@ class LinearPlan:
 
     @_memo
     def weight_quantizer(self):
-        return self.quantizers.weight.with_usage(
-            rowwise=True, columnwise=self.input_requires_grad or self.cache_mode == CACHE_FILL)
+        return self.quantizers.weight.with_usage(rowwise=True, columnwise=self.cache_mode == CACHE_FILL)
 
     @_memo
     def grad_quantizer(self):
@@ -181,7 +194,31 @@ class LinearPlan:
         return self.weight_requires_grad and (not self.quantized or self.save_original_input)
 
     def saves_raw_weight(self) -> bool:
-        return self.input_requires_grad and not self.quantized
+        return self.input_requires_grad and (not self.quantized or self.cache_mode != CACHE_USE)
+
+
+@contextlib.contextmanager
+def _stays_in_backward():
+    """While inductor traces the backward body: tag the nodes made inside MUST_RECOMPUTE, so AOT's
+    partitioner keeps them in the backward graph. They read only forward values (the weight and
+    its scale), and the partitioner would otherwise compute them in the forward and save their
+    output: the quantized weight this op means not to keep (issue 21)."""
+    if not fx_traceback.has_preserved_node_meta():
+        yield
+        return
+    meta = fx_traceback.get_current_meta()
+    before = meta.get("recompute", _MISSING)
+    meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    try:
+        yield
+    finally:
+        if before is _MISSING:
+            meta.pop("recompute", None)
+        else:
+            meta["recompute"] = before
+
+
+_MISSING = object()
 
 
 def _split(buffers: Sequence[torch.Tensor], protos: Sequence[TensorProto]):
@@ -233,6 +270,18 @@ def make_plan(key, in_shape, weight_shape, *rest) -> LinearPlan:
     return LinearPlan(key, in_shape, weight_shape, *rest)
 
 
+def _quantize_shared(plan: LinearPlan, inp: torch.Tensor, x2d: torch.Tensor) -> QuantizedTensorStorage:
+    """The input quantized for this call, shared with the other Linears that read the same tensor
+    with the same quantizer and usage (ops/shared_input.py; stateless recipes only)."""
+    key = (plan.key, plan.input_quantizer())
+    buffers = shared_input.lookup(inp, key)
+    if buffers is not None:
+        return rebuild(plan.prequantized_input(), buffers)
+    xq = plan.input_quantizer().quantize(pad_rows(x2d, plan.input_rows), internal=True)
+    shared_input.store(inp, key, xq.get_buffers().values())
+    return xq
+
+
 # ---- forward ----------------------------------------------------------------------------------
 @torch.library.custom_op("te_proto::linear_fwd", mutates_args=())
 def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -256,7 +305,9 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         iq = plan.input_quantizer()
         if plan.delayed:
             iq, amaxes[0] = _bind_delayed(iq, fp8_scales, 0)
-        xq = iq.quantize(pad_rows(x2d, plan.input_rows), internal=True)
+            xq = iq.quantize(pad_rows(x2d, plan.input_rows), internal=True)
+        else:
+            xq = _quantize_shared(plan, inp, x2d)
     if cache_mode == CACHE_USE:
         wq = rebuild(plan.cached_weight(), weight_cache)
     else:
@@ -271,8 +322,6 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     saved = []
     if plan.saved_input() is not None and not plan.prequantized:
         saved += list(xq.only_usage(False).get_buffers().values())
-    if plan.saved_weight() is not None:
-        saved += [b.clone() if cache else b for b in wq.only_usage(False).get_buffers().values()]
     return out.view(out_shape), amaxes, saved, cache
 
 
@@ -311,10 +360,14 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
     x = next(saved_q) if plan.saved_input() is not None else inp.reshape(-1, in_shape[-1]) if plan.weight_requires_grad else None
     if not input_requires_grad:
         w = None
-    elif plan.saved_weight() is not None:
-        w = next(saved_q)
     elif cache_mode == CACHE_USE and plan.quantized:
         w = rebuild(plan.cached_weight(), weight_cache).only_usage(False)
+    elif plan.quantized:  # the columnwise weight again, from the weight: the forward's bytes
+        wq = plan.dgrad_weight().quantizer
+        with _stays_in_backward():
+            if plan.delayed:  # the forward's scale (snapshot); this amax was recorded in forward
+                wq = wq.with_scale_state(_scale_slot(fp8_scales, 1), torch.zeros(1, device=dy.device))
+            w = wq.quantize(weight, internal=True)
     else:
         w = weight
     rows = plan.rows  # dy and x zero-padded to the recipe's row block for wgrad

@@ -1,0 +1,188 @@
+"""Issue 21: what a Linear keeps for backward, counted against its plan's TensorProtos.
+
+Every tensor saved for backward (torch.autograd.graph.saved_tensors_hooks) is counted once per
+storage; parameters are left out (saving one costs nothing). A layer must save exactly what its
+`LinearPlan` describes: the columnwise input (`saved_protos`), the raw input where the plan says
+so, and delayed scaling's scale snapshots. The columnwise weight is not saved (backward quantizes
+it again, bitwise equal), and Linears reading one tensor save its quantized copy once.
+"""
+import dataclasses
+import os
+import sys
+
+import pytest
+import torch
+from linear_cases import QUANTIZED_IDS, RECIPE_IDS, RECIPES, recipe_ctx
+
+import transformer_engine_proto as te
+from transformer_engine_proto.ops import linear as L
+from transformer_engine_proto.ops import shared_input
+from transformer_engine_proto.ops.recipe_registry import quantizers_from_key, recipe_key
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import saved_tensors  # noqa: E402
+
+TOKENS, IN, OUT = 96, 64, 128
+STATELESS = [r for r in QUANTIZED_IDS if r != "delayed"]
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _proto_bytes(proto) -> int:
+    return sum(_bytes(b) for b in dataclasses.replace(proto, device="meta").create_buffers().values())
+
+
+def saved_storages(fn, params=()):
+    """{storage data_ptr: (nbytes, dtype, shape)} of the tensors saved while `fn()` runs (parameters left out)."""
+    skip = {p.untyped_storage().data_ptr() for p in params}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip and ptr not in seen:
+            seen[ptr] = (t.untyped_storage().nbytes(), t.dtype, tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return seen, out
+
+
+def plan_bytes(rid, m, x, save_original_input=False):
+    """What the plan says a call saves: protos, raw input, delayed-scaling scale snapshots."""
+    key = recipe_key(RECIPES[rid])
+    plan = L.make_plan(key, tuple(x.shape), tuple(m.weight.shape), x.dtype, m.weight.dtype,
+                       x.requires_grad, m.weight.requires_grad, L.CACHE_OFF, save_original_input, False)
+    n = sum(_proto_bytes(p) for p in plan.saved_protos())
+    if plan.saves_raw_input():
+        n += _bytes(x)
+    if plan.quantized and plan.delayed:
+        n += _bytes(m.gemm.fp8_scale) + _bytes(m.gemm.grad_fp8_scale)
+    return n, plan
+
+
+@pytest.mark.parametrize("save_original_input", [False, True])
+@pytest.mark.parametrize("input_rg,weight_rg", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("rid", RECIPE_IDS)
+def test_linear_saves_what_its_plan_says(rid, input_rg, weight_rg, save_original_input):
+    torch.manual_seed(0)
+    m = te.Linear(IN, OUT, bias=False, save_original_input=save_original_input)
+    m.weight.requires_grad_(weight_rg)
+    x = torch.randn(TOKENS, IN, requires_grad=input_rg)
+    with recipe_ctx(RECIPES[rid]):
+        seen, y = saved_storages(lambda: m(x), m.parameters())
+    expected, plan = plan_bytes(rid, m, x, save_original_input)
+    got = sum(n for n, *_ in seen.values())
+    assert got == expected, (rid, got, expected, sorted(seen.values(), key=str))
+    assert plan.saved_weight() is None  # backward quantizes the weight again: nothing of it is saved
+    y.sum().backward()
+
+
+def _qkv(rid, share=True, seed=0):
+    """Three Linears reading one (non-leaf) tensor, as HF Llama's q/k/v; `share=False` feeds each
+    its own copy of the input (the reference: nothing to share)."""
+    torch.manual_seed(seed)
+    lin = [te.Linear(IN, OUT, bias=False) for _ in range(3)]
+    h = torch.randn(TOKENS, IN, requires_grad=True)
+    gs = [torch.randn(TOKENS, OUT) for _ in range(3)]  # the grad_outputs (constants: not counted)
+
+    def fwd():
+        x = h * 2.0
+        xs = [x] * 3 if share else [x.clone() for _ in range(3)]
+        return sum((m(xi) * g).sum() for m, xi, g in zip(lin, xs, gs))
+
+    return lin, h, fwd, gs
+
+
+@pytest.mark.parametrize("rid", QUANTIZED_IDS)
+def test_shared_input_saved_once_and_bitwise(rid):
+    lin, h, fwd, gs = _qkv(rid)
+    params = [p for m in lin for p in m.parameters()] + gs
+    with recipe_ctx(RECIPES[rid]):
+        seen, loss = saved_storages(fwd, params)
+    loss.backward()
+    got = sum(n for n, *_ in seen.values())
+    x = torch.empty(TOKENS, IN)
+    one, plan = plan_bytes(rid, lin[0], x.requires_grad_())
+    inp = _proto_bytes(plan.saved_input())
+    copies = 3 if rid == "delayed" else 1  # delayed scaling: each module's own input scale
+    # `h * 2.0` saves nothing (a Python scalar); the grad_outputs `gs` are left out
+    assert got == 3 * (one - inp) + copies * inp, (rid, got, one, inp, sorted(seen.values(), key=str))
+    grads = [h.grad] + [m.weight.grad for m in lin]
+
+    ref_lin, ref_h, ref_fwd, _ = _qkv(rid, share=False)
+    with recipe_ctx(RECIPES[rid]):
+        ref_loss = ref_fwd()
+    ref_loss.backward()
+    assert torch.equal(loss, ref_loss)
+    for g, r in zip(grads, [ref_h.grad] + [m.weight.grad for m in ref_lin]):
+        assert torch.equal(g, r)
+
+
+def test_shared_input_not_reused_after_in_place_write_or_autocast_exit():
+    recipe = RECIPES["current"]
+    torch.manual_seed(0)
+    a, b = te.Linear(IN, OUT), te.Linear(IN, OUT)
+    x = torch.randn(TOKENS, IN, requires_grad=True) * 1.0
+    with recipe_ctx(recipe):
+        a(x)
+        hits = shared_input.stats["hits"]
+        with torch.no_grad():
+            x.mul_(3.0)  # bumps the version counter: the entry is stale
+        y = b(x)
+        assert shared_input.stats["hits"] == hits
+    with recipe_ctx(recipe):
+        ref = b(x.detach().clone().requires_grad_())
+    assert torch.equal(y, ref)
+    with recipe_ctx(recipe):
+        a(x)
+    assert not shared_input._entries  # autocast exit dropped them
+
+
+def test_shared_input_entry_dies_with_its_tensor():
+    with recipe_ctx(RECIPES["current"]):
+        m = te.Linear(IN, OUT)
+        x = torch.randn(TOKENS, IN) * 1.0
+        m(x)
+        assert shared_input._entries
+        del x
+        assert not shared_input._entries
+
+
+@pytest.mark.parametrize("rid", QUANTIZED_IDS)
+def test_weight_requantized_in_backward_is_bitwise_the_forward_one(rid):
+    """Backward quantizes the columnwise weight alone; a quantize of both usages (what forward
+    used to save) gives the same bytes."""
+    key = recipe_key(RECIPES[rid])
+    q = quantizers_from_key(key).weight
+    torch.manual_seed(0)
+    w = torch.randn(OUT, IN, dtype=torch.bfloat16)
+    if rid == "delayed":
+        q = q.with_scale_state(torch.tensor([3.5]), torch.zeros(1))
+    both = q.with_usage(rowwise=True, columnwise=True).quantize(w, internal=True).only_usage(False)
+    col = q.with_usage(rowwise=False, columnwise=True).quantize(w, internal=True)
+    a, b = both.get_buffers(), col.get_buffers()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k].view(torch.uint8) if a[k].dtype.itemsize == 1 else a[k],
+                           b[k].view(torch.uint8) if b[k].dtype.itemsize == 1 else b[k]), (rid, k)
+
+
+def test_compiled_qkv_saves_quantized_input_once():
+    """Under inductor (the ops inlined), the q/k/v Linears' quantizes of one input are one: the
+    backward graph gets one quantized input, not three (AOT's CSE does not merge Triton quantize
+    launches on the GPU; the shared quantize does not depend on it)."""
+    lin, h, fwd, _ = _qkv("current")
+    hits = shared_input.stats["hits"]
+
+    def step(backend):
+        with recipe_ctx(RECIPES["current"]):
+            loss = torch.compile(fwd, backend=backend)()
+        loss.backward()
+
+    saved = [v for n, v in saved_tensors.compiled_backward_inputs(step) if not n.startswith("primals")]
+    assert shared_input.stats["hits"] - hits == 2
+    acts = [t for t in saved if t.dtype == torch.float8_e4m3fn and TOKENS in t.shape]
+    assert len(acts) == 1, [(t.shape, t.dtype) for t in saved]

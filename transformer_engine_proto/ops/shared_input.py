@@ -1,0 +1,110 @@
+"""One quantized copy of an input that several Linears read (issue 21).
+
+A Hugging Face Llama's q/k/v (and gate/up) projections are separate Linears reading one tensor.
+bf16 saves that tensor once for backward; without sharing each Linear op quantizes it again and
+saves its own columnwise copy. Here the Linear op's body asks `lookup` for the quantized input of
+(this source tensor, quantizer, rows) and `store`s the one it makes, so later calls on the same
+tensor reuse the buffers: one quantize and one saved copy per format and usage. Only stateless
+recipes share (a delayed-scaling input is scaled by its own module's state).
+
+Sharing happens only inside a `scope`, which the two callers of the body open:
+- the eager path (`ops/eager_path.py`): the source is the tensor the op was called with; entries
+  are the buffers themselves;
+- inductor's inlining (`ops/inductor_lowering.py`): the body traces on functional wrappers of the
+  decomposition's arguments; the source is the traced tensor the wrapper came from, the entries
+  are traced tensors of the same trace (keyed by the tracing mode too), so the second Linear's
+  graph reads the first one's quantize: one node, one saved tensor, on every backend's kernels
+  (AOT's CSE cannot merge two Triton quantize launches: their outputs are fresh `empty`s).
+Everywhere else (the opaque op under aot_eager, opcheck, fake tensors) the body quantizes as before.
+
+An entry lives while its source tensor does (a weakref callback drops it), is checked against
+the source's version counter (an in-place write invalidates it), and `clear()` (autocast exit)
+drops them all, so the quantized rowwise copy never outlives the forward that made it.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+__all__ = ["scope", "lookup", "store", "clear", "stats"]
+
+_entries: Dict[tuple, tuple] = {}
+stats = {"hits": 0, "stores": 0}  # counts, for tests and tools
+_scopes: List["_Scope"] = []
+
+
+class _Scope:
+    def __init__(self, sources, owner, wrap, unwrap):
+        self.sources = sources  # id(tensor the body sees) -> the source tensor, or None: itself
+        self.owner = owner  # the tracing mode (None in eager): entries never cross traces
+        self.wrap, self.unwrap = wrap, unwrap
+        self.pending = []
+
+    def commit(self) -> None:
+        """Store the entries made in this scope (`unwrap` applied)."""
+        for src, key, buffers in self.pending:
+            _put(src, self.owner, key, [self.unwrap(b) for b in buffers] if self.unwrap else buffers)
+            stats["stores"] += 1
+        self.pending = []
+
+    def source(self, t):
+        return t if self.sources is None else self.sources.get(id(t))
+
+
+@contextlib.contextmanager
+def scope(sources: Optional[dict] = None, owner=None, wrap: Optional[Callable] = None,
+          unwrap: Optional[Callable] = None, commit: bool = True):
+    """Let the body share quantized inputs. `sources`: id(argument as the body sees it) -> the
+    tensor identifying it (tracing); `wrap` / `unwrap` move stored buffers into / out of the
+    body's tensors. Entries made inside are stored when the scope exits, or (commit=False) by
+    the caller's `commit()`."""
+    s = _Scope(sources, owner, wrap, unwrap)
+    _scopes.append(s)
+    try:
+        yield s
+    finally:
+        _scopes.pop()
+    if commit:
+        s.commit()
+
+
+def _key(src, owner, key):
+    return (id(src), id(owner), key)
+
+
+def _put(src, owner, key, buffers) -> None:
+    k = _key(src, owner, key)
+    ref = weakref.ref(src, lambda _r, k=k: _entries.pop(k, None))
+    _entries[k] = (ref, src._version, buffers)
+
+
+def lookup(inp: torch.Tensor, key) -> Optional[list]:
+    """The buffers stored for `inp` (as the body sees it) under `key`, or None."""
+    if not _scopes:
+        return None
+    s = _scopes[-1]
+    src = s.source(inp)
+    if src is None:
+        return None
+    hit = _entries.get(_key(src, s.owner, key))
+    if hit is None or hit[0]() is not src or hit[1] != src._version:
+        return None
+    stats["hits"] += 1
+    return [s.wrap(b) for b in hit[2]] if s.wrap else list(hit[2])
+
+
+def store(inp: torch.Tensor, key, buffers) -> None:
+    """Offer `buffers` (the quantized `inp` under `key`) to later calls in this scope's owner."""
+    if not _scopes:
+        return
+    s = _scopes[-1]
+    src = s.source(inp)
+    if src is not None:
+        s.pending.append((src, key, list(buffers)))
+
+
+def clear() -> None:
+    _entries.clear()
