@@ -291,3 +291,16 @@ def test_quantizers_built_inside_compiled_code(make):
         return make()(x).dequantize()
 
     torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="aot_eager")(x), f(x), rtol=0, atol=0)
+
+
+def test_shared_recipe_quantizers_refuse_in_place_usage_changes():
+    from transformer_engine_proto.ops.recipe_registry import quantizers_from_key, recipe_key
+
+    shared = quantizers_from_key(recipe_key(recipe.Float8CurrentScaling())).input
+    with pytest.raises(TypeError, match="with_usage"):
+        shared.set_usage(columnwise=False)
+    assert shared.columnwise_usage is True
+    assert shared.with_usage(columnwise=False).columnwise_usage is False
+    own = te.Float8CurrentScalingQuantizer(DType.kFloat8E4M3)  # TE code's own quantizer: in place, as TE
+    own.set_usage(rowwise=True, columnwise=False)
+    assert own.columnwise_usage is False

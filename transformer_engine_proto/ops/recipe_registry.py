@@ -37,4 +37,8 @@ def recipe_from_key(key: str) -> Optional[Recipe]:
 def quantizers_from_key(key: str) -> RoleQuantizers:
     recipe = recipe_from_key(key)
     custom = getattr(recipe, "role_quantizers", None)  # a derived recipe (distributed/amax_reduction.py)
-    return custom() if custom is not None else quantizers_for_recipe(recipe)
+    roles = custom() if custom is not None else quantizers_for_recipe(recipe)
+    for q in (roles.input, roles.weight, roles.grad_output):  # cached and shared: no in-place changes
+        if q is not None:
+            q.seal()
+    return roles

@@ -239,8 +239,19 @@ class Quantizer:
         return {}
 
     # ---- usage --------------------------------------------------------------------------
+    def seal(self):
+        """Refuse `set_usage` from now on: for quantizers shared by every layer of a recipe (the
+        recipe registry's), where an in-place change would reach all of them."""
+        object.__setattr__(self, "_sealed", True)
+        return self
+
     def set_usage(self, *, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None):
-        """TE-style in-place usage change. Prefer `with_usage` in code that torch.compile sees."""
+        """TE-style in-place usage change, for quantizers the caller owns (TE code builds its own).
+        Prefer `with_usage` (a copy): quantizers hash by their settings."""
+        if getattr(self, "_sealed", False):
+            raise TypeError(f"{type(self).__name__}.set_usage: this quantizer is shared (a recipe's cached "
+                            "quantizer); changing it in place would change every layer's: use with_usage(...), "
+                            "which returns a copy")
         if rowwise is not None:
             object.__setattr__(self, "rowwise_usage", bool(rowwise))
         if columnwise is not None:
