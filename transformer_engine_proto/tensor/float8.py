@@ -15,7 +15,6 @@ import torch
 from ..kernels import kernel
 from ..kernels.reference.common import FP8_MAX, fp8_max, scale_from_amax, transpose_2d
 from .quantized_tensor import QuantizedTensor
-from ..constants import DType
 from .quantizer import BufferSpec, Quantizer, flat_2d, te_constructor
 from .format_api import GatherRule, GemmOperand, UsageView
 from .storage import QuantizedTensorStorage
@@ -127,11 +126,6 @@ class _Float8QuantizerBase(Quantizer):
 
     def metadata(self):
         return {"fp8_dtype": self.fp8_dtype}
-
-    @property
-    def dtype(self) -> DType:
-        """TE's name: the FP8 format as a `DType`."""
-        return DType.cast(self.fp8_dtype)
 
     def buffer_layout(self, shape) -> Dict[str, BufferSpec]:
         m, k = flat_2d(shape)

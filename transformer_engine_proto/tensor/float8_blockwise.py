@@ -52,7 +52,6 @@ from ..kernels import kernel
 from ..kernels.reference.blockwise import expand_tiles
 from ..kernels.reference.common import FP8_MAX, fp8_max, transpose_2d
 from .quantized_tensor import QuantizedTensor
-from ..constants import DType
 from .quantizer import BufferSpec, Quantizer, flat_2d, te_constructor
 from .format_api import GatherRule, GemmOperand, UsageView
 from .storage import QuantizedTensorStorage
@@ -217,11 +216,6 @@ class Float8BlockQuantizer(Quantizer):
         if not (math.isfinite(eps) and eps >= 0):
             raise ValueError(f"{name}: amax_epsilon must be finite and >= 0, got {eps!r}")
         object.__setattr__(self, "amax_epsilon", float(eps))
-
-    @property
-    def dtype(self) -> DType:
-        """TE's name: the FP8 format as a `DType`."""
-        return DType.cast(self.fp8_dtype)
 
     @property
     def tensor_class(self):

@@ -16,7 +16,6 @@ import torch
 from ..kernels import kernel
 from ..kernels.reference.common import FP8_MAX, fp8_max
 from .quantized_tensor import QuantizedTensor
-from ..constants import DType
 from .quantizer import BufferSpec, Quantizer, flat_2d, te_constructor
 from .format_api import GatherRule, GemmOperand, UsageView
 from .storage import QuantizedTensorStorage
@@ -129,11 +128,6 @@ class MXFP8Quantizer(Quantizer):
     @property
     def fp8_max(self) -> float:
         return fp8_max(self.fp8_dtype)
-
-    @property
-    def dtype(self) -> DType:
-        """TE's name: the FP8 format as a `DType`."""
-        return DType.cast(self.fp8_dtype)
 
     @property
     def tensor_class(self):

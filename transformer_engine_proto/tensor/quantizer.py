@@ -234,6 +234,11 @@ class Quantizer:
         requested FP8 dtype or None)."""
         raise missing_capability(cls, "debug_quantizer")
 
+    @property
+    def dtype(self) -> DType:
+        """TE's name: the low-precision format as a `DType` (the FP8 formats' `fp8_dtype`)."""
+        return DType.cast(self.fp8_dtype)
+
     def metadata(self) -> Dict[str, object]:
         """Non-tensor constructor kwargs beyond shape/dtype/quantizer (e.g. fp8_dtype)."""
         return {}

@@ -183,13 +183,6 @@ class QuantizedTensorStorage:
         may keep one and build the other when a GEMM needs it."""
         return False
 
-    def buffers_with_usage(self, rowwise: bool = True, columnwise: bool = True) -> Dict[str, torch.Tensor]:
-        """This tensor's buffers for the given usages, deriving a missing usage from the other
-        into a new bare storage (this tensor keeps only what it has)."""
-        cls = getattr(type(self), "storage_class", type(self))
-        copy = cls._from_buffers(self.get_buffers(), **self.get_metadata())
-        return copy.update_usage(rowwise_usage=rowwise, columnwise_usage=columnwise).get_buffers()
-
     def update_usage(self, rowwise_usage: Optional[bool] = None, columnwise_usage: Optional[bool] = None):
         """Keep/derive/drop usages in place; the stored quantizer follows the new usage."""
         rowwise = self.has_rowwise() if rowwise_usage is None else bool(rowwise_usage)
