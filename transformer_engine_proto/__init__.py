@@ -20,6 +20,8 @@ from .tensor import QuantizedTensor, TensorProto, to_tensor_proto  # noqa: F401
 from .constants import DType  # noqa: F401
 from .recompute import checkpoint  # noqa: F401
 from .graph import make_graphed_callables  # noqa: F401
+from .precision.policy import GemmPolicy  # noqa: F401
+from .module.precision_report import pin_gemm_precision, precision_report  # noqa: F401
 from .quantization import fp8_model_init, get_default_recipe, quantized_model_init  # noqa: F401
 from .tensor import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, MXFP8Quantizer,  # noqa: F401
                      NVFP4Quantizer, Quantizer)

@@ -16,7 +16,7 @@ from typing import Optional
 from . import recipe as _recipe
 
 __all__ = ["autocast", "fp8_autocast", "is_fp8_enabled", "get_fp8_recipe", "get_fp8_recipe_key", "FP8GlobalState",
-           "in_activation_recompute_phase"]
+           "in_activation_recompute_phase", "get_gemm_policy_key"]
 
 
 @dataclass
@@ -28,6 +28,7 @@ class _State:
     key: str = "high_precision"
     group: object = None  # amax_reduction_group / fp8_group, as given (FP8GlobalStateManager.get_fp8_group)
     first_module_pending: bool = True  # FP8GlobalStateManager.is_first_fp8_module
+    policy: str = ""  # the GemmPolicy's registry key ("" off): per-GEMM precision choice (precision/)
 
 
 class FP8GlobalState:
@@ -44,6 +45,11 @@ class FP8GlobalState:
 
 def get_fp8_recipe_key() -> str:
     return FP8GlobalState.state.key
+
+
+def get_gemm_policy_key() -> str:
+    """The active GemmPolicy's registry key, "" when none (a string: compiled code guards on it)."""
+    return FP8GlobalState.state.policy
 
 
 def in_activation_recompute_phase() -> bool:
@@ -73,8 +79,10 @@ def _reject_recipe_as_enabled(enabled, fix: str) -> None:
 
 @contextlib.contextmanager
 def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[_recipe.Recipe] = None,
-             amax_reduction_group=None, _graph: bool = False):
-    """Run the enclosed TE-proto modules in low precision with `recipe` (default DelayedScaling)."""
+             amax_reduction_group=None, _graph: bool = False, gemm_policy=None):
+    """Run the enclosed TE-proto modules in low precision with `recipe` (default DelayedScaling).
+    `gemm_policy`: a `GemmPolicy` to run each GEMM in the recipe's format only where it is
+    predicted faster than bf16 (None: every GEMM in the recipe's format)."""
     _reject_recipe_as_enabled(enabled, "autocast(recipe=...)")
     if calibrating:
         raise NotImplementedError("calibrating=True is not supported by transformer_engine_proto")
@@ -85,6 +93,7 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[_
     import torch
 
     from .ops.recipe_registry import recipe_key
+    from .precision.policy import policy_key
 
     if torch.compiler.is_compiling():
         raise RuntimeError("enter autocast outside the torch.compile'd region (compile the model, not the context)")
@@ -93,7 +102,8 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[_
             module.prepare_for_recipe(recipe)
     saved = FP8GlobalState.state
     FP8GlobalState.state = _State(enabled=bool(enabled), recipe=recipe if enabled else None,
-                                  key=recipe_key(recipe if enabled else None), group=amax_reduction_group)
+                                  key=recipe_key(recipe if enabled else None), group=amax_reduction_group,
+                                  policy=policy_key(gemm_policy))
     try:
         yield
     finally:

@@ -73,6 +73,9 @@ class _Calls:
     def __init__(self, layer: str, key: str, plan=None):
         self.layer = layer
         self.recipe_on = key != HIGH_PRECISION_KEY
+        # GEMMs a per-GEMM precision choice keeps in high precision (te.gemm_policy / pins): a
+        # debug feature may disable more, never re-enable these
+        self.high_precision_gemms = quantizers_from_key(key).high_precision_gemms
         self.live = state.SESSION.active and state.debug_manager() is not None
         self.iteration = state.current_iteration()
         if plan is None:
@@ -97,8 +100,9 @@ class _Calls:
         row_g, col_g = TENSOR_GEMMS[name]
         tp = self.plan.tensor(name)
         plans = {g: tp.plan(g) for g, need in ((row_g, need_row), (col_g, need_col)) if need}
-        if quantizer is None:  # no recipe: the plan cannot quantize
-            plans = {g: (HIGH if p == QUANTIZE else p) for g, p in plans.items()}
+        # no recipe, or the GEMM kept in high precision by the precision choice: nothing to quantize
+        plans = {g: (HIGH if p == QUANTIZE and (quantizer is None or g in self.high_precision_gemms) else p)
+                 for g, p in plans.items()}
         quantized = None
         if QUANTIZE in plans.values():
             quantized = quantizer.with_usage(rowwise=plans.get(row_g) == QUANTIZE,

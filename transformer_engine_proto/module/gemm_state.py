@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .. import recipe as R
-from ..autocast import get_fp8_recipe, get_fp8_recipe_key, in_activation_recompute_phase
+from ..autocast import get_fp8_recipe, get_fp8_recipe_key, get_gemm_policy_key, in_activation_recompute_phase
 from ..debug import debug_gemm as _debug_gemm  # precision debug tools (issue 5)
 from ..distributed import amax_reduction as _amax_reduction
 from ..distributed import fsdp as _fsdp
@@ -22,7 +22,8 @@ from ..distributed import sp_gather as _sp_gather
 from ..distributed import tp as _tp
 from ..kernels.reference.common import true_div
 from ..ops import linear_ops
-from ..ops.recipe_registry import quantizers_from_key, recipe_key
+from ..ops.recipe_registry import HIGH_PRECISION_KEY, quantizers_from_key, recipe_key
+from ..precision import policy as _policy
 from ..tensor import QuantizedTensor, TensorProto
 
 __all__ = ["QuantizedGemm", "DEFAULT_HISTORY_LEN"]
@@ -89,6 +90,8 @@ class QuantizedGemm(nn.Module):
         # sequence parallel: all-gather this GEMM's input shard quantized where the recipe allows
         # (distributed/sp_gather.py); False gathers in high precision
         self.quantized_sp_gather = True
+        # GEMMs pinned to a precision (`pin_gemm_precision`), as the string the policy reads
+        self.pinned_precision = ""
 
     def _apply(self, fn, recurse=True):
         """`model.to(torch.bfloat16)` / `.half()` move these buffers but keep their dtypes: the
@@ -221,16 +224,34 @@ class QuantizedGemm(nn.Module):
         return full, buffers, (amax if delayed else None)
 
     # ---- the call ---------------------------------------------------------------------------
-    def wants_quantized_input(self, weight: torch.Tensor, save_original_input: bool = False):
-        """None, or the `columnwise` flag for a fused norm + quantize of this GEMM's input: only
-        stateless recipes (delayed scaling's input scale lives in this module's buffers), and not
-        when the input's amax is TP-reduced (the fused op quantizes with the plain recipe)."""
+    def precision_key(self, key: str, inp: torch.Tensor, weight: torch.Tensor) -> str:
+        """The Linear op's key: `key` with the GEMMs that the active GemmPolicy or this GEMM's pins
+        keep in high precision (a trace-time constant, precision/policy.py)."""
+        policy = get_gemm_policy_key()
+        if not (policy or self.pinned_precision) or key == HIGH_PRECISION_KEY:
+            return key
+        return _policy.op_key(key, policy, self.pinned_precision, self._debug_uid, str(inp.device),
+                              inp.numel() // inp.shape[-1], weight.shape[0], weight.shape[1],
+                              torch.is_grad_enabled())
+
+    def wants_quantized_input(self, weight: torch.Tensor, save_original_input: bool = False,
+                              inp: Optional[torch.Tensor] = None):
+        """None, or the `columnwise` flag for a fused norm + quantize of this GEMM's input `inp`:
+        only stateless recipes (delayed scaling's input scale lives in this module's buffers), not
+        when the input's amax is TP-reduced (the fused op quantizes with the plain recipe), and not
+        when fprop runs in high precision (precision_key)."""
         recipe = get_fp8_recipe()
         if recipe is None or isinstance(recipe, R.DelayedScaling):
             return None
         if self.tp_amax_reduction is not None and "input" in self.tp_amax_reduction[1]:
             return None
-        return torch.is_grad_enabled() and weight.requires_grad and not save_original_input
+        wgrad = True
+        if inp is not None:
+            roles = quantizers_from_key(self.precision_key(self._op_key(get_fp8_recipe_key()), inp, weight))
+            if not roles.quantizes("fprop"):
+                return None
+            wgrad = roles.quantizes("wgrad")
+        return torch.is_grad_enabled() and weight.requires_grad and not save_original_input and wgrad
 
     def forward(self, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                 is_first_microbatch: Optional[bool] = None, save_original_input: bool = False,
@@ -288,7 +309,7 @@ class QuantizedGemm(nn.Module):
                 inp, weight, key, delayed, sequence_gather, debug_linear is None and not save_original_input)
         extra = {"inp_quantized": inp_quantized} if inp_quantized and debug_linear is None else {}
         out, amaxes, new_cache = linear(
-            inp, weight, bias, key=key,
+            inp, weight, bias, key=self.precision_key(key, inp, weight),
             fp8_scales=self.fp8_scale if delayed else None,
             grad_scale=self.grad_fp8_scale if delayed else None,
             grad_amax_state=self.grad_amax_state() if delayed else (),

@@ -70,7 +70,7 @@ class NormFusedModule(TransformerEngineBaseModule):
         if column_group is not None and self.sequence_parallel:
             ln_out = self.norm(inp)
             return ln_out, ln_out, (), (column_group, self.tp_size)
-        ln_out, ln_q = self.norm.forward_quantized(inp, gemm.wants_quantized_input(weight))
+        ln_out, ln_q = self.norm.forward_quantized(inp, gemm.wants_quantized_input(weight, inp=inp))
         gemm_in = ln_out if column_group is None else _tp.copy_to_tp_region(ln_out, column_group)
         return ln_out, gemm_in, ln_q, None
 

@@ -29,7 +29,7 @@ from ..tensor.storage import QuantizedTensorStorage
 from . import shared_input
 from .eager_path import eager_function
 from .inductor_lowering import inline_in_inductor
-from .recipe_registry import quantizers_from_key
+from .recipe_registry import base_key, quantizers_from_key
 from .row_padding import gemm_rows, pad_rows, unpad_rows
 
 __all__ = ["linear", "LinearPlan", "CACHE_OFF", "CACHE_FILL", "CACHE_USE", "pack_flags", "unpack_flags",
@@ -101,6 +101,19 @@ class LinearPlan:
     def quantized(self) -> bool:
         return self.quantizers.enabled
 
+    # ---- which GEMMs run in the recipe's format (the others read the high-precision operands) ----
+    @property
+    def fprop_q(self) -> bool:
+        return self.quantizers.quantizes("fprop")
+
+    @property
+    def dgrad_q(self) -> bool:
+        return self.quantizers.quantizes("dgrad") and self.input_requires_grad
+
+    @property
+    def wgrad_q(self) -> bool:
+        return self.quantizers.quantizes("wgrad") and self.weight_requires_grad
+
     @property
     def delayed(self) -> bool:
         q = self.quantizers.input  # scale from module state: delayed scaling
@@ -118,7 +131,7 @@ class LinearPlan:
     def rows(self):
         """Rows of the quantized input and grad_output: `m` zero-padded to the recipe's row block
         when wgrad runs (ops/row_padding.py)."""
-        return gemm_rows(self.m, self.key, self.quantized and self.weight_requires_grad)
+        return gemm_rows(self.m, self.key, self.wgrad_q)
 
     @property
     @_memo
@@ -133,7 +146,7 @@ class LinearPlan:
 
     @_memo
     def saved_input(self) -> Optional[TensorProto]:
-        if self.quantized and self.weight_requires_grad and not self.save_original_input:
+        if self.wgrad_q and not self.save_original_input:
             return self._proto("input", (self.rows, self.in_shape[-1]), self.act_dtype, False, True)
         return None
 
@@ -146,7 +159,7 @@ class LinearPlan:
     def dgrad_weight(self) -> Optional[TensorProto]:
         """The columnwise weight dgrad reads: quantized in backward from the saved weight (not a
         saved tensor), or read from the weight cache (CACHE_USE)."""
-        if self.quantized and self.input_requires_grad:
+        if self.dgrad_q:
             return self._proto("weight", self.weight_shape, self.weight_dtype, False, True)
         return None
 
@@ -178,23 +191,44 @@ class LinearPlan:
     # ---- the quantizers with this call's usages (memoized: no dataclass copy per call) ---------
     @_memo
     def input_quantizer(self):
-        return self.quantizers.input.with_usage(rowwise=True, columnwise=self.saved_input() is not None)
+        """None when no GEMM reads a quantized input in forward."""
+        columnwise = self.saved_input() is not None
+        if not (self.fprop_q or columnwise):
+            return None
+        return self.quantizers.input.with_usage(rowwise=self.fprop_q, columnwise=columnwise)
 
     @_memo
     def weight_quantizer(self):
-        return self.quantizers.weight.with_usage(rowwise=True, columnwise=self.cache_mode == CACHE_FILL)
+        """None when forward needs no quantized weight (fprop in high precision, no cache to fill)."""
+        fill = self.cache_mode == CACHE_FILL
+        if not (self.fprop_q or fill):
+            return None
+        return self.quantizers.weight.with_usage(rowwise=True, columnwise=fill)
 
     @_memo
     def grad_quantizer(self):
-        return self.quantizers.grad_output.with_usage(rowwise=self.input_requires_grad,
-                                                      columnwise=self.weight_requires_grad)
+        """None when neither backward GEMM reads a quantized grad_output."""
+        if not (self.dgrad_q or self.wgrad_q):
+            return None
+        return self.quantizers.grad_output.with_usage(rowwise=self.dgrad_q, columnwise=self.wgrad_q)
+
+    def forward_amax_roles(self) -> tuple:
+        """Delayed scaling: the roles ("input", "weight") that backward quantizes but forward does
+        not (their GEMM in forward runs in high precision): forward records their amax with a
+        plain reduction, so the scale history still follows them."""
+        roles = ()
+        if self.wgrad_q and self.save_original_input and not self.fprop_q:
+            roles += ("input",)
+        if self.dgrad_q and not self.fprop_q and self.cache_mode == CACHE_OFF:
+            roles += ("weight",)
+        return roles
 
     # ---- what the autograd context keeps from the op's inputs (never op outputs) ----------
     def saves_raw_input(self) -> bool:
-        return self.weight_requires_grad and (not self.quantized or self.save_original_input)
+        return self.weight_requires_grad and (not self.wgrad_q or self.save_original_input)
 
     def saves_raw_weight(self) -> bool:
-        return self.input_requires_grad and (not self.quantized or self.cache_mode != CACHE_USE)
+        return self.input_requires_grad and (not self.dgrad_q or self.cache_mode != CACHE_USE)
 
 
 @contextlib.contextmanager
@@ -219,6 +253,12 @@ def _stays_in_backward():
 
 
 _MISSING = object()
+
+
+def _usage(t: QuantizedTensorStorage, rowwise: bool) -> QuantizedTensorStorage:
+    """`t` with only the usage a GEMM reads (as is when it holds only that one)."""
+    has_other = t.has_columnwise() if rowwise else t.has_rowwise()
+    return t.only_usage(rowwise) if has_other else t
 
 
 def _split(buffers: Sequence[torch.Tensor], protos: Sequence[TensorProto]):
@@ -273,10 +313,11 @@ def make_plan(key, in_shape, weight_shape, *rest) -> LinearPlan:
 def _quantize_shared(plan: LinearPlan, inp: torch.Tensor, x2d: torch.Tensor) -> QuantizedTensorStorage:
     """The input quantized for this call, shared with the other Linears that read the same tensor
     with the same quantizer and usage (ops/shared_input.py; stateless recipes only)."""
-    key = (plan.key, plan.input_quantizer())
+    key = (base_key(plan.key), plan.input_quantizer())
     buffers = shared_input.lookup(inp, key)
     if buffers is not None:
-        return rebuild(plan.prequantized_input(), buffers)
+        return rebuild(TensorProto((plan.input_rows, plan.in_shape[-1]), plan.act_dtype, plan.input_quantizer()),
+                       buffers)
     xq = plan.input_quantizer().quantize(pad_rows(x2d, plan.input_rows), internal=True)
     shared_input.store(inp, key, xq.get_buffers().values())
     return xq
@@ -299,9 +340,10 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         out = gemm(x2d, weight, trans_b=True, bias=bias, out_dtype=inp.dtype)
         return out.view(out_shape), inp.new_empty(0, dtype=torch.float32), [], []
     amaxes = [torch.zeros(1, dtype=torch.float32, device=inp.device) for _ in range(2 if plan.delayed else 0)]
+    xq = wq = None
     if plan.prequantized:
         xq = rebuild(plan.prequantized_input(), inp_quantized)
-    else:
+    elif plan.input_quantizer() is not None:
         iq = plan.input_quantizer()
         if plan.delayed:
             iq, amaxes[0] = _bind_delayed(iq, fp8_scales, 0)
@@ -310,14 +352,21 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
             xq = _quantize_shared(plan, inp, x2d)
     if cache_mode == CACHE_USE:
         wq = rebuild(plan.cached_weight(), weight_cache)
-    else:
+    elif plan.weight_quantizer() is not None:
         wq = plan.weight_quantizer()
         if plan.delayed:
             wq, amaxes[1] = _bind_delayed(wq, fp8_scales, 1)
         wq = wq.quantize(weight, internal=True)
+    if plan.delayed:  # a tensor only backward quantizes: record its amax here (forward_amax_roles)
+        for role in plan.forward_amax_roles():
+            slot, t = (0, x2d) if role == "input" else (1, weight)
+            amaxes[slot] = t.abs().amax().float().reshape(1)
     amaxes = torch.cat(amaxes) if amaxes else inp.new_empty(0, dtype=torch.float32)
-    out = gemm(xq.only_usage(True), wq.only_usage(True), trans_b=True, bias=bias, out_dtype=inp.dtype)
-    out = unpad_rows(out, x2d.shape[0])
+    if plan.fprop_q:
+        out = gemm(xq.only_usage(True), wq.only_usage(True), trans_b=True, bias=bias, out_dtype=inp.dtype)
+        out = unpad_rows(out, x2d.shape[0])
+    else:  # the high-precision GEMM, exactly as with the recipe off
+        out = gemm(x2d, weight, trans_b=True, bias=bias, out_dtype=inp.dtype)
     cache = list(wq.get_buffers().values()) if cache_mode == CACHE_FILL else []
     saved = []
     if plan.saved_input() is not None and not plan.prequantized:
@@ -360,9 +409,9 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
     x = next(saved_q) if plan.saved_input() is not None else inp.reshape(-1, in_shape[-1]) if plan.weight_requires_grad else None
     if not input_requires_grad:
         w = None
-    elif cache_mode == CACHE_USE and plan.quantized:
+    elif cache_mode == CACHE_USE and plan.dgrad_q:
         w = rebuild(plan.cached_weight(), weight_cache).only_usage(False)
-    elif plan.quantized:  # the columnwise weight again, from the weight: the forward's bytes
+    elif plan.dgrad_q:  # the columnwise weight again, from the weight: the forward's bytes
         wq = plan.dgrad_weight().quantizer
         with _stays_in_backward():
             if plan.delayed:  # the forward's scale (snapshot); this amax was recorded in forward
@@ -374,23 +423,23 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
     dy_q = dy
     delayed = plan.quantized and plan.delayed
     grad_amax = torch.zeros(1, dtype=torch.float32, device=dy.device) if delayed else None
-    if plan.quantized and (input_requires_grad or weight_requires_grad):  # bias-only: dbias from dy
-        gq = plan.grad_quantizer()
+    gq = plan.grad_quantizer()  # None for bias-only or both GEMMs in high precision
+    if gq is not None:
         if plan.delayed:
             gq = gq.with_scale_state(grad_scale, grad_amax)
         dy_q = gq.quantize(pad_rows(dy, rows), internal=True)
-        if plan.save_original_input and weight_requires_grad:
-            iq = plan.quantizers.input.with_usage(rowwise=False, columnwise=True)
-            if plan.delayed:  # reuse the forward's scale; the amax was recorded in forward
-                iq = iq.with_scale_state(_scale_slot(fp8_scales, 0), torch.zeros(1, device=dy.device))
-            x = iq.quantize(pad_rows(x, rows), internal=True)
+    if plan.wgrad_q and plan.save_original_input:
+        iq = plan.quantizers.input.with_usage(rowwise=False, columnwise=True)
+        if plan.delayed:  # reuse the forward's scale; the amax was recorded in forward
+            iq = iq.with_scale_state(_scale_slot(fp8_scales, 0), torch.zeros(1, device=dy.device))
+        x = iq.quantize(pad_rows(x, rows), internal=True)
     grads = []
     if input_requires_grad:
-        a = dy_q.only_usage(True) if isinstance(dy_q, QuantizedTensorStorage) and weight_requires_grad else dy_q
+        a = _usage(dy_q, True) if plan.dgrad_q else dy  # in high precision: the bf16 path's GEMM
         dgrad = unpad_rows(gemm(a, w, out_dtype=grad_out.dtype), dy.shape[0])
         grads.append(dgrad.view(tuple(in_shape)))
     if weight_requires_grad:
-        a = dy_q.only_usage(False) if isinstance(dy_q, QuantizedTensorStorage) and input_requires_grad else dy_q
+        a = _usage(dy_q, False) if plan.wgrad_q else dy
         wgrad_dtype = torch.float32 if fuse_wgrad_accumulation else weight_dtype
         grads.append(gemm(a, x, trans_a=True, out_dtype=wgrad_dtype))
     if bias_requires_grad:

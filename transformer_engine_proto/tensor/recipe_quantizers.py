@@ -15,9 +15,10 @@ from .mxfp8 import MXFP8Quantizer
 from .nvfp4 import NVFP4Quantizer
 from .quantizer import Quantizer
 
-__all__ = ["RoleQuantizers", "quantizers_for_recipe", "ROLES"]
+__all__ = ["RoleQuantizers", "quantizers_for_recipe", "ROLES", "GEMMS"]
 
 ROLES = ("input", "weight", "grad_output")
+GEMMS = ("fprop", "dgrad", "wgrad")  # TE's names for a Linear's three GEMMs
 
 
 @dataclass(frozen=True)
@@ -25,10 +26,17 @@ class RoleQuantizers:
     input: Optional[Quantizer]
     weight: Optional[Quantizer]
     grad_output: Optional[Quantizer]
+    # GEMMs of a Linear that run in high precision although the recipe is on (a per-GEMM
+    # precision choice: te.gemm_policy); their operands are not quantized
+    high_precision_gemms: frozenset = frozenset()
 
     @property
     def enabled(self) -> bool:
         return self.input is not None
+
+    def quantizes(self, gemm: str) -> bool:
+        """Whether `gemm` ("fprop", "dgrad" or "wgrad") runs in the recipe's format."""
+        return self.input is not None and gemm not in self.high_precision_gemms
 
 
 HIGH_PRECISION = RoleQuantizers(None, None, None)

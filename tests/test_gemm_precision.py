@@ -1,0 +1,253 @@
+"""Per-GEMM precision (issue 20): pins and the GemmPolicy.
+
+A GEMM kept in high precision gives bitwise the bf16 path's result and a quantized one the
+recipe's; the policy's choice follows its cost table, never overrides a pin, is the same in
+eager and compiled runs and in another process, and never measures in a multi-process run.
+"""
+import itertools
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import transformer_engine_proto as te
+from transformer_engine_proto import recipe as R
+from transformer_engine_proto.precision import policy as P
+from transformer_engine_proto.precision.cost_model import CostTable, gemm_shapes
+
+from linear_cases import QUANTIZED_IDS, RECIPES, fresh_dynamo, graph_breaks
+
+SUBSETS = [frozenset(c) for r in range(4) for c in itertools.combinations(("fprop", "dgrad", "wgrad"), r)]
+M, N, K = 48, 128, 256  # 48 tokens: MXFP8 / NVFP4 pad the wgrad operands' rows
+
+
+def _run(module, x, recipe, pins=None):
+    module.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    if pins is not None:
+        te.pin_gemm_precision(module, **{g: "bf16" for g in pins})
+    ctx = te.autocast(recipe=recipe) if recipe is not None else torch.autocast("cpu", enabled=False)
+    with ctx:
+        y = module(x)
+    y.backward(torch.linspace(-2, 2, y.numel()).reshape(y.shape).to(y.dtype))
+    weight = getattr(module, "_orig_mod", module).weight
+    return y.detach(), x.grad, weight.grad
+
+
+def _fresh(cls, seed=0):
+    torch.manual_seed(seed)
+    if cls is te.Linear:
+        return te.Linear(K, N, bias=True, params_dtype=torch.bfloat16)
+    return te.LayerNormLinear(K, N, bias=True, params_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("cls", [te.Linear, te.LayerNormLinear], ids=["Linear", "LayerNormLinear"])
+@pytest.mark.parametrize("recipe_id", QUANTIZED_IDS)
+def test_pinned_gemms_bitwise(cls, recipe_id):
+    """Each GEMM pinned to bf16 returns the bf16 path's bits; each other GEMM the recipe's."""
+    recipe = RECIPES[recipe_id]
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    bf16 = _run(_fresh(cls), x, None)
+    full = _run(_fresh(cls), x, recipe)
+    for hp in SUBSETS:
+        got = _run(_fresh(cls), x, recipe, pins=hp)
+        for i, gemm in enumerate(("fprop", "dgrad", "wgrad")):
+            want = bf16[i] if gemm in hp else full[i]
+            # dgrad / wgrad read grad_output, which is the same in every run (the loss is linear)
+            assert torch.equal(got[i], want), (recipe_id, sorted(hp), gemm)
+
+
+def test_pins_apply_without_recipe_change_and_validate():
+    m = _fresh(te.Linear)
+    assert te.pin_gemm_precision(m, fprop="bf16", wgrad="fp8") == 1
+    assert m.gemm.pinned_precision == "fprop=high_precision,wgrad=recipe"
+    with pytest.raises(ValueError, match="unknown GEMM|expected one of"):
+        te.pin_gemm_precision(m, fprop="int8")
+    with pytest.raises(ValueError, match="holds no quantized GEMM"):
+        te.pin_gemm_precision(torch.nn.Linear(2, 2), fprop="bf16")
+
+
+# ---- the policy -------------------------------------------------------------------------------
+def _synthetic_table(path, fp8_speedup=2.0, fp8_overhead_ms=0.02):
+    """bf16 GEMMs at 1 TFLOP/s + 5 us; the recipe's at `fp8_speedup` the rate + an overhead;
+    quantizes at 3 bytes / ns. Small GEMMs favour bf16, large ones the recipe."""
+    grid = (16, 64, 256, 1024, 4096)
+    t = CostTable("synthetic", grid=grid)
+    for m, n, k in itertools.product(grid, repeat=3):
+        flops = 2 * m * n * k
+        t.add_gemm("bf16", "fprop", m, n, k, 5e-3 + flops / 1e9)
+        t.add_gemm("Float8CurrentScaling", "fprop", m, n, k, fp8_overhead_ms + flops / (1e9 * fp8_speedup))
+    for role in ("input", "weight", "grad"):
+        for r, c in ((True, False), (False, True), (True, True)):
+            for numel in (2 ** 10, 2 ** 20, 2 ** 24):
+                t.add_quantize("Float8CurrentScaling", role, numel, r, c, 2e-3 + numel * (2 + r + c) / 3e6)
+    t.save(str(path))
+    return str(path)
+
+
+def _expected(table_path, m, n, k, margin=0.02, pins=None):
+    """The choice by brute force over the table (independent of policy.decide's bookkeeping)."""
+    t = CostTable.load(table_path)
+    pins = pins or {}
+    shapes = gemm_shapes(m, n, k)
+    best = None
+    for bits in itertools.product((False, True), repeat=3):
+        q = dict(zip(("fprop", "dgrad", "wgrad"), bits))
+        if any((pins.get(g) == "bf16" and q[g]) or (pins.get(g) == "fp8" and not q[g]) for g in q):
+            continue
+        total = sum(t.gemm_ms("Float8CurrentScaling" if q[g] else "bf16", g, *shapes[g]) for g in q)
+        qz = lambda role, numel, r, c: t.quantize_ms("Float8CurrentScaling", role, numel, r, c) if (r or c) else 0  # noqa: E731
+        total += qz("input", m * k, q["fprop"], q["wgrad"]) + qz("weight", n * k, q["fprop"], False)
+        total += qz("weight", n * k, False, q["dgrad"]) + qz("grad", m * n, q["dgrad"], q["wgrad"])
+        score = total * (1 + margin) if any(bits) else total
+        if best is None or score < best[0]:
+            best = (score, frozenset(g for g in q if not q[g]))
+    return best[1]
+
+
+@pytest.mark.parametrize("shape", [(16, 16, 16), (4096, 4096, 4096), (4096, 64, 4096), (256, 1024, 1024),
+                                   (3000, 700, 5000)])
+def test_policy_follows_table(tmp_path, shape):
+    path = _synthetic_table(tmp_path / "t.json")
+    d = P.decide(te.GemmPolicy(table=path), R.Float8CurrentScaling(), torch.device("cpu"), *shape, True, {})
+    assert d.high_precision == _expected(path, *shape)
+    assert d.predicted_ms <= min(d.bf16_ms, d.recipe_ms) + 1e-12
+
+
+def test_policy_extremes(tmp_path):
+    path = _synthetic_table(tmp_path / "t.json")
+    policy = te.GemmPolicy(table=path)
+    small = P.decide(policy, R.Float8CurrentScaling(), torch.device("cpu"), 16, 16, 16, True, {})
+    large = P.decide(policy, R.Float8CurrentScaling(), torch.device("cpu"), 4096, 4096, 4096, True, {})
+    assert small.high_precision == {"fprop", "dgrad", "wgrad"}
+    assert large.high_precision == frozenset()
+    # pins win over the table both ways
+    pinned = P.decide(policy, R.Float8CurrentScaling(), torch.device("cpu"), 4096, 4096, 4096, True,
+                      {"dgrad": P.HIGH})
+    assert "dgrad" in pinned.high_precision and "fprop" not in pinned.high_precision
+    pinned = P.decide(policy, R.Float8CurrentScaling(), torch.device("cpu"), 16, 16, 16, True, {"wgrad": P.RECIPE})
+    assert "wgrad" not in pinned.high_precision
+
+
+def test_cost_table_grid_interpolation(tmp_path):
+    t = CostTable.load(_synthetic_table(tmp_path / "t.json"))
+    assert t.gemm_ms("bf16", "fprop", 256, 256, 256) == pytest.approx(5e-3 + 2 * 256 ** 3 / 1e9)
+    # between grid points: between the neighbours' times
+    mid = t.gemm_ms("bf16", "dgrad", 512, 256, 256)
+    assert t.gemm_ms("bf16", "fprop", 256, 256, 256) < mid < t.gemm_ms("bf16", "fprop", 1024, 256, 256)
+    # beyond the grid: grows with the flops
+    assert t.gemm_ms("bf16", "fprop", 8192, 4096, 4096) == pytest.approx(2 * t.gemm_ms("bf16", "fprop", 4096, 4096, 4096))
+    assert t.gemm_ms("MXFP8BlockScaling", "fprop", 256, 256, 256) is None  # no grid for that kind
+    q = t.quantize_ms("Float8CurrentScaling", "input", 2 ** 22, True, True)
+    assert t.quantize_ms("Float8CurrentScaling", "input", 2 ** 20, True, True) < q < \
+        t.quantize_ms("Float8CurrentScaling", "input", 2 ** 24, True, True)
+    t.add_gemm("bf16", "wgrad", 7, 7, 7, 1.5)  # an exact point wins
+    assert t.gemm_ms("bf16", "wgrad", 7, 7, 7) == 1.5 and not math.isclose(t.gemm_ms("bf16", "fprop", 7, 7, 7), 1.5)
+
+
+def _policy_model(path):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(te.Linear(1024, 4096, bias=False), te.Linear(4096, 64, bias=False),
+                               te.Linear(64, 16, bias=False))
+
+
+def _choices(model):
+    return [P.decisions()[g._debug_uid].high_precision for g in (m.gemm for m in model)]
+
+
+def test_policy_same_in_eager_compiled_and_another_process(tmp_path):
+    path = _synthetic_table(tmp_path / "t.json", fp8_speedup=4.0, fp8_overhead_ms=0.005)
+    policy = te.GemmPolicy(table=path)
+    recipe = R.Float8CurrentScaling()
+    x = torch.randn(512, 1024, dtype=torch.float32, requires_grad=True)
+    model = _policy_model(path)
+    with te.autocast(recipe=recipe, gemm_policy=policy):
+        model(x).sum().backward()
+    eager = _choices(model)
+    want = [_expected(path, 512, n, k) for n, k in ((4096, 1024), (64, 4096), (16, 64))]
+    assert eager == want
+    assert len(set(eager)) > 1, "the synthetic table should make the layers choose differently"
+    report = te.precision_report(model)
+    assert report.count("\n") == len(model) + 2 and "bf16" in report
+
+    P.decisions().clear()
+    fresh_dynamo()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with te.autocast(recipe=recipe, gemm_policy=policy):
+        compiled(x).sum().backward()
+    assert graph_breaks() == 0
+    assert _choices(model) == eager
+
+    code = (f"import torch, transformer_engine_proto as te; from transformer_engine_proto import recipe as R;"
+            f"from transformer_engine_proto.precision import policy as P;"
+            f"p = te.GemmPolicy(table={path!r});"
+            f"print([sorted(P.decide(p, R.Float8CurrentScaling(), torch.device('cpu'), 512, n, k, True, {{}})"
+            f".high_precision) for n, k in ((4096, 1024), (64, 4096), (16, 64))])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out.replace("'", '"')) == [sorted(c) for c in eager]
+
+
+def test_policy_off_by_default_and_keys_unchanged():
+    m = _fresh(te.Linear)
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    with te.autocast(recipe=R.Float8CurrentScaling()):
+        from transformer_engine_proto.autocast import get_fp8_recipe_key
+        assert m.gemm.precision_key(get_fp8_recipe_key(), x, m.weight) == get_fp8_recipe_key()
+
+
+def test_no_measurement_in_multi_process_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("TE_PROTO_CACHE_DIR", str(tmp_path))
+    P.cost_table.cache_clear()
+    monkeypatch.setattr(P, "_multi_process", lambda: True)
+    with pytest.raises(RuntimeError, match="multi-process run"):
+        P.decide(te.GemmPolicy(), R.Float8CurrentScaling(), torch.device("cpu"), 32, 32, 32, True, {})
+    with pytest.raises(RuntimeError, match="calibrate=False"):
+        monkeypatch.setattr(P, "_multi_process", lambda: False)
+        P.decide(te.GemmPolicy(calibrate=False), R.Float8CurrentScaling(), torch.device("cpu"), 32, 32, 32, True, {})
+    P.cost_table.cache_clear()
+
+
+def test_calibration_measures_once_and_caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("TE_PROTO_CACHE_DIR", str(tmp_path))
+    P.cost_table.cache_clear()
+    calls = []
+    from transformer_engine_proto.precision import calibrate
+
+    monkeypatch.setattr(calibrate, "time_ms", lambda fn, device, **kw: calls.append(1) or 1.0)
+    d = P.decide(te.GemmPolicy(), R.Float8CurrentScaling(), torch.device("cpu"), 32, 64, 32, True, {})
+    n = len(calls)
+    assert n > 0 and d.high_precision  # equal GEMM times: the margin keeps bf16
+    P.cost_table.cache_clear()  # a new process: reads the cache file, measures nothing
+    P.decide(te.GemmPolicy(), R.Float8CurrentScaling(), torch.device("cpu"), 32, 64, 32, True, {})
+    assert len(calls) == n
+    P.cost_table.cache_clear()
+
+
+def test_gemm_policy_validates():
+    with pytest.raises(ValueError, match="margin"):
+        te.GemmPolicy(margin=1.5)
+    with pytest.raises(FileNotFoundError, match="cost table"):
+        te.GemmPolicy(table="/nonexistent.json")
+    with pytest.raises(TypeError, match="GemmPolicy"):
+        with te.autocast(recipe=R.Float8CurrentScaling(), gemm_policy="auto"):
+            pass
+
+
+@pytest.mark.parametrize("recipe_id", ["current", "delayed", "mxfp8"])
+def test_pinned_compiled_matches_eager(recipe_id):
+    """aot_eager runs the same op bodies: compiled == eager bitwise with GEMMs pinned to bf16."""
+    recipe = RECIPES[recipe_id]
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    for hp in (frozenset({"fprop"}), frozenset({"dgrad", "wgrad"})):
+        eager = _run(_fresh(te.Linear), x, recipe, pins=hp)
+        fresh_dynamo()
+        m = _fresh(te.Linear)
+        te.pin_gemm_precision(m, **{g: "bf16" for g in hp})
+        compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+        got = _run(compiled, x, recipe)
+        assert graph_breaks() == 0
+        for a, b in zip(got, eager):
+            assert torch.equal(a, b), (recipe_id, sorted(hp))
