@@ -6,6 +6,7 @@ repository root without installing the package).
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -24,8 +25,11 @@ import torch
 
 
 def make_recipe(name: str):
-    """None for 'none'/'bf16'; else a fresh recipe with TE's defaults."""
+    """None for 'none'/'bf16'; else a fresh recipe with TE's defaults. A name ending in
+    '+policy' (e.g. 'current+policy') gives the same recipe: `te_autocast` adds the GemmPolicy."""
     from transformer_engine_proto import recipe as R
+
+    name = name.split("+", 1)[0]
 
     table = {
         "none": None,
@@ -40,6 +44,17 @@ def make_recipe(name: str):
         raise ValueError(f"unknown recipe {name!r}; choose from {sorted(table)}")
     cls = table[name]
     return None if cls is None else cls()
+
+
+def te_autocast(recipe, variant: str):
+    """`te.autocast(recipe=...)` for a te variant (with `te.GemmPolicy()` when the variant's name
+    ends in '+policy'); a no-op context for bf16 / torchao (recipe None)."""
+    import transformer_engine_proto as te
+
+    if recipe is None:
+        return contextlib.nullcontext()
+    policy = te.GemmPolicy() if variant.endswith("+policy") else None
+    return te.autocast(recipe=recipe, gemm_policy=policy)
 
 
 # --------------------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ runs in this process, so the ratios compare like with like.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import os
 import sys
@@ -63,7 +62,6 @@ def make_variant(variant: str, args, device, dtype):
 
 
 def run_variant(variant, mode, args, device, dtype):
-    import transformer_engine_proto as te
 
     C.reset_compile_state(device)
     if device.type == "cuda":  # peak memory of this variant: what it allocates beyond what is left over
@@ -82,8 +80,7 @@ def run_variant(variant, mode, args, device, dtype):
     def step():
         if mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()
-        ctx = te.autocast(recipe=recipe) if recipe is not None else contextlib.nullcontext()
-        with ctx:
+        with C.te_autocast(recipe, variant):
             loss = fwd(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
@@ -104,6 +101,10 @@ def run_variant(variant, mode, args, device, dtype):
     if device.type == "cuda":
         res["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     res.update(C.compile_stats())
+    if variant.endswith("+policy"):  # which GEMMs the policy kept in the recipe's format
+        import transformer_engine_proto as te
+
+        print(f"{variant} ({mode}):\n{te.precision_report(model)}", flush=True)
     return res
 
 

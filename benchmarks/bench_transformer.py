@@ -58,7 +58,6 @@ def model_flops(args) -> float:
 
 
 def run_variant(recipe_name, mode, args, device, dtype):
-    import transformer_engine_proto as te
 
     C.reset_compile_state(device)
     res = {"recipe": recipe_name, "mode": mode}
@@ -88,7 +87,7 @@ def run_variant(recipe_name, mode, args, device, dtype):
     dy = torch.randn(args.batch, args.seq, args.hidden, generator=g).to(device=device, dtype=dtype)
 
     def ctx():
-        return te.autocast(recipe=recipe) if recipe is not None else contextlib.nullcontext()
+        return C.te_autocast(recipe, recipe_name)
 
     per_step = ctx if not args.autocast_once else contextlib.nullcontext
 
@@ -117,6 +116,10 @@ def run_variant(recipe_name, mode, args, device, dtype):
     res["tflops"] = model_flops(args) / (ms * 1e-3) / 1e12
     res.update(C.compile_stats())
     fwd = model = params = opt = x = dy = None  # free the GPU memory `step` holds (not `del`: its closure reads them)
+    if recipe_name.endswith("+policy"):  # which GEMMs the policy kept in the recipe's format
+        import transformer_engine_proto as te
+
+        print(f"{recipe_name} ({mode}):\n{te.precision_report(model)}", flush=True)
     return res
 
 
