@@ -60,10 +60,12 @@ def available_backends(name: str):
 
 def kernel(name: str, device=None) -> Callable:
     """The implementation of `name` for tensors on `device`."""
-    _load_reference()
+    if not _loaded:
+        _load_reference()
     mode = _backend if _backend is not None else get_backend()
     if mode == "triton" and device is not None:
-        for backend in _PREFERENCE.get(torch.device(device).type, ()):
+        device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
+        for backend in _PREFERENCE.get(device_type, ()):
             fn = _KERNELS.get((name, backend))
             if fn is not None:
                 return fn

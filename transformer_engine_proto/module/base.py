@@ -1,6 +1,7 @@
 """Shared behaviour of TE-proto modules: naming, input checks, recipe preparation."""
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Optional
 
@@ -87,6 +88,14 @@ class TransformerEngineBaseModule(nn.Module):
 def _recipe_shape_error(key: str, weight_shapes) -> str:
     """'' if every weight (and its input's last dim) suits the recipe, else the reason.
     Evaluated once at trace time: quantizer construction stays out of compiled graphs."""
+    if all(type(d) is int for shape in weight_shapes for d in shape):
+        return _shape_error(key, weight_shapes)
+    return _shape_error.__wrapped__(key, weight_shapes)  # symbolic sizes are no cache keys
+
+
+@functools.lru_cache(maxsize=1024)
+def _shape_error(key: str, weight_shapes) -> str:
+    """`_recipe_shape_error`, once per recipe key and shapes (eager forwards ask every call)."""
     from ..ops.recipe_registry import quantizers_from_key
 
     q = quantizers_from_key(key)

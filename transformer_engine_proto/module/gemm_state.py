@@ -7,6 +7,7 @@ are allocated eagerly by `prepare_for_recipe`, which `autocast` calls on entry.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Optional
 
@@ -46,9 +47,13 @@ def _update_from_history(scale, amax_history, recipe: R.DelayedScaling, fp8_max:
     amax = history.amax(0) if recipe.amax_compute_algo == "max" else history[0]
     # the correctly rounded quotient, as TE; then the margin as an exact power-of-two product (the
     # same bits as TE's division by 2**margin, and no fp32 division for inductor to approximate)
-    new = true_div(fp8_max, amax) * (2.0 ** -recipe.margin)
-    keep = (amax <= 0) | ~torch.isfinite(amax) | ~torch.isfinite(new)
-    scale.copy_(torch.where(keep, scale, new))
+    new = true_div(fp8_max, amax)
+    if recipe.margin:
+        new = new * (2.0 ** -recipe.margin)
+    # kept where amax <= 0, amax is inf/NaN or new is not finite; where amax is positive and
+    # finite, new lies in [0, inf], so `new < inf` is its finiteness test
+    ok = (amax > 0) & (amax < math.inf) & (new < math.inf)
+    scale.copy_(torch.where(ok, new, scale))
     history.copy_(torch.roll(history, -1, 0))
     history[0].zero_()
 
@@ -57,9 +62,15 @@ def _keep_finite(slot: torch.Tensor, new: torch.Tensor, fallback: torch.Tensor, 
     """slot = new where new is finite, else fallback, and count += 1 there. An inf/NaN amax never
     enters the history: one would make `max` of the history non-finite, and the scale would stay
     frozen (silently) until it rolled out, amax_history_len steps later. In-graph, no host sync."""
-    bad = ~torch.isfinite(new)
-    slot.copy_(torch.where(bad, fallback, new))
-    count.add_(bad.to(count.dtype))
+    ok = _finite(new)
+    slot.copy_(torch.where(ok, new, fallback))
+    count.add_((~ok).to(count.dtype))
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """`torch.isfinite(x)` in two elementwise ops (eager runs isfinite as four): NaN and +-inf
+    compare False."""
+    return x.abs() < math.inf
 
 
 class QuantizedGemm(nn.Module):
@@ -149,7 +160,7 @@ class QuantizedGemm(nn.Module):
                 event = torch.cuda.Event()
                 event.record()
                 self._nonfinite_poll = (copy, event)
-        if host is not None and bool(host.any()):
+        if host is not None and any(host.tolist()):  # a host read of 3 ints, no tensor op
             _nonfinite_warned = True
             counts = ", ".join(f"{r} {int(n)}" for r, n in zip(_NONFINITE_ROLES, host.tolist()) if n)
             warnings.warn(

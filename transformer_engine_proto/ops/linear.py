@@ -281,7 +281,7 @@ def _scale_slot(scales: torch.Tensor, slot: int) -> torch.Tensor:
     copy: inductor cannot pass a slice of a buffer computed in the graph (the in-graph scale
     update) to a user Triton kernel."""
     scale = scales[slot:slot + 1]
-    return scale.clone() if is_fake(scales) else scale
+    return scale.clone() if type(scales) is not torch.Tensor and is_fake(scales) else scale
 
 
 def _bind_delayed(q, scales, slot: int):

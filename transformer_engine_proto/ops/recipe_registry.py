@@ -21,11 +21,18 @@ _HP_MARK = "|high_precision_gemms="  # a Linear op key with some GEMMs kept in h
 _RECIPES: Dict[str, Optional[Recipe]] = {HIGH_PRECISION_KEY: None}
 
 
+_LAST = [None, None]  # (recipe, its key) of the last call: autocast asks once per entry
+
+
 def recipe_key(recipe: Optional[Recipe]) -> str:
     if recipe is None:
         return HIGH_PRECISION_KEY
+    last, key = _LAST
+    if recipe is last and _RECIPES.get(key) is recipe:
+        return key
     key = repr(recipe)
     _RECIPES[key] = recipe
+    _LAST[:] = recipe, key
     return key
 
 

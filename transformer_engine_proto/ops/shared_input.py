@@ -23,7 +23,6 @@ drops them all, so the quantized rowwise copy never outlives the forward that ma
 """
 from __future__ import annotations
 
-import contextlib
 import weakref
 from typing import Callable, Dict, List, Optional
 
@@ -37,11 +36,24 @@ _scopes: List["_Scope"] = []
 
 
 class _Scope:
-    def __init__(self, sources, owner, wrap, unwrap):
+    """The context manager `scope` returns (a class, not a generator: the eager path opens one
+    per Linear call)."""
+
+    def __init__(self, sources, owner, wrap, unwrap, commit):
         self.sources = sources  # id(tensor the body sees) -> the source tensor, or None: itself
         self.owner = owner  # the tracing mode (None in eager): entries never cross traces
         self.wrap, self.unwrap = wrap, unwrap
+        self.auto_commit = commit
         self.pending = []
+
+    def __enter__(self) -> "_Scope":
+        _scopes.append(self)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        _scopes.pop()
+        if self.auto_commit and exc_type is None:
+            self.commit()
 
     def commit(self) -> None:
         """Store the entries made in this scope (`unwrap` applied)."""
@@ -54,21 +66,13 @@ class _Scope:
         return t if self.sources is None else self.sources.get(id(t))
 
 
-@contextlib.contextmanager
 def scope(sources: Optional[dict] = None, owner=None, wrap: Optional[Callable] = None,
-          unwrap: Optional[Callable] = None, commit: bool = True):
-    """Let the body share quantized inputs. `sources`: id(argument as the body sees it) -> the
-    tensor identifying it (tracing); `wrap` / `unwrap` move stored buffers into / out of the
-    body's tensors. Entries made inside are stored when the scope exits, or (commit=False) by
-    the caller's `commit()`."""
-    s = _Scope(sources, owner, wrap, unwrap)
-    _scopes.append(s)
-    try:
-        yield s
-    finally:
-        _scopes.pop()
-    if commit:
-        s.commit()
+          unwrap: Optional[Callable] = None, commit: bool = True) -> _Scope:
+    """A context manager letting the body share quantized inputs. `sources`: id(argument as the
+    body sees it) -> the tensor identifying it (tracing); `wrap` / `unwrap` move stored buffers
+    into / out of the body's tensors. Entries made inside are stored when the scope exits
+    without an exception, or (commit=False) by the caller's `commit()`."""
+    return _Scope(sources, owner, wrap, unwrap, commit)
 
 
 def _key(src, owner, key):

@@ -297,9 +297,8 @@ class Quantizer:
         """Wrap named buffers (as returned by alloc_tensors / a kernel) in the tensor class, or
         with `internal=True` in its bare storage class (as TE's internal quantizers do): no
         wrapper tensor, for values that never leave an op (host time per GEMM)."""
-        if internal:  # the base metadata keeps this (possibly stateful) quantizer: never leaves the op
-            cls, kwargs = Quantizer.create_metadata(self, shape, dtype)
-            return cls.storage_class._from_buffers(buffers, **kwargs)
+        if internal:  # keeps this (possibly stateful) quantizer, as the base metadata: never leaves the op
+            return self.tensor_class.storage_class._bare(buffers, shape, dtype, self, self.metadata())
         cls, kwargs = self.create_metadata(shape, dtype)
         return cls._from_buffers(buffers, **kwargs)
 

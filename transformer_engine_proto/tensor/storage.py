@@ -80,6 +80,33 @@ class QuantizedTensorStorage:
                 ctor[kw] = buffers[attr]
         return cls(**ctor)
 
+    @classmethod
+    def _bare(cls, buffers: Dict[str, torch.Tensor], shape, dtype, quantizer, meta: Dict[str, object]):
+        """`cls._from_buffers(buffers, shape=, dtype=, quantizer=, **meta)` for a bare storage class
+        (no tensor subclass: nothing to allocate), setting the attributes directly instead of
+        going through keyword dicts; what quantizers build with `internal=True` on the ops' hot
+        path. `meta`: the `_META_FIELDS` values."""
+        self = object.__new__(cls)
+        self._shape = torch.Size(shape)
+        self._hp_dtype = dtype
+        self._quantizer = quantizer
+        found = 0
+        for attr, _ in cls._FLATTEN_TENSOR_BUFFERS:
+            if attr in buffers:
+                found += 1
+                setattr(self, attr, buffers[attr])
+            else:
+                setattr(self, attr, None)
+        if found != len(buffers):
+            known = {attr for attr, _ in cls._FLATTEN_TENSOR_BUFFERS}
+            raise KeyError(f"{cls.__name__}: unknown buffers {sorted(set(buffers) - known)}")
+        for name in cls._META_FIELDS:
+            setattr(self, name, meta[name])
+        if len(meta) != len(cls._META_FIELDS):
+            raise TypeError(f"{cls.__name__}: unexpected constructor arguments "
+                            f"{sorted(set(meta) - set(cls._META_FIELDS))}")
+        return self
+
     def get_buffers(self) -> Dict[str, torch.Tensor]:
         """Present buffers, in `_FLATTEN_TENSOR_BUFFERS` order."""
         out = {}
