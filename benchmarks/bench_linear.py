@@ -157,7 +157,7 @@ def main(argv=None):
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     for v in variants:
-        if v not in DEFAULT_VARIANTS + OPTIONAL_VARIANTS:
+        if v.removesuffix("+policy") not in DEFAULT_VARIANTS + OPTIONAL_VARIANTS:
             p.error(f"unknown variant {v!r}")
     if "bf16" in variants:
         variants.remove("bf16")

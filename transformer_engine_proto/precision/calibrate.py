@@ -21,7 +21,7 @@ from .cost_model import BF16, CostTable
 
 __all__ = ["time_ms", "measure_gemm", "measure_quantize", "recipe_kind", "device_name", "GRID", "calibrate_grid"]
 
-GRID = (256, 512, 1024, 2048, 4096, 8192, 16384)
+GRID = (256, 512, 1024, 2048, 4096, 8192)
 _QUANTIZE_ROWS = (256, 1024, 4096, 16384)  # x 2048 columns: the quantize sizes of the grid
 _ROLE_OF = {"input": "input", "weight": "weight", "grad": "grad_output"}
 
@@ -127,9 +127,9 @@ def measure_quantize(recipe, role: str, rows: int, cols: int, rowwise: bool, col
     return time_ms(lambda: q.quantize(x, internal=True), device)
 
 
-def calibrate_grid(recipes, device, table: CostTable, grid=GRID, log=print) -> CostTable:
+def calibrate_grid(recipes, device, table: CostTable, grid=GRID, log=print, save=None) -> CostTable:
     """Fill `table` with fprop-oriented GEMMs over grid^3 for bf16 and each recipe, and the
-    quantizes of every role and usage at the grid's quantize sizes."""
+    quantizes of every role and usage at the grid's quantize sizes (`save(table)` after each kind)."""
     table.grid = tuple(grid)
     for recipe in [None, *recipes]:
         kind = recipe_kind(recipe)
@@ -145,6 +145,8 @@ def calibrate_grid(recipes, device, table: CostTable, grid=GRID, log=print) -> C
                 for rows in _QUANTIZE_ROWS:
                     ms = measure_quantize(recipe, role, rows, 2048, rowwise, columnwise, device)
                     table.add_quantize(kind, role, rows * 2048, rowwise, columnwise, ms)
+        if save is not None:
+            save(table)
     return table
 
 
@@ -160,8 +162,7 @@ def main(argv=None) -> None:
     recipes = [R_.Float8CurrentScaling(), R_.DelayedScaling(), R_.MXFP8BlockScaling(), R_.Float8BlockScaling(),
                R_.NVFP4BlockScaling()]
     table = CostTable(device_name(args.device))
-    calibrate_grid(recipes, args.device, table, tuple(args.sizes))
-    table.save(args.out)
+    calibrate_grid(recipes, args.device, table, tuple(args.sizes), save=lambda t: t.save(args.out))
     print(f"wrote {args.out}")
 
 

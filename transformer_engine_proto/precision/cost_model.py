@@ -139,11 +139,14 @@ class CostTable:
 
 
 def shipped_table_path(device_name: str) -> Optional[str]:
-    """The table shipped with the package for this device (by the name's GPU model), or None."""
-    for model in ("H100",):
-        if model in device_name:
-            path = os.path.join(_TABLES_DIR, f"{model.lower()}.json")
-            return path if os.path.exists(path) else None
+    """The table shipped with the package for this device, or None: `tables/<model>.json` where
+    the device's name contains the model (e.g. h100.json for "NVIDIA H100 80GB HBM3")."""
+    if not os.path.isdir(_TABLES_DIR):
+        return None
+    for name in sorted(os.listdir(_TABLES_DIR)):
+        model, ext = os.path.splitext(name)
+        if ext == ".json" and model.upper() in device_name.upper():
+            return os.path.join(_TABLES_DIR, name)
     return None
 
 
