@@ -290,12 +290,9 @@ def _validate(config, feature_dirs) -> None:
                          + (f" and custom {sorted(custom)}" if custom else ""))
 
 
-def check_session_config() -> None:
-    """Validate the config of the running nvdlfw_inspect session."""
-    from .state import debug_manager
-
-    m = debug_manager()
-    cfg = getattr(m, "config_file", None)
+def check_session_config(manager) -> None:
+    """Validate the config of the running nvdlfw_inspect session (`manager`: its DEBUG_MANAGER)."""
+    cfg = getattr(manager, "config_file", None)
     if not cfg:
         return
     validate_config(cfg)  # a missing or empty file raises, naming it

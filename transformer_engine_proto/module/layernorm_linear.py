@@ -54,7 +54,7 @@ class LayerNormLinear(NormFusedModule):
         self.gemm = QuantizedGemm(device)
         quantize_new_weights(self)  # inside quantized_model_init: weights stored quantized
 
-    def _gemms(self):
+    def gemm_weights(self):
         return [(self.gemm, self.weight)]
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):

@@ -72,7 +72,7 @@ class Linear(TransformerEngineBaseModule):
         quantize_new_weights(self)  # inside quantized_model_init: weights stored quantized
 
 
-    def _gemms(self):
+    def gemm_weights(self):
         return [(self.gemm, self.weight)]
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
