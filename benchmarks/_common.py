@@ -6,6 +6,7 @@ repository root without installing the package).
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import json
@@ -295,12 +296,49 @@ def try_pyplot():
 
 
 def save_figure(fig, out_dir: str, name: str) -> str:
-    """Lay out `fig`, write it as <out_dir>/<name>.png and say so."""
+    """Lay out `fig`, write it as <out_dir>/<name>.png, close it and say so."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path = os.path.join(out_dir, f"{name}.png")
     fig.savefig(path, dpi=120)
+    plt.close(fig)
     print(f"wrote {path}")
     return path
+
+
+def grouped_bars(ax, groups: Sequence[str], series: Sequence[str], value: Callable[[str, str], Optional[float]],
+                 **tick_kw) -> None:
+    """A bar per series around each group's tick, `value(series, group)` high (None: no bar)."""
+    width = 0.8 / max(1, len(series))
+    for i, s in enumerate(series):
+        bars = [(j + (i - (len(series) - 1) / 2) * width, value(s, g)) for j, g in enumerate(groups)]
+        bars = [(x, y) for x, y in bars if y is not None]
+        ax.bar([x for x, _ in bars], [y for _, y in bars], width, label=s)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(groups, **tick_kw)
+
+
+# --------------------------------------------------------------------------------------------
+# command line and the variant loop
+# --------------------------------------------------------------------------------------------
+
+
+def script_parser(doc: str) -> argparse.ArgumentParser:
+    """A script's parser: its docstring's first line as the description, the whole as the epilog."""
+    return argparse.ArgumentParser(description=doc.splitlines()[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter, epilog=doc)
+
+
+def names(arg: str) -> list:
+    """The non-empty, stripped items of a comma-separated option."""
+    return [s.strip() for s in arg.split(",") if s.strip()]
+
+
+def add_model_args(p, **defaults: int) -> None:
+    """Integer options of the model's size (`--hidden`, `--ffn`, `--seq`, ...) with the script's defaults."""
+    for name, default in defaults.items():
+        p.add_argument(f"--{name}", type=int, default=default)
 
 
 def add_run_args(p, name: str, warmup_ms: float, rep_ms: float) -> None:
@@ -320,6 +358,39 @@ def device_from_arg(arg: Optional[str]) -> torch.device:
     if arg:
         return torch.device(arg)
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def measure(keys: dict, label: str, run: Callable[[], dict], budget: "Budget",
+            device: Optional[torch.device] = None) -> dict:
+    """`run()`'s result, or `keys` with an `error`: skipped once `budget` is spent, or what `run`
+    raised (so one failing variant does not stop the others). With `device`, a failure also keeps
+    the compile counters so far and resets the compile state for the next variant."""
+    if budget.exhausted():
+        return dict(keys, error="skipped: time budget (--max-minutes)")
+    try:
+        return run()
+    except Exception as e:  # noqa: BLE001 - reported per variant
+        res = dict(keys, error=report_exception(label, e))
+        if device is not None:
+            try:
+                res.update(compile_stats())
+            except Exception:
+                pass
+            reset_compile_state(device)
+        return res
+
+
+def measure_grid(modes: Sequence[str], variants: Sequence[str], run: Callable[[str, str], dict], budget: "Budget",
+                 line: Callable[[dict], str]) -> list:
+    """`measure` of `run(variant, mode)` for every mode and variant, with a progress line each
+    (`line(result)` for a measured one, else its error)."""
+    results = []
+    for mode in modes:
+        for v in variants:
+            r = measure(dict(variant=v, mode=mode), f"{v} {mode}", lambda: run(v, mode), budget)
+            results.append(r)
+            print(f"{mode:16s} {v:20s} " + (line(r) if "ms" in r else r["error"]), flush=True)
+    return results
 
 
 class Budget:

@@ -358,8 +358,7 @@ def _free_port() -> int:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = C.script_parser(__doc__)
     p.add_argument("--parallel", default=",".join(SETUPS), help=f"comma-separated subset of {SETUPS}")
     p.add_argument("--recipes", default=",".join(ALL_RECIPES), help=f"comma-separated subset of {ALL_RECIPES}")
     p.add_argument("--gathers", default="hp,quantized", help="comma-separated subset of hp,quantized")

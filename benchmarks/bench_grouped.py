@@ -14,7 +14,6 @@ output grad, grads set to None. Every variant runs in this process; ms is the me
 """
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import sys
@@ -124,14 +123,10 @@ def run_variant(variant: str, mode: str, args, device, dtype) -> dict:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = C.script_parser(__doc__)
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
     p.add_argument("--modes", default=",".join(DEFAULT_MODES))
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--ffn", type=int, default=14336)
-    p.add_argument("--tokens", type=int, default=16384)
+    C.add_model_args(p, experts=8, hidden=4096, ffn=14336, tokens=16384)
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of the wiring)")
     C.add_run_args(p, "bench_grouped", warmup_ms=100.0, rep_ms=500.0)
     args = p.parse_args(argv)
@@ -140,21 +135,10 @@ def main(argv=None):
         args.experts, args.hidden, args.ffn, args.tokens = 4, 64, 128, 256
     dtype = torch.bfloat16
     C.configure_dynamo()
-    variants = [v for v in args.variants.split(",") if v]
-    modes = [m for m in args.modes.split(",") if m]
-    budget = C.Budget(args.max_minutes)
-    results = []
-    for mode in modes:
-        for v in variants:
-            if budget.exhausted():
-                results.append(dict(variant=v, mode=mode, error="skipped (budget)"))
-                continue
-            try:
-                results.append(run_variant(v, mode, args, device, dtype))
-            except Exception as e:  # keep measuring the others
-                results.append(dict(variant=v, mode=mode, error=C.report_exception(f"{v} {mode}", e)))
-            r = results[-1]
-            print(f"{mode:10s} {v:20s} " + (f"{r['ms']:9.3f} ms" if "ms" in r else r["error"]), flush=True)
+    variants = C.names(args.variants)
+    modes = C.names(args.modes)
+    results = C.measure_grid(modes, variants, lambda v, mode: run_variant(v, mode, args, device, dtype),
+                             C.Budget(args.max_minutes), lambda r: f"{r['ms']:9.3f} ms")
     base = {r["mode"]: r["ms"] for r in results if r["variant"] == "bf16:loop" and "ms" in r}
     rows = []
     for r in results:

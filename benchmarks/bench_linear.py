@@ -136,8 +136,7 @@ def run_variant(variant, shape, mode, args, device, dtype):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = C.script_parser(__doc__)
     p.add_argument("--shapes", type=parse_shapes, default=None,
                    help=f"comma-separated MxKxN (tokens x in x out); default {DEFAULT_SHAPES}")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
@@ -154,8 +153,8 @@ def main(argv=None):
         args.cpu_warmup, args.cpu_reps = 1, 2
         args.warmup_ms, args.rep_ms = 5.0, 10.0
     shapes = args.shapes or parse_shapes(DEFAULT_SHAPES)
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    modes = C.names(args.modes)
+    variants = C.names(args.variants)
     for v in variants:
         if v.removesuffix("+policy") not in DEFAULT_VARIANTS + OPTIONAL_VARIANTS:
             p.error(f"unknown variant {v!r}")
@@ -186,20 +185,8 @@ def main(argv=None):
             base_ms = None
             for variant in variants:
                 label = f"{variant} {shape_str(shape)} {mode}"
-                if budget.exhausted():
-                    results.append({"variant": variant, "shape": list(shape), "mode": mode,
-                                    "error": "skipped: time budget (--max-minutes)"})
-                    continue
-                try:
-                    res = run_variant(variant, shape, mode, args, device, dtype)
-                except Exception as e:  # noqa: BLE001 - reported per variant
-                    res = {"variant": variant, "shape": list(shape), "mode": mode,
-                           "error": C.report_exception(label, e)}
-                    try:
-                        res.update(C.compile_stats())
-                    except Exception:
-                        pass
-                    C.reset_compile_state(device)
+                res = C.measure({"variant": variant, "shape": list(shape), "mode": mode}, label,
+                                lambda: run_variant(variant, shape, mode, args, device, dtype), budget, device)
                 if variant == "bf16" and "ms" in res:
                     base_ms = res["ms"]
                 if "ms" in res and base_ms is not None:
@@ -260,7 +247,7 @@ def main(argv=None):
             "shapes": [list(s) for s in shapes]}, "notes": notes, "results": results})
         plt = C.try_pyplot()
         if plt is not None:
-            _plot(plt, results, modes, variants, shp_keys, os.path.join(args.out, f"{args.name}.png"))
+            _plot(plt, results, modes, variants, shp_keys, args)
 
     print()
     for n in notes:
@@ -280,25 +267,18 @@ def _tf(tflops: float) -> str:
     return f"{tflops:.1f}" if tflops >= 10 else f"{tflops:.3g}"
 
 
-def _plot(plt, results, modes, variants, shp_keys, path):
+def _plot(plt, results, modes, variants, shp_keys, args):
     fig, axes = plt.subplots(1, len(modes), figsize=(max(7, 1.6 * len(shp_keys) * len(modes)), 4.5), squeeze=False)
     by = {(r["variant"], shape_str(r["shape"]), r["mode"]): r for r in results}
-    others = [v for v in variants if v != "bf16"]
-    width = 0.8 / max(1, len(others))
     for ax, mode in zip(axes[0], modes):
-        for i, v in enumerate(others):
-            ys = [by.get((v, s, mode), {}).get("speedup_vs_bf16", 0.0) or 0.0 for s in shp_keys]
-            ax.bar([j + (i - (len(others) - 1) / 2) * width for j in range(len(shp_keys))], ys, width, label=v)
+        C.grouped_bars(ax, shp_keys, [v for v in variants if v != "bf16"],
+                       lambda v, s: by.get((v, s, mode), {}).get("speedup_vs_bf16", 0.0) or 0.0,
+                       rotation=20, fontsize=8)
         ax.axhline(1.0, color="k", lw=0.8, ls=":")
-        ax.set_xticks(range(len(shp_keys)))
-        ax.set_xticklabels(shp_keys, rotation=20, fontsize=8)
         ax.set_ylabel("speedup vs bf16 nn.Linear")
         ax.set_title(f"Linear fwd+bwd, compile mode={mode}")
     axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}")
+    C.save_figure(fig, args.out, args.name)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ runs in this process, so the ratios compare like with like.
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import sys
@@ -109,17 +108,10 @@ def run_variant(variant, mode, args, device, dtype):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = C.script_parser(__doc__)
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
     p.add_argument("--modes", default=",".join(DEFAULT_MODES))
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--ffn", type=int, default=5632)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--vocab", type=int, default=32768)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=4)
+    C.add_model_args(p, hidden=2048, ffn=5632, layers=4, heads=16, vocab=32768, seq=2048, batch=4)
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of the wiring)")
     C.add_run_args(p, "bench_llama", warmup_ms=100.0, rep_ms=600.0)
     args = p.parse_args(argv)
@@ -128,24 +120,12 @@ def main(argv=None):
         args.hidden, args.ffn, args.layers, args.heads, args.vocab, args.seq, args.batch = 64, 128, 2, 4, 256, 32, 2
     dtype = torch.bfloat16
     C.configure_dynamo()
-    variants = [v for v in args.variants.split(",") if v]
+    variants = C.names(args.variants)
     if device.type != "cuda":  # torchao float8 training and reduce-overhead need CUDA
         variants = [v for v in variants if not v.startswith("torchao:")]
-    modes = [m for m in args.modes.split(",") if m and (device.type == "cuda" or m != "reduce-overhead")]
-    budget = C.Budget(args.max_minutes)
-    results = []
-    for mode in modes:
-        for v in variants:
-            if budget.exhausted():
-                results.append(dict(variant=v, mode=mode, error="skipped (budget)"))
-                continue
-            try:
-                results.append(run_variant(v, mode, args, device, dtype))
-            except Exception as e:  # keep measuring the others
-                results.append(dict(variant=v, mode=mode, error=C.report_exception(f"{v} {mode}", e)))
-            r = results[-1]
-            print(f"{mode:16s} {v:20s} " + (f"{r['ms']:8.2f} ms  breaks {r['graph_breaks']}" if "ms" in r else r["error"]),
-                  flush=True)
+    modes = [m for m in C.names(args.modes) if device.type == "cuda" or m != "reduce-overhead"]
+    results = C.measure_grid(modes, variants, lambda v, mode: run_variant(v, mode, args, device, dtype),
+                             C.Budget(args.max_minutes), lambda r: f"{r['ms']:8.2f} ms  breaks {r['graph_breaks']}")
     base = {r["mode"]: r["ms"] for r in results if r["variant"] == "bf16" and "ms" in r}
     base_mem = {r["mode"]: r["peak_gib"] for r in results if r["variant"] == "bf16" and "peak_gib" in r}
     rows = []
@@ -166,18 +146,11 @@ def main(argv=None):
         C.write_json(args.out, args.name, dict(env=C.environment(device), args=vars(args), results=results))
         plt = C.try_pyplot()
         if plt is not None:
+            ms = {(r["variant"], r["mode"]): r["ms"] for r in results if "ms" in r}
             fig, ax = plt.subplots(figsize=(9, 4))
-            width = 0.8 / max(len(variants), 1)
-            for i, v in enumerate(variants):
-                xs, ys = [], []
-                for j, mode in enumerate(modes):
-                    r = next((r for r in results if r["variant"] == v and r["mode"] == mode and "ms" in r), None)
-                    if r is not None and mode in base:
-                        xs.append(j + i * width)
-                        ys.append(base[mode] / r["ms"])
-                ax.bar(xs, ys, width=width, label=v)
+            C.grouped_bars(ax, modes, variants, lambda v, mode: base[mode] / ms[(v, mode)]
+                           if (v, mode) in ms and mode in base else None)
             ax.axhline(1.0, color="k", lw=0.8)
-            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(modes))], modes)
             ax.set_ylabel("speed vs bf16 (same mode)")
             ax.legend(fontsize=7, ncol=2)
             C.save_figure(fig, args.out, args.name)

@@ -18,7 +18,6 @@ fwd+bwd. CUDA times are `triton.testing.do_bench` medians; CPU times `time.perf_
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import sys
@@ -124,16 +123,10 @@ def run_variant(recipe_name, mode, args, device, dtype):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = C.script_parser(__doc__)
     p.add_argument("--recipes", default=",".join(DEFAULT_RECIPES), help=f"comma-separated subset of {ALL_RECIPES}")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated: eager,default,reduce-overhead")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--ffn", type=int, default=4096)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=1)
+    C.add_model_args(p, layers=4, hidden=1024, ffn=4096, heads=16, seq=2048, batch=1)
     p.add_argument("--optimizer", choices=["none", "sgd", "adamw"], default="none",
                    help="optimizer step inside the timed step (eager, foreach)")
     p.add_argument("--compile-scope", choices=["model", "layer"], default="model",
@@ -150,8 +143,8 @@ def main(argv=None):
         args.cpu_warmup, args.cpu_reps = 1, 2
         args.warmup_ms, args.rep_ms = 5.0, 20.0
 
-    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    recipes = C.names(args.recipes)
+    modes = C.names(args.modes)
     for r in recipes:
         if r.removesuffix("+policy") not in ALL_RECIPES:
             p.error(f"unknown recipe {r!r}")
@@ -177,19 +170,8 @@ def main(argv=None):
     for recipe_name in recipes:
         for mode in modes:
             label = f"{recipe_name} {mode}"
-            if budget.exhausted():
-                results.append({"recipe": recipe_name, "mode": mode, "error": "skipped: time budget (--max-minutes)"})
-                print(f"  {label}: skipped (time budget)", flush=True)
-                continue
-            try:
-                res = run_variant(recipe_name, mode, args, device, dtype)
-            except Exception as e:  # noqa: BLE001 - reported per variant
-                res = {"recipe": recipe_name, "mode": mode, "error": C.report_exception(label, e)}
-                try:
-                    res.update(C.compile_stats())
-                except Exception:
-                    pass
-                C.reset_compile_state(device)
+            res = C.measure({"recipe": recipe_name, "mode": mode}, label,
+                            lambda: run_variant(recipe_name, mode, args, device, dtype), budget, device)
             results.append(res)
             status = res.get("error") or (f"{res['ms']:.3f} ms/step, first step {res['first_step_s']:.1f}s, "
                                           f"graph breaks {res['graph_breaks']}, cudagraph skips {res['cudagraph_skips']}")
@@ -252,7 +234,7 @@ def main(argv=None):
                                            "results": results})
         plt = C.try_pyplot()
         if plt is not None:
-            _plot(plt, results, recipes, modes, os.path.join(args.out, f"{args.name}.png"), args)
+            _plot(plt, results, recipes, modes, args)
 
     print()
     for n in notes:
@@ -270,23 +252,15 @@ def main(argv=None):
     return 0
 
 
-def _plot(plt, results, recipes, modes, path, args):
+def _plot(plt, results, recipes, modes, args):
     by = {(r["recipe"], r["mode"]): r for r in results}
     fig, ax = plt.subplots(figsize=(max(7, 1.3 * len(recipes)), 4.5))
-    width = 0.8 / max(1, len(modes))
-    for i, m in enumerate(modes):
-        ys = [by.get((rn, m), {}).get("ms", 0.0) for rn in recipes]
-        ax.bar([j + (i - (len(modes) - 1) / 2) * width for j in range(len(recipes))], ys, width, label=m)
-    ax.set_xticks(range(len(recipes)))
-    ax.set_xticklabels(recipes)
+    C.grouped_bars(ax, recipes, modes, lambda m, rn: by.get((rn, m), {}).get("ms", 0.0))
     ax.set_ylabel("ms / training step (lower is better)")
     ax.set_title(f"{args.layers} x TransformerLayer({args.hidden}, {args.ffn}, {args.heads}), "
                  f"{args.batch}x{args.seq} tokens")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}")
+    C.save_figure(fig, args.out, args.name)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ forward saves (`primals_*` are the model's own inputs / parameters). No inductor
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import sys
@@ -27,13 +26,14 @@ for _p in (_HERE, os.path.dirname(_HERE)):
 
 import torch  # noqa: E402
 
+import _common as C  # noqa: E402
+
 RECIPES = ["bf16", "current", "delayed", "blockwise", "mxfp8", "nvfp4"]
 
 
 def build(args, recipe_name):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import _common as C
     import transformer_engine_proto as te
 
     torch.manual_seed(0)
@@ -164,15 +164,9 @@ def summarize_eager(seen, layer_prefix):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = C.script_parser(__doc__)
     p.add_argument("--recipes", nargs="*", default=RECIPES)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--ffn", type=int, default=704)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--layers", type=int, default=1)
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=1)
+    C.add_model_args(p, hidden=256, ffn=704, heads=4, layers=1, vocab=512, seq=1024, batch=1)
     p.add_argument("--device", default="cpu")
     p.add_argument("--compile", action="store_true", help="also what the compiled graph saves")
     p.add_argument("--modules", action="store_true", help="eager: per module breakdown")

@@ -72,6 +72,11 @@ def fp8_model_init(enabled: bool = True, recipe: Optional[R.Recipe] = None,
     return quantized_model_init(enabled, recipe, preserve_high_precision_init_val)
 
 
+def _with_reason(check):
+    """A classmethod calling a capability check with `return_reason=True`."""
+    return classmethod(lambda cls: check(return_reason=True))
+
+
 class FP8GlobalStateManager:
     """TE's queries of the global quantization state (class methods, as in TE)."""
 
@@ -124,21 +129,11 @@ class FP8GlobalStateManager:
         _autocast.FP8GlobalState.state = _autocast._State()
         _PARAM_INIT = _ParamInit()
 
-    @classmethod
-    def is_fp8_available(cls):
-        return is_fp8_available(return_reason=True)
-
-    @classmethod
-    def is_mxfp8_available(cls):
-        return is_mxfp8_available(return_reason=True)
-
-    @classmethod
-    def is_fp8_block_scaling_available(cls):
-        return is_fp8_block_scaling_available(return_reason=True)
-
-    @classmethod
-    def is_nvfp4_available(cls):
-        return is_nvfp4_available(return_reason=True)
+    # TE's spelling: (available, reason) tuples
+    is_fp8_available = _with_reason(is_fp8_available)
+    is_mxfp8_available = _with_reason(is_mxfp8_available)
+    is_fp8_block_scaling_available = _with_reason(is_fp8_block_scaling_available)
+    is_nvfp4_available = _with_reason(is_nvfp4_available)
 
 
 class RecipeState:

@@ -108,21 +108,33 @@ def _check_params(where, feature, cfg, spec, tensor=None):
     _check_windows(where, cfg)
 
 
+def _not_both(where, cfg, what: str) -> None:
+    """`gemms` and `gemms_struct` (or `tensors` and `tensors_struct`) exclude each other."""
+    if f"{what}s" in cfg and f"{what}s_struct" in cfg:
+        _fail(where, f"give either `{what}s` or `{what}s_struct`, not both")
+
+
+def _struct_items(where, cfg, what: str, names):
+    """(where, item) of each entry of `cfg["<what>s_struct"]`, checked to be a mapping naming one
+    `what` out of `names`."""
+    items = cfg[f"{what}s_struct"]
+    if not isinstance(items, list) or not all(isinstance(t, dict) for t in items):
+        _fail(where + [f"{what}s_struct"], f"must be a list of mappings with a `{what}` key, got {items!r}")
+    for i, item in enumerate(items):
+        w = where + [f"{what}s_struct[{i}]"]
+        if what not in item:
+            _fail(w, f"missing `{what}`")
+        _str_list(w + [what], [item[what]], names, what)
+        yield w, item
+
+
 def _check_tensors(where, feature, cfg, spec, inherited):
     allowed = set(spec["params"]) | {"tensors", "tensors_struct"}
-    if "tensors" in cfg and "tensors_struct" in cfg:
-        _fail(where, "give either `tensors` or `tensors_struct`, not both")
+    _not_both(where, cfg, "tensor")
     if "tensors" in cfg:
         _str_list(where + ["tensors"], cfg["tensors"], spec["tensors"], "tensor")
     elif "tensors_struct" in cfg:
-        ts = cfg["tensors_struct"]
-        if not isinstance(ts, list) or not all(isinstance(t, dict) for t in ts):
-            _fail(where + ["tensors_struct"], f"must be a list of mappings with a `tensor` key, got {ts!r}")
-        for i, item in enumerate(ts):
-            w = where + [f"tensors_struct[{i}]"]
-            if "tensor" not in item:
-                _fail(w, "missing `tensor`")
-            _str_list(w + ["tensor"], [item["tensor"]], spec["tensors"], "tensor")
+        for w, item in _struct_items(where, cfg, "tensor", spec["tensors"]):
             extra = set(item) - set(spec["params"]) - {"tensor"}
             if extra:
                 _fail(w, f"unknown keys {sorted(extra)}; allowed: {['tensor', *spec['params']]}")
@@ -155,21 +167,13 @@ def _check_feature(where, feature, cfg):
         allowed |= _check_tensors(where, feature, body, spec, body)
     elif structure in ("gemms", "both"):
         allowed |= {"gemms", "gemms_struct"}
-        if "gemms" in body and "gemms_struct" in body:
-            _fail(where, "give either `gemms` or `gemms_struct`, not both")
+        _not_both(where, body, "gemm")
         if "gemms" in body:
             _str_list(where + ["gemms"], body["gemms"], GEMMS, "gemm")
             if structure == "both":
                 allowed |= _check_tensors(where, feature, body, spec, body)
         elif "gemms_struct" in body:
-            gs = body["gemms_struct"]
-            if not isinstance(gs, list) or not all(isinstance(g, dict) for g in gs):
-                _fail(where + ["gemms_struct"], f"must be a list of mappings with a `gemm` key, got {gs!r}")
-            for i, item in enumerate(gs):
-                w = where + [f"gemms_struct[{i}]"]
-                if "gemm" not in item:
-                    _fail(w, "missing `gemm`")
-                _str_list(w + ["gemm"], [item["gemm"]], GEMMS, "gemm")
+            for w, item in _struct_items(where, body, "gemm", GEMMS):
                 inner = {k: v for k, v in item.items() if k != "gemm"}
                 ok = set(spec["params"])
                 if structure == "both":
@@ -290,12 +294,9 @@ def _validate(config, feature_dirs) -> None:
                          + (f" and custom {sorted(custom)}" if custom else ""))
 
 
-def check_session_config() -> None:
-    """Validate the config of the running nvdlfw_inspect session."""
-    from .state import debug_manager
-
-    m = debug_manager()
-    cfg = getattr(m, "config_file", None)
+def check_session_config(manager) -> None:
+    """Validate the config of the running nvdlfw_inspect session (`manager`: its DEBUG_MANAGER)."""
+    cfg = getattr(manager, "config_file", None)
     if not cfg:
         return
     validate_config(cfg)  # a missing or empty file raises, naming it

@@ -41,6 +41,9 @@ def clear_saved() -> None:
     _SAVED.clear()
 
 
+state.on_session_reset(clear_saved)
+
+
 def linear_for(gemm_module, recipe_on: bool):
     """The debug linear for `gemm_module` if its layer takes the debug path now, else None."""
     name = state.route(gemm_module, recipe_on)

@@ -26,7 +26,7 @@ import torch
 __all__ = ["SESSION", "ROUTES", "LayerPlan", "TensorPlan", "TENSOR_GEMMS", "INPUT_TENSORS",
            "OUTPUT_TENSORS", "GEMMS", "MODIFY", "QUANTIZE", "HIGH", "begin_forward", "route",
            "layer_plan", "current_iteration", "te_api", "start", "stop", "on_step", "new_uid",
-           "tp_group_of", "TP_GROUPS"]
+           "tp_group_of", "TP_GROUPS", "on_session_reset", "debug_manager"]
 
 GEMMS = ("fprop", "dgrad", "wgrad")
 # tensor -> (gemm using its rowwise form, gemm using its columnwise form) -- TE's table
@@ -156,11 +156,21 @@ def _clear_routes() -> None:
         setattr(ROUTES, slot, _PENDING)
 
 
+_RESET_HOOKS = []  # called when a session starts or stops (debug_gemm's saved operands)
+
+
+def on_session_reset(fn) -> None:
+    """Call `fn()` whenever a session starts or stops: how modules above this one (debug_gemm)
+    drop per-session state without this module importing them."""
+    _RESET_HOOKS.append(fn)
+
+
 def _reset_side_state() -> None:
-    from . import debug_gemm, stats
+    from . import stats
 
     stats.BUFFERS.reset()
-    debug_gemm.clear_saved()
+    for fn in _RESET_HOOKS:
+        fn()
 
 
 def start() -> None:
@@ -224,7 +234,7 @@ def tp_group_of(layer: str):
         return None
     from ..distributed import tp
 
-    return tp._group(name)
+    return tp.group_by_name(name)
 
 
 # ---- routing ----------------------------------------------------------------------------------
@@ -283,7 +293,7 @@ def layer_plan(name: str, recipe_on: bool) -> LayerPlan:
         SESSION.config_checked = True
         from .config_check import check_session_config
 
-        check_session_config()
+        check_session_config(debug_manager())
     plan = _compute_plan(name, recipe_on, it)
     SESSION.plans[(name, recipe_on)] = plan
     _log_plan(plan)

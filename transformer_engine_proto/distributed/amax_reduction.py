@@ -33,6 +33,7 @@ from ..ops.recipe_registry import recipe_from_key, recipe_key
 from ..tensor import Float8CurrentScalingQuantizer
 from ..tensor.recipe_quantizers import quantizers_for_recipe
 from . import tp as _tp
+from .gemm_owner import GemmOwner
 
 __all__ = ["AmaxReducingQuantizer", "current_scaling_with_group_amax", "enable_tp_amax_reduction", "tp_amax_key",
            "TP_REDUCED_ROLES"]
@@ -49,7 +50,7 @@ class AmaxReducingQuantizer(Float8CurrentScalingQuantizer):
 
     def _quantize_buffers(self, x):
         data, transpose, scale_inv, _ = current_scaling_with_group_amax(
-            self, x, _tp._group(self.amax_reduction_group), self.rowwise_usage, self.columnwise_usage)
+            self, x, _tp.group_by_name(self.amax_reduction_group), self.rowwise_usage, self.columnwise_usage)
         return self._pack(data, transpose, scale_inv)
 
 
@@ -95,19 +96,12 @@ def tp_amax_key(key: str, group_name: str, roles: Tuple[str, ...]) -> str:
 def enable_tp_amax_reduction(model: torch.nn.Module) -> int:
     """Reduce the current-scaling amax of every TP-sharded GEMM operand in `model` over its module's
     TP group (see the module docstring). Returns the number of GEMMs changed."""
-    from ..module.base import TransformerEngineBaseModule
-    from ..module.layernorm_mlp import LayerNormMLP
-
     n = 0
     for m in model.modules():
-        if not isinstance(m, TransformerEngineBaseModule) or m._tp_group_name is None or m.tp_size < 2:
+        if not isinstance(m, GemmOwner):
             continue
-        if isinstance(m, LayerNormMLP):
-            modes = [(m.fc1, "column"), (m.fc2, "row")]
-        else:
-            modes = [(gemm, m.parallel_mode) for gemm, _ in m._gemms()]
-        for gemm, mode in modes:
+        for gemm, group_name, mode in m.tp_sharded_gemms():
             if mode in TP_REDUCED_ROLES:
-                gemm.tp_amax_reduction = (m._tp_group_name, TP_REDUCED_ROLES[mode])
+                gemm.tp_amax_reduction = (group_name, TP_REDUCED_ROLES[mode])
                 n += 1
     return n

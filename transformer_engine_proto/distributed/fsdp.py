@@ -61,7 +61,8 @@ from ..autocast import get_fp8_recipe_key
 from ..ops import linear as _linear_ops
 from ..ops.recipe_registry import HIGH_PRECISION_KEY, quantizers_from_key, recipe_from_key
 from ..tensor import QuantizedTensor
-from ..tensor.quantized_tensor import _handles
+from ..tensor.quantized_tensor import handles
+from .gemm_owner import GemmOwner
 
 __all__ = ["FSDPWeight", "enable_quantized_all_gather", "precompute_fp8_scales_for_fsdp", "gather_format",
            "gathered_weight_cache"]
@@ -353,7 +354,7 @@ def _weight_cache_names(key: str, shape) -> Tuple[str, Tuple[str, ...]]:
     return q.tensor_class.__qualname__, tuple(q.buffer_layout(shape))
 
 
-@_handles(aten.as_strided.default)
+@handles(aten.as_strided.default)
 def _as_strided(func, args, kwargs):
     """FSDP2 views the unsharded tensor with its own (contiguous) size: the identity here."""
     src, size, stride = args[0], tuple(args[1]), tuple(args[2])
@@ -369,7 +370,7 @@ def _stand_in(w: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(tuple(w.shape), (0,) * w.dim(), dtype=w.dtype, device=w.device)
 
 
-@_handles(torch.ops.te_proto.linear_fwd.default)
+@handles(torch.ops.te_proto.linear_fwd.default)
 def _linear_fwd_prequantized(func, args, kwargs):
     """The Linear op with an FSDP2-gathered quantized weight: autograd saw the parameter (its grad
     is the op's wgrad); below autograd the weight's buffers arrive as the weight cache
@@ -391,13 +392,11 @@ def enable_quantized_all_gather(model: nn.Module, strict: bool = False) -> int:
     to a high-precision gather. Returns the number of weights converted."""
     from torch.distributed.tensor import DTensor
 
-    from ..module.base import TransformerEngineBaseModule
-
     n = 0
     for m in model.modules():
-        if not isinstance(m, TransformerEngineBaseModule):
+        if not isinstance(m, GemmOwner):
             continue
-        for gemm, weight in m._gemms():
+        for gemm, weight in m.gemm_weights():
             pname = next((k for k, p in m._parameters.items() if p is weight), None)
             gname = next((k for k, s in m._modules.items() if s is gemm), None)
             if pname is None or gname is None:

@@ -53,6 +53,7 @@ import torch.distributed as dist
 from ..ops.recipe_registry import quantizers_from_key
 from ..tensor import (TensorProto)
 from . import tp as _tp
+from .gemm_owner import GemmOwner
 
 __all__ = ["HP", "input_gather_format", "all_gather_quantized", "set_quantized_sequence_parallel_gather"]
 
@@ -148,7 +149,7 @@ def sp_all_gather_quantized(x: torch.Tensor, scale: Optional[torch.Tensor], grou
     """(stand-in of the gathered input, amax (the all-reduced one for per-tensor formats),
     the gathered input's quantized buffers as (M, K) in flatten order)."""
     q = _input_quantizer(key, columnwise)
-    group = _tp._group(group_name)
+    group = _tp.group_by_name(group_name)
     k = x.shape[-1]
     x2d = x.contiguous().reshape(-1, k)
     # the format quantizes the shard and completes the gathered buffers (its module under tensor/)
@@ -194,11 +195,10 @@ def set_quantized_sequence_parallel_gather(model: torch.nn.Module, enabled: bool
     """Turn the quantized sequence-parallel input gather on (the default) or off for every GEMM in
     `model`; off gathers in high precision and quantizes after (the same numbers, twice the bytes
     for FP8). Returns the number of GEMMs set."""
-    from ..module.gemm_state import QuantizedGemm
-
     n = 0
     for m in model.modules():
-        if isinstance(m, QuantizedGemm):
-            m.quantized_sp_gather = bool(enabled)
-            n += 1
+        if isinstance(m, GemmOwner):
+            for gemm, _ in m.gemm_weights():
+                gemm.quantized_sp_gather = bool(enabled)
+                n += 1
     return n

@@ -19,10 +19,11 @@ import torch.distributed as dist
 
 __all__ = ["all_reduce_sum", "copy_to_tp_region", "reduce_from_tp_region", "all_gather_first_dim",
            "reduce_scatter_first_dim", "gather_from_sequence_parallel_region",
-           "reduce_scatter_to_sequence_parallel_region", "resolve_tp", "group_name_of", "all_gather_into"]
+           "reduce_scatter_to_sequence_parallel_region", "resolve_tp", "group_name_of", "group_by_name", "all_gather_into"]
 
 
-def _group(name: str):
+def group_by_name(name: str):
+    """The process group registered as `name` (modules and ops keep groups by name)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(name)
@@ -39,7 +40,7 @@ def group_name_of(group) -> str:
 @torch.library.custom_op("te_proto::tp_all_reduce", mutates_args=())
 def _all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     out = x.contiguous().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=_group(group_name))
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group_by_name(group_name))
     return out
 
 
@@ -65,7 +66,7 @@ def all_gather_into(out: torch.Tensor, x: torch.Tensor, group) -> None:
 @torch.library.custom_op("te_proto::tp_all_gather_first_dim", mutates_args=())
 def _all_gather(x: torch.Tensor, group_name: str, world: int) -> torch.Tensor:
     out = x.new_empty((x.shape[0] * world,) + tuple(x.shape[1:]))
-    all_gather_into(out, x, _group(group_name))
+    all_gather_into(out, x, group_by_name(group_name))
     return out
 
 
@@ -76,7 +77,7 @@ def _(x, group_name, world):
 
 @torch.library.custom_op("te_proto::tp_reduce_scatter_first_dim", mutates_args=())
 def _reduce_scatter(x: torch.Tensor, group_name: str, world: int) -> torch.Tensor:
-    group = _group(group_name)
+    group = group_by_name(group_name)
     single = getattr(dist, "reduce_scatter_single", None)  # torch >= 2.13 (gloo included)
     if single is None and dist.get_backend(group) != "gloo":
         single = dist.reduce_scatter_tensor

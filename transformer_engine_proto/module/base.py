@@ -10,6 +10,8 @@ from torch import nn
 
 from ..autocast import FP8GlobalState, get_fp8_recipe, get_fp8_recipe_key
 from ..debug import state as _debug_state  # precision debug tools (issue 5)
+from ..distributed import tp as _tp
+from ..distributed.gemm_owner import GemmOwner
 from ..recipe import DelayedScaling
 from ..errors import raise_error, shape_str
 from ..tensor.quantizer import HIGH_PRECISION_DTYPES
@@ -25,7 +27,7 @@ _DEFAULT_NAMES = {"LayerNormLinear": "layernorm_linear", "LayerNormMLP": "layern
 # ---- end debug
 
 
-class TransformerEngineBaseModule(nn.Module):
+class TransformerEngineBaseModule(GemmOwner, nn.Module):
     """Registers itself so `autocast` can prepare recipe state before any compiled graph runs."""
 
     def __init__(self, name: Optional[str] = None):
@@ -41,21 +43,25 @@ class TransformerEngineBaseModule(nn.Module):
         """The tensor-parallel process group (kept by name, so the module deep-copies / pickles)."""
         if self._tp_group_name is None:
             return None
-        from ..distributed import tp
-
-        return tp._group(self._tp_group_name)
+        return _tp.group_by_name(self._tp_group_name)
 
     def __setstate__(self, state):
         # deepcopy / unpickling skip __init__: register the copy so autocast prepares it too
         super().__setstate__(state)
         FP8GlobalState.register_module(self)
 
-    def _gemms(self):
+    def gemm_weights(self):
         """(QuantizedGemm, weight) pairs of this module."""
         return []
 
+    def tp_sharded_gemms(self):
+        """Every GEMM of a column / row parallel module over 2+ ranks (LayerNormMLP overrides)."""
+        if self._tp_group_name is None or self.tp_size < 2 or getattr(self, "parallel_mode", None) is None:
+            return []
+        return [(gemm, self._tp_group_name, self.parallel_mode) for gemm, _ in self.gemm_weights()]
+
     def prepare_for_recipe(self, recipe) -> None:
-        for gemm, weight in self._gemms():
+        for gemm, weight in self.gemm_weights():
             gemm.prepare_for_recipe(recipe, weight)
             if isinstance(recipe, DelayedScaling):
                 gemm.poll_nonfinite(self.name)
@@ -78,7 +84,7 @@ class TransformerEngineBaseModule(nn.Module):
 
     def _check_recipe_shapes(self) -> None:
         """Fail early, naming the module, when a recipe's blocks do not divide a weight."""
-        error = _recipe_shape_error(get_fp8_recipe_key(), tuple(tuple(w.shape) for _, w in self._gemms()))
+        error = _recipe_shape_error(get_fp8_recipe_key(), tuple(tuple(w.shape) for _, w in self.gemm_weights()))
         if error:
             raise_error(ValueError, f"{self.name}: recipe {type(get_fp8_recipe()).__name__} cannot quantize "
                                     f"this layer: {error}")

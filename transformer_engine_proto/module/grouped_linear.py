@@ -97,7 +97,7 @@ class GroupedLinear(TransformerEngineBaseModule):
     def biases(self) -> List[Optional[torch.Tensor]]:
         return [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
 
-    def _gemms(self):
+    def gemm_weights(self):
         return list(zip(self.gemms, self.weights))
 
     # ---- the splits ---------------------------------------------------------------------------

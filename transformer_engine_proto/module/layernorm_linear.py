@@ -5,16 +5,15 @@ from typing import Optional
 
 import torch
 
-from ..distributed import tp as _tp
 from .gemm_state import QuantizedGemm
 from .quantized_params import quantize_new_weights
-from .linear import init_parallel_linear
+from .linear import ParallelLinearMixin, init_parallel_linear
 from .normalization import NormFusedModule, NormParams
 
 __all__ = ["LayerNormLinear"]
 
 
-class LayerNormLinear(NormFusedModule):
+class LayerNormLinear(ParallelLinearMixin, NormFusedModule):
     """Drop-in for `transformer_engine.pytorch.LayerNormLinear`.
 
     Tensor parallelism (TE's arguments, as `Linear`; `in_features` / `out_features` are full sizes):
@@ -54,20 +53,13 @@ class LayerNormLinear(NormFusedModule):
         self.gemm = QuantizedGemm(device)
         quantize_new_weights(self)  # inside quantized_model_init: weights stored quantized
 
-    def _gemms(self):
-        return [(self.gemm, self.weight)]
-
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         self._check_input(inp, self._local_in)
-        group = self._tp_group_name if self.parallel_mode is not None and self.tp_size > 1 else None
-        row = self.parallel_mode == "row" and group is not None
+        group, row, bias = self._tp_plan()
         column = group if self.parallel_mode == "column" else None
         ln_out, gemm_in, ln_q, seq = self._norm_into_gemm(inp, self.gemm, self.weight, column)
-        bias = None if (self.return_bias or row) else self.bias
         out = self.gemm(gemm_in, self.weight, bias, is_first_microbatch=is_first_microbatch,
                         fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, inp_quantized=ln_q,
                         sequence_gather=seq)
-        if row:
-            out = _tp.reduce_row_parallel_output(out, group, self.tp_size, self.sequence_parallel,
-                                                 None if self.return_bias else self.bias)
+        out = self._reduce_row_output(out, group, row)
         return self._pack_outputs(out, self.bias, ln_out)

@@ -106,8 +106,13 @@ class LayerNormMLP(NormFusedModule):
         parts = full.chunk(ACTIVATIONS[activation][1], 0)
         return torch.cat([p.chunk(tp_size, 0)[rank] for p in parts], 0).contiguous()
 
-    def _gemms(self):
+    def gemm_weights(self):
         return [(self.fc1, self.fc1_weight), (self.fc2, self.fc2_weight)]
+
+    def tp_sharded_gemms(self):
+        if self._tp_group_name is None or self.tp_size < 2:
+            return []
+        return [(self.fc1, self._tp_group_name, "column"), (self.fc2, self._tp_group_name, "row")]
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         self._check_input(inp, self.hidden_size)

@@ -41,7 +41,27 @@ def init_parallel_linear(module, in_features, out_features, bias, tp_group, tp_s
         module.bias.sequence_parallel = True
 
 
-class Linear(TransformerEngineBaseModule):
+class ParallelLinearMixin:
+    """What Linear and LayerNormLinear share: one GEMM (`self.gemm`) on the weight shard that
+    `init_parallel_linear` made; a row parallel output is reduced, then the bias added once."""
+
+    def gemm_weights(self):
+        return [(self.gemm, self.weight)]
+
+    def _tp_plan(self):
+        """(TP group name or None when nothing is communicated, row parallel?, bias the GEMM adds)."""
+        group = self._tp_group_name if self.parallel_mode is not None and self.tp_size > 1 else None
+        row = self.parallel_mode == "row" and group is not None
+        return group, row, None if (self.return_bias or row) else self.bias
+
+    def _reduce_row_output(self, out, group, row: bool):
+        if not row:
+            return out
+        return _tp.reduce_row_parallel_output(out, group, self.tp_size, self.sequence_parallel,
+                                              None if self.return_bias else self.bias)
+
+
+class Linear(ParallelLinearMixin, TransformerEngineBaseModule):
     """Drop-in for `transformer_engine.pytorch.Linear`.
 
     Tensor parallelism (TE's arguments): `parallel_mode="column"` keeps the [out/tp_size, in] weight
@@ -71,28 +91,19 @@ class Linear(TransformerEngineBaseModule):
         self.gemm = QuantizedGemm(device)
         quantize_new_weights(self)  # inside quantized_model_init: weights stored quantized
 
-
-    def _gemms(self):
-        return [(self.gemm, self.weight)]
-
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         self._check_input(inp, self._local_in)
-        # None: no communication (tp_size 1 or no parallel_mode)
-        group = self._tp_group_name if self.parallel_mode is not None and self.tp_size > 1 else None
-        row = self.parallel_mode == "row" and group is not None
+        group, row, bias = self._tp_plan()
         sequence_gather = None  # column + SP: the GEMM all-gathers the shard (quantized where it can)
         if group is not None and self.parallel_mode == "column":
             if self.sequence_parallel:
                 sequence_gather = (group, self.tp_size)
             else:
                 inp = _tp.copy_to_tp_region(inp, group)
-        bias = None if (self.return_bias or row) else self.bias
         out = self.gemm(inp, self.weight, bias, is_first_microbatch=is_first_microbatch,
                         save_original_input=self.save_original_input,
                         fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, sequence_gather=sequence_gather)
-        if row:
-            out = _tp.reduce_row_parallel_output(out, group, self.tp_size, self.sequence_parallel,
-                                                 None if self.return_bias else self.bias)
+        out = self._reduce_row_output(out, group, row)
         if self.return_bias:
             return out, self.bias
         return out

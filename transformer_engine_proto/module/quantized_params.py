@@ -62,7 +62,7 @@ def quantize_new_weights(module: nn.Module) -> None:
     state = param_init_state()
     if not state.enabled:
         return
-    for _, weight in module._gemms():
+    for _, weight in module.gemm_weights():
         name = next(n for n, p in module._parameters.items() if p is weight)
         setattr(module, name, _quantized_parameter(weight, state.recipe, state.preserve_high_precision_init_val,
                                                    module.name))

@@ -16,7 +16,7 @@ import torch
 
 from ..kernels import kernel
 from ..kernels.reference.common import transpose_2d, true_div
-from ..kernels.reference.nvfp4 import (BLOCK, _apply_rht, global_encode_scale, quantize_blocks, rht_matrix,
+from ..kernels.reference.nvfp4 import (BLOCK, apply_rht, global_encode_scale, quantize_blocks, rht_matrix,
                                        transpose_2d_blocks, unpack_fp4, unpack_fp4_codes)
 from .quantized_tensor import QuantizedTensor
 from ..constants import DType
@@ -160,7 +160,7 @@ class NVFP4TensorStorage(QuantizedTensorStorage):
             data, s, amax = self._columnwise_data, self._columnwise_scale_inv, self._amax_columnwise
             xs = x2d.t().contiguous()
             if self.with_rht:
-                xs = _apply_rht(xs, self.rht_seed)
+                xs = apply_rht(xs, self.rht_seed)
         else:
             data, s, amax, xs = self._rowwise_data, self._rowwise_scale_inv, self._amax_rowwise, x2d
         vals = unpack_fp4(data)
@@ -194,7 +194,7 @@ class NVFP4TensorStorage(QuantizedTensorStorage):
         vals = ((data.reshape(r, c // BLOCK, BLOCK) * s.unsqueeze(-1)) / d[f"{usage}_global_encode_scale"]).reshape(r, c)
         col = usage == "columnwise"
         if col and d.get("with_rht"):  # undo the Hadamard transform exactly as the dequantize kernel does
-            vals = _apply_rht(vals, int(d["rht_seed"]), inverse=True)
+            vals = apply_rht(vals, int(d["rht_seed"]), inverse=True)
         return vals, col
 
 
@@ -285,7 +285,7 @@ class NVFP4Quantizer(Quantizer):
         f = x2d.float()
         xt = transpose_2d(f) if self.columnwise_usage else None
         if xt is not None and self.with_rht:
-            xt = _apply_rht(xt, self.rht_seed)
+            xt = apply_rht(xt, self.rht_seed)
         amaxes = torch.cat([t.abs().amax().float().reshape(1) for t in (f, xt) if t is not None])
         all_reduce_max(amaxes)
         data, s = quantize_blocks(f, amaxes[0:1], False)

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_map
 
 from .storage import QuantizedTensorStorage
 
-__all__ = ["QuantizedTensor"]
+__all__ = ["QuantizedTensor", "handles"]
 
 aten = torch.ops.aten
 _WARNED_OPS = set()
@@ -114,7 +114,10 @@ def _write_back(func, args, kwargs, plain_args, plain_kwargs):
 _HANDLERS = {}
 
 
-def _handles(*funcs):
+def handles(*funcs):
+    """Decorator: `fn(func, args, kwargs)` handles these aten / custom ops on a QuantizedTensor
+    (return NotImplemented to fall back). Public so other layers (distributed/fsdp.py) add theirs."""
+
     def register(fn):
         for f in funcs:
             _HANDLERS[f] = fn
@@ -123,18 +126,18 @@ def _handles(*funcs):
     return register
 
 
-@_handles(aten.detach.default, aten.alias.default)
+@handles(aten.detach.default, aten.alias.default)
 def _detach(func, args, kwargs):
     return args[0]._rebuild(args[0].get_buffers())
 
 
-@_handles(aten.clone.default)
+@handles(aten.clone.default)
 def _clone(func, args, kwargs):
     src = args[0]
     return src._rebuild({k: v.clone() for k, v in src.get_buffers().items()})
 
 
-@_handles(aten.empty_like.default)
+@handles(aten.empty_like.default)
 def _empty_like(func, args, kwargs):
     src = args[0]
     if kwargs.get("dtype") not in (None, src.dtype):
@@ -142,7 +145,7 @@ def _empty_like(func, args, kwargs):
     return src._rebuild({k: torch.empty_like(v) for k, v in src.get_buffers().items()})
 
 
-@_handles(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+@handles(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 def _view(func, args, kwargs):
     src, shape = args[0], list(args[1])
     if -1 in shape:
@@ -157,7 +160,7 @@ def _view(func, args, kwargs):
     return src._rebuild(bufs, shape=shape)
 
 
-@_handles(aten.t.default, aten.transpose.int)
+@handles(aten.t.default, aten.transpose.int)
 def _transpose(func, args, kwargs):
     src = args[0]
     if src.dim() != 2:
@@ -170,7 +173,7 @@ def _transpose(func, args, kwargs):
     return src._rebuild(bufs, shape=(src.shape[1], src.shape[0]))
 
 
-@_handles(aten.copy_.default)
+@handles(aten.copy_.default)
 def _copy(func, args, kwargs):
     dst, src = args[0], args[1]
     if not isinstance(dst, QuantizedTensor):

@@ -15,12 +15,12 @@ import copy
 import inspect
 
 from nvdlfw_inspect.base import BaseConfigAPIMapper, BaseNamespaceAPI
-from nvdlfw_inspect.registry import Registry
+from nvdlfw_inspect.registry import Registry, api_method
 
 from transformer_engine_proto.debug import state
 from transformer_engine_proto.debug.features import loaded_by_nvdlfw
 
-__all__ = ["TEConfigAPIMapper", "TEDefaultFeatures", "TransformerEngineAPI", "REQUIRED_KWARGS"]
+__all__ = ["TEConfigAPIMapper", "ModifyTensorFeature", "TEDefaultFeatures", "TransformerEngineAPI", "REQUIRED_KWARGS"]
 
 GEMM_NAMES = ("fprop", "dgrad", "wgrad")
 
@@ -89,6 +89,26 @@ class TEConfigAPIMapper(BaseConfigAPIMapper):
             return config
         raise ValueError("[transformer_engine_proto debug] provide 'gemms_struct: List[Dict]' or 'gemms: List[str]' "
                          "in the feature's config")
+
+
+class ModifyTensorFeature(TEConfigAPIMapper):
+    """Base of the features that replace the chosen tensors (`modify_tensor`) at every iteration;
+    a subclass names the config keys it reads in `CONFIG_KEYS`."""
+
+    CONFIG_KEYS = ("gemm", "tensor")
+
+    @api_method
+    def modify_tensor_enabled(self, config, layer_name: str, gemm: str, tensor_name: str, iteration: int):
+        return True, iteration + 1
+
+    def _check_keys(self, config) -> None:
+        for key in config:
+            if key not in self.CONFIG_KEYS:
+                raise ValueError(f'[transformer_engine_proto debug] {self.__class__.__name__}: unexpected key '
+                                 f'"{key}" in config')
+
+    def _log_modify(self, layer_name: str, gemm: str, tensor_name: str) -> None:
+        state.log_message(f"Feature={self.__class__.__name__}, API=modify_tensor: {gemm}, {tensor_name}", layer_name)
 
 
 class TEDefaultFeatures:

@@ -4,16 +4,15 @@ from typing import Optional
 import torch
 from nvdlfw_inspect.registry import Registry, api_method
 
-from transformer_engine_proto.debug import state
 from transformer_engine_proto.debug.features import loaded_by_nvdlfw
-from transformer_engine_proto.debug.features.api import TEConfigAPIMapper
+from transformer_engine_proto.debug.features.api import ModifyTensorFeature
 from transformer_engine_proto.tensor import Float8CurrentScalingQuantizer, MXFP8Quantizer
 
 FORMATS = {"FP8E4M3": torch.float8_e4m3fn, "FP8E5M2": torch.float8_e5m2,
            "MXFP8E4M3": torch.float8_e4m3fn, "MXFP8E5M2": torch.float8_e5m2}
 
 
-class FakeQuant(TEConfigAPIMapper):
+class FakeQuant(ModifyTensorFeature):
     """
     Disables the quantized GEMM: the chosen tensors are fake-quantized (quantized, then
     dequantized) -- FP8 with a per-tensor current scale (never delayed), or MXFP8 -- and the GEMM
@@ -48,25 +47,21 @@ class FakeQuant(TEConfigAPIMapper):
                       tensors: [gradient]
     """
 
+    CONFIG_KEYS = ("gemm", "tensor", "quant_format", "margin")
+
     @api_method
     def fp8_gemm_enabled(self, config, layer_name: str, gemm: str, iteration: int):
         return False, None
 
     @api_method
-    def modify_tensor_enabled(self, config, layer_name: str, gemm: str, tensor_name: str, iteration: int):
-        return True, iteration + 1
-
-    @api_method
     def modify_tensor(self, config, layer_name: str, gemm: str, tensor_name: str, tensor, iteration: int,
                       default_quantizer=None, out: Optional[object] = None, dtype=None):
-        for key in config:
-            if key not in ("gemm", "tensor", "quant_format", "margin"):
-                raise ValueError(f'[transformer_engine_proto debug] FakeQuant: unexpected key "{key}" in config')
+        self._check_keys(config)
         fmt = config.get("quant_format")
         if fmt not in FORMATS:
             raise ValueError(f"FakeQuant ({layer_name}, {tensor_name}, {gemm}): quant_format {fmt!r} is not one of "
                              f"{sorted(FORMATS)}")
-        state.log_message(f"Feature={self.__class__.__name__}, API=modify_tensor: {gemm}, {tensor_name}", layer_name)
+        self._log_modify(layer_name, gemm, tensor_name)
         x = tensor.detach()
         if fmt.startswith("MXFP8"):
             # blocks of 32 along the GEMM's reduction dim: K for fprop-style use, M for the transposed use

@@ -3,13 +3,12 @@ from typing import Optional
 
 from nvdlfw_inspect.registry import Registry, api_method
 
-from transformer_engine_proto.debug import state
 from transformer_engine_proto.debug.features import loaded_by_nvdlfw
-from transformer_engine_proto.debug.features.api import TEConfigAPIMapper
+from transformer_engine_proto.debug.features.api import ModifyTensorFeature
 from transformer_engine_proto.tensor import Float8CurrentScalingQuantizer
 
 
-class PerTensorScaling(TEConfigAPIMapper):
+class PerTensorScaling(ModifyTensorFeature):
     """
     Quantizes the chosen tensors of the chosen GEMMs with per-tensor current scaling
     (scale = fp8_max / amax / 2**margin), in the FP8 dtype the recipe gives that tensor. TE allows
@@ -38,21 +37,17 @@ class PerTensorScaling(TEConfigAPIMapper):
                     tensors: [weight, activation]
     """
 
-    @api_method
-    def modify_tensor_enabled(self, config, layer_name: str, gemm: str, tensor_name: str, iteration: int):
-        return True, iteration + 1
+    CONFIG_KEYS = ("gemm", "tensor", "margin")
 
     @api_method
     def modify_tensor(self, config, layer_name: str, gemm: str, tensor_name: str, tensor, iteration: int,
                       default_quantizer=None, out: Optional[object] = None, dtype=None):
-        for key in config:
-            if key not in ("gemm", "tensor", "margin"):
-                raise ValueError(f'[transformer_engine_proto debug] PerTensorScaling: unexpected key "{key}" in config')
+        self._check_keys(config)
         fp8_dtype = getattr(default_quantizer, "fp8_dtype", None)
         if fp8_dtype is None:
             raise ValueError(f"PerTensorScaling ({layer_name}, {tensor_name}, {gemm}) needs an FP8 recipe "
                              "(DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling or Float8BlockScaling) active")
-        state.log_message(f"Feature={self.__class__.__name__}, API=modify_tensor: {gemm}, {tensor_name}", layer_name)
+        self._log_modify(layer_name, gemm, tensor_name)
         q = Float8CurrentScalingQuantizer(fp8_dtype, margin=int(config.get("margin", 0)))
         return q.quantize(tensor.detach())
 

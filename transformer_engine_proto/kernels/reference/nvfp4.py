@@ -24,7 +24,7 @@ from .common import FLOAT32_MAX, abs_max, FP4_E2M1_MAX, FP8_MAX, saturating_cast
 
 __all__ = [
     "BLOCK", "E2M1_VALUES", "fp4_encode", "fp4_decode", "pack_fp4", "unpack_fp4_codes", "unpack_fp4",
-    "global_encode_scale", "rht_matrix", "quantize_blocks", "dequantize_blocks", "transpose_2d_blocks",
+    "global_encode_scale", "rht_matrix", "apply_rht", "quantize_blocks", "dequantize_blocks", "transpose_2d_blocks",
     "check_given_amax",
 ]
 
@@ -143,7 +143,7 @@ def _rht_signs(seed: int, device) -> torch.Tensor:
     return 1.0 - 2.0 * bits.float()
 
 
-def _apply_rht(x2d: torch.Tensor, seed: int, inverse: bool = False) -> torch.Tensor:
+def apply_rht(x2d: torch.Tensor, seed: int, inverse: bool = False) -> torch.Tensor:
     """Multiply each run of 16 along the last dim by H (or by H^T = H^-1 with `inverse`).
 
     A fast Walsh-Hadamard butterfly (4 stages of a+b, a-b) rather than a matmul: the additions
@@ -274,7 +274,7 @@ def nvfp4_quantize(x: torch.Tensor, rowwise: bool, columnwise: bool, two_d: bool
     if columnwise:
         xt = transpose_2d(x2d)
         if rht:
-            xt = _apply_rht(xt, rht_seed)
+            xt = apply_rht(xt, rht_seed)
         if stochastic and rand_columnwise is None:
             rand_columnwise = torch.rand((k, m), device=x.device)
         amax_col = own(xt)
@@ -291,5 +291,5 @@ def nvfp4_dequantize(rowwise_data, rowwise_scale_inv, amax_rowwise, columnwise_d
         return dequantize_blocks(rowwise_data, rowwise_scale_inv, amax_rowwise)
     vals = dequantize_blocks(columnwise_data, columnwise_scale_inv, amax_columnwise)
     if rht:
-        vals = _apply_rht(vals, rht_seed, inverse=True)
+        vals = apply_rht(vals, rht_seed, inverse=True)
     return transpose_2d(vals)

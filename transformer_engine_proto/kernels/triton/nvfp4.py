@@ -178,25 +178,19 @@ def _split16(t):
 
 # ---- quantize ---------------------------------------------------------------------------------
 @triton.jit
+def _row(x_ptr, offs, mask, BF16_BITS: tl.constexpr):
+    return to_f32(tl.load(x_ptr + offs, mask=mask, other=0), BF16_BITS)
+
+
+@triton.jit
 def _load16(x_ptr, offs, mask, BF16_BITS: tl.constexpr, K):
     """The tile as [G, BK, 16]: element (g, k, j) = x[16 g + j, k] (row j of each group of 16).
     Loaded as 16 row slices and joined, so a block of 16 along M lands in one thread."""
-    return _join16(to_f32(tl.load(x_ptr + offs, mask=mask, other=0), BF16_BITS),
-                   to_f32(tl.load(x_ptr + offs + K, mask=mask, other=0), BF16_BITS),
-                   to_f32(tl.load(x_ptr + offs + 2 * K, mask=mask, other=0), BF16_BITS),
-                   to_f32(tl.load(x_ptr + offs + 3 * K, mask=mask, other=0), BF16_BITS),
-                   to_f32(tl.load(x_ptr + offs + 4 * K, mask=mask, other=0), BF16_BITS),
-                   to_f32(tl.load(x_ptr + offs + 5 * K, mask=mask, other=0), BF16_BITS),
-                   to_f32(tl.load(x_ptr + offs + 6 * K, mask=mask, other=0), BF16_BITS),
-                   to_f32(tl.load(x_ptr + offs + 7 * K, mask=mask, other=0), BF16_BITS),
-                   to_f32(tl.load(x_ptr + offs + 8 * K, mask=mask, other=0), BF16_BITS),
-                   to_f32(tl.load(x_ptr + offs + 9 * K, mask=mask, other=0), BF16_BITS),
-                   to_f32(tl.load(x_ptr + offs + 10 * K, mask=mask, other=0), BF16_BITS),
-                   to_f32(tl.load(x_ptr + offs + 11 * K, mask=mask, other=0), BF16_BITS),
-                   to_f32(tl.load(x_ptr + offs + 12 * K, mask=mask, other=0), BF16_BITS),
-                   to_f32(tl.load(x_ptr + offs + 13 * K, mask=mask, other=0), BF16_BITS),
-                   to_f32(tl.load(x_ptr + offs + 14 * K, mask=mask, other=0), BF16_BITS),
-                   to_f32(tl.load(x_ptr + offs + 15 * K, mask=mask, other=0), BF16_BITS))
+    p, m, b = x_ptr + offs, mask, BF16_BITS
+    return _join16(_row(p, 0, m, b), _row(p, K, m, b), _row(p, 2 * K, m, b), _row(p, 3 * K, m, b),
+                   _row(p, 4 * K, m, b), _row(p, 5 * K, m, b), _row(p, 6 * K, m, b), _row(p, 7 * K, m, b),
+                   _row(p, 8 * K, m, b), _row(p, 9 * K, m, b), _row(p, 10 * K, m, b), _row(p, 11 * K, m, b),
+                   _row(p, 12 * K, m, b), _row(p, 13 * K, m, b), _row(p, 14 * K, m, b), _row(p, 15 * K, m, b))
 
 
 @triton.jit
