@@ -114,11 +114,11 @@ def run_variant(recipe_name, mode, args, device, dtype):
     res["ms"] = ms
     res["tflops"] = model_flops(args) / (ms * 1e-3) / 1e12
     res.update(C.compile_stats())
-    fwd = model = params = opt = x = dy = None  # free the GPU memory `step` holds (not `del`: its closure reads them)
     if recipe_name.endswith("+policy"):  # which GEMMs the policy kept in the recipe's format
         import transformer_engine_proto as te
 
         print(f"{recipe_name} ({mode}):\n{te.precision_report(model)}", flush=True)
+    fwd = model = params = opt = x = dy = None  # free the GPU memory `step` holds (not `del`: its closure reads them)
     return res
 
 

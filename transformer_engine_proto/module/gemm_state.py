@@ -23,7 +23,7 @@ from ..distributed import sp_gather as _sp_gather
 from ..distributed import tp as _tp
 from ..kernels.reference.common import true_div
 from ..ops import linear_ops
-from ..ops.recipe_registry import HIGH_PRECISION_KEY, quantizers_from_key, recipe_key
+from ..ops.recipe_registry import HIGH_PRECISION_KEY, high_precision_gemms, quantizers_from_key, recipe_key
 from ..precision import policy as _policy
 from ..tensor import QuantizedTensor, TensorProto
 
@@ -258,10 +258,10 @@ class QuantizedGemm(nn.Module):
             return None
         wgrad = True
         if inp is not None:
-            roles = quantizers_from_key(self.precision_key(self._op_key(get_fp8_recipe_key()), inp, weight))
-            if not roles.quantizes("fprop"):
+            high = high_precision_gemms(self.precision_key(self._op_key(get_fp8_recipe_key()), inp, weight))
+            if "fprop" in high:
                 return None
-            wgrad = roles.quantizes("wgrad")
+            wgrad = "wgrad" not in high
         return torch.is_grad_enabled() and weight.requires_grad and not save_original_input and wgrad
 
     def forward(self, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,

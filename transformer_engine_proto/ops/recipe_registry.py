@@ -14,7 +14,7 @@ from ..recipe import Recipe
 from ..tensor.recipe_quantizers import GEMMS, RoleQuantizers, quantizers_for_recipe
 
 __all__ = ["recipe_key", "recipe_from_key", "quantizers_from_key", "HIGH_PRECISION_KEY",
-           "with_high_precision_gemms", "base_key"]
+           "with_high_precision_gemms", "base_key", "high_precision_gemms"]
 
 HIGH_PRECISION_KEY = "high_precision"
 _HP_MARK = "|high_precision_gemms="  # a Linear op key with some GEMMs kept in high precision
@@ -58,6 +58,12 @@ def with_high_precision_gemms(key: str, gemms: Iterable[str]) -> str:
     return derived
 
 
+def high_precision_gemms(key: str) -> frozenset:
+    """The GEMMs `key` keeps in high precision: string work only, so dynamo folds it to a constant
+    (no quantizer is built while tracing)."""
+    return frozenset(key.split(_HP_MARK, 1)[1].split("+")) if _HP_MARK in key else frozenset()
+
+
 def base_key(key: str) -> str:
     """`key` without its high-precision GEMMs (the recipe's own key)."""
     return key.split(_HP_MARK, 1)[0]
@@ -66,8 +72,7 @@ def base_key(key: str) -> str:
 @functools.lru_cache(maxsize=None)
 def quantizers_from_key(key: str) -> RoleQuantizers:
     if _HP_MARK in key:
-        base, gemms = key.split(_HP_MARK, 1)
-        return dataclasses.replace(quantizers_from_key(base), high_precision_gemms=frozenset(gemms.split("+")))
+        return dataclasses.replace(quantizers_from_key(base_key(key)), high_precision_gemms=high_precision_gemms(key))
     recipe = recipe_from_key(key)
     custom = getattr(recipe, "role_quantizers", None)  # a derived recipe (distributed/amax_reduction.py)
     roles = custom() if custom is not None else quantizers_for_recipe(recipe)
