@@ -69,3 +69,17 @@ def test_numpy_is_a_dependency():
 
     deps = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
     assert "numpy" in deps
+
+
+def test_gemm_policy_flag_prints_the_choices(tiny, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("TE_PROTO_CACHE_DIR", str(tmp_path))  # CPU costs measured on first use, cached here
+    from transformer_engine_proto.precision import policy as P
+
+    P.cost_table.cache_clear()
+    ex.main(["--no-compile", "--recipe", "current", "--gemm-policy", "--quiet"])
+    out = capsys.readouterr().out
+    assert "GEMM precision chosen by te.GemmPolicy" in out
+    rows = [ln for ln in out.splitlines() if ln.startswith("| ") and ".gemm" in ln or "fc1" in ln or "fc2" in ln]
+    assert rows, out
+    assert list((tmp_path / "gemm_costs").glob("cpu-*.json"))
+    P.cost_table.cache_clear()

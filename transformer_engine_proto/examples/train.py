@@ -88,9 +88,10 @@ class MarkovData:
 WARMUP = 3  # steps left out of the step time: compilation (step 0) and allocator / autotune warm-up
 
 
-def train(recipe_name: str, cfg: Config, compile_mode, device, dtype, progress: bool = True):
+def train(recipe_name: str, cfg: Config, compile_mode, device, dtype, progress: bool = True, gemm_policy=None):
     """Returns (losses, seconds per step after the first WARMUP steps (nan if there are none),
-    the data's entropy)."""
+    the data's entropy). `gemm_policy`: a te.GemmPolicy (each GEMM in FP8 only where predicted
+    faster); its choices are printed after training."""
     torch.manual_seed(cfg.seed)
     model = TinyLM(cfg, dtype, device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -108,7 +109,7 @@ def train(recipe_name: str, cfg: Config, compile_mode, device, dtype, progress: 
         if progress and step == 0 and compile_mode is not None:
             print(f"{recipe_name}: compiling (torch.compile, first step) ...", flush=True)
         t0 = time.perf_counter()
-        with te.autocast(enabled=recipe is not None, recipe=recipe):
+        with te.autocast(enabled=recipe is not None, recipe=recipe, gemm_policy=gemm_policy):
             logits = step_fn_model(tokens[:, :-1])
         loss = nn.functional.cross_entropy(logits.float().reshape(-1, cfg.vocab), tokens[:, 1:].reshape(-1))
         loss.backward()
@@ -123,6 +124,9 @@ def train(recipe_name: str, cfg: Config, compile_mode, device, dtype, progress: 
             _progress(recipe_name, step + 1, cfg.steps, loss_value, times)
     if progress and sys.stdout.isatty():
         print()
+    if gemm_policy is not None and recipe is not None:
+        print(f"{recipe_name}: GEMM precision chosen by te.GemmPolicy (predicted ms per fwd+bwd)\n"
+              f"{te.precision_report(model)}")
     warm = times[WARMUP:]
     return losses, (sum(warm) / len(warm) if warm else math.nan), data.entropy
 
@@ -196,6 +200,8 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--plot", default=None, help="write a loss-curve PNG (needs matplotlib)")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--gemm-policy", action="store_true",
+                   help="run each GEMM in FP8 only where predicted faster than bf16 (te.GemmPolicy) and print the choices")
     args = p.parse_args(argv)
     if args.plot:
         _check_plot_deps()
@@ -211,7 +217,8 @@ def main(argv=None):
     results = {}
     entropy = math.nan
     for name in names:
-        losses, step_s, entropy = train(name, cfg, compile_mode, device, dtype, progress=not args.quiet)
+        losses, step_s, entropy = train(name, cfg, compile_mode, device, dtype, progress=not args.quiet,
+                                        gemm_policy=te.GemmPolicy() if args.gemm_policy else None)
         results[name] = (losses, step_s)
     base = results.get("none")
     print(f"{'recipe':>10s} {'final loss':>11s} {'vs none':>8s} {'ms/step':>8s}   (data entropy {entropy:.3f}; "
