@@ -251,3 +251,26 @@ def test_pinned_compiled_matches_eager(recipe_id):
         assert graph_breaks() == 0
         for a, b in zip(got, eager):
             assert torch.equal(a, b), (recipe_id, sorted(hp))
+
+
+@pytest.mark.parametrize("disable", [None, ["fprop"]])
+def test_debug_path_keeps_pins_and_may_disable_more(tmp_path, disable):
+    """A layer on the debug path (inspecting features, optionally DisableFp8Gemm) runs the pinned
+    GEMMs in bf16 too: the same bits as the fast path with pins for the union of both."""
+    from test_debug_common import debug_session
+
+    features = {"LogTensorStats": {"enabled": True, "stats": ["max"], "tensors": ["activation", "gradient"]}}
+    if disable:
+        features["DisableFp8Gemm"] = {"enabled": True, "gemms": disable}
+    cfg = {"s": {"enabled": True, "layers": {"layer_name_regex_pattern": "lin"}, "transformer_engine": features}}
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    recipe = R.Float8CurrentScaling()
+    want = _run(_fresh(te.Linear), x, recipe, pins={"wgrad", *(disable or ())})
+    torch.manual_seed(0)
+    dbg = te.Linear(K, N, bias=True, params_dtype=torch.bfloat16, name="lin")
+    with debug_session(tmp_path, cfg):
+        got = _run(dbg, x, recipe, pins={"wgrad"})
+        from transformer_engine_proto.debug import state
+        assert state.route(dbg.gemm, True) == "lin"
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
