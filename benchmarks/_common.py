@@ -54,7 +54,7 @@ def te_autocast(recipe, variant: str):
 
     if recipe is None:
         return contextlib.nullcontext()
-    policy = te.GemmPolicy() if variant.endswith("+policy") else None
+    policy = te.GemmPolicy() if "+policy" in variant else None
     return te.autocast(recipe=recipe, gemm_policy=policy)
 
 

@@ -10,7 +10,9 @@ every `nn.Linear` the recipe can take (lm_head included) becomes a `te.Linear` h
 loss), backward, grad-norm clipping to 1.0 and a foreach AdamW step, with `te.autocast` entered
 every step around the forward, as a training loop does. Compiled variants are
 `torch.compile(model)` (default mode, or reduce-overhead with `cudagraph_mark_step_begin`), each on a
-fresh model after `torch._dynamo.reset()`; graph breaks are counted and reported. Every variant
+fresh model after `torch._dynamo.reset()`; graph breaks are counted and reported. A te variant
+name may add `+policy` (`te.GemmPolicy()`; its choices are printed) and `+soi` (every Linear with
+`save_original_input=True`: the raw input saved, quantized in backward). Every variant
 runs in this process, so the ratios compare like with like.
 """
 from __future__ import annotations
@@ -57,7 +59,12 @@ def make_variant(variant: str, args, device, dtype):
     import transformer_engine_proto as te
 
     recipe = C.make_recipe(variant.split(":", 1)[1])
-    return te.convert_model(model, recipe=recipe), recipe
+    model = te.convert_model(model, recipe=recipe)
+    if "+soi" in variant:  # every Linear saves its raw input; backward quantizes it (save_original_input)
+        for m in model.modules():
+            if isinstance(m, te.Linear):
+                m.save_original_input = True
+    return model, recipe
 
 
 def run_variant(variant, mode, args, device, dtype):

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ..gemm import gemm
-from ..ops.linear import record_grad_amax
+from ..ops.linear import finish_backward
 from ..ops.recipe_registry import HIGH_PRECISION_KEY, quantizers_from_key
 from ..tensor import QuantizedTensor
 from . import state
@@ -271,15 +271,8 @@ def _backward(ctx, grad_out, _grad_amaxes, _grad_token):
     it = iter(rest)
     grad_scale, main_grad = (next(it) if h else None for h in ctx.has)
     args = ctx.args
-    grads = iter(linear_bwd(grad_out.contiguous(), token, grad_scale, **args))
-    dgrad = next(grads) if args["input_requires_grad"] else None
-    wgrad = next(grads) if args["weight_requires_grad"] else None
-    dbias = next(grads) if args["bias_requires_grad"] else None
-    if ctx.grad_amax_state:
-        record_grad_amax(ctx.grad_amax_state, next(grads))
-    if args["fuse_wgrad_accumulation"] and wgrad is not None:
-        main_grad.add_(wgrad)
-        wgrad = None
+    grads = linear_bwd(grad_out.contiguous(), token, grad_scale, **args)
+    dgrad, wgrad, dbias = finish_backward(args, grads, ctx.grad_amax_state, main_grad)
     return (dgrad, wgrad, dbias, None, None, [None] * len(ctx.grad_amax_state)) + (None,) * (len(_FWD_ARGS) - 6)
 
 

@@ -428,11 +428,12 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
         if plan.delayed:
             gq = gq.with_scale_state(grad_scale, grad_amax)
         dy_q = gq.quantize(pad_rows(dy, rows), internal=True)
-    if plan.wgrad_q and plan.save_original_input:
+    if plan.wgrad_q and plan.save_original_input:  # kept in backward, as the weight's (_stays_in_backward)
         iq = plan.quantizers.input.with_usage(rowwise=False, columnwise=True)
-        if plan.delayed:  # reuse the forward's scale; the amax was recorded in forward
-            iq = iq.with_scale_state(_scale_slot(fp8_scales, 0), torch.zeros(1, device=dy.device))
-        x = iq.quantize(pad_rows(x, rows), internal=True)
+        with _stays_in_backward():
+            if plan.delayed:  # reuse the forward's scale; the amax was recorded in forward
+                iq = iq.with_scale_state(_scale_slot(fp8_scales, 0), torch.zeros(1, device=dy.device))
+            x = iq.quantize(pad_rows(x, rows), internal=True)
     grads = []
     if input_requires_grad:
         a = _usage(dy_q, True) if plan.dgrad_q else dy  # in high precision: the bf16 path's GEMM
@@ -493,6 +494,22 @@ def fold_pending_grad_amax(history: torch.Tensor, state: Sequence[torch.Tensor])
 
 
 # ---- autograd wiring ----------------------------------------------------------------------------
+def finish_backward(args: dict, grads: Sequence[torch.Tensor], grad_amax_state, main_grad):
+    """(dgrad, wgrad, dbias) from a Linear backward op's outputs ([dgrad] [wgrad] [dbias] [grad
+    amax], by `args`' flags): records the gradient amax (delayed scaling) and accumulates wgrad into
+    `main_grad` (then returned as None), the two side effects both Linear paths share."""
+    grads = iter(grads)
+    dgrad = next(grads) if args["input_requires_grad"] else None
+    wgrad = next(grads) if args["weight_requires_grad"] else None
+    dbias = next(grads) if args["bias_requires_grad"] else None
+    if grad_amax_state:
+        record_grad_amax(grad_amax_state, next(grads))
+    if args["fuse_wgrad_accumulation"] and wgrad is not None:
+        main_grad.add_(wgrad)
+        wgrad = None
+    return dgrad, wgrad, dbias
+
+
 _FWD_ARGS = tuple(a.name for a in torch.ops.te_proto.linear_fwd.default._schema.arguments)
 _FLAG_NAMES = ("input_requires_grad", "weight_requires_grad", "cache_mode", "save_original_input",
                "fuse_wgrad_accumulation")
@@ -538,16 +555,9 @@ def _backward(ctx, grad_out, _grad_amaxes, _grad_saved, _grad_cache):
     main_grad = ctx.main_grad
     args = ctx.args
     backward_op = getattr(ctx, "backward_op", linear_bwd)
-    grads = iter(backward_op(grad_out.contiguous(), saved=saved, inp=raw_inp, weight=raw_w, weight_cache=cache,
-                            fp8_scales=scales, grad_scale=grad_scale, main_grad=main_grad, **args))
-    dgrad = next(grads) if args["input_requires_grad"] else None
-    wgrad = next(grads) if args["weight_requires_grad"] else None
-    dbias = next(grads) if args["bias_requires_grad"] else None
-    if ctx.grad_amax_state:  # record this step's gradient amax (delayed scaling)
-        record_grad_amax(ctx.grad_amax_state, next(grads))
-    if args["fuse_wgrad_accumulation"] and wgrad is not None:
-        main_grad.add_(wgrad)
-        wgrad = None
+    grads = backward_op(grad_out.contiguous(), saved=saved, inp=raw_inp, weight=raw_w, weight_cache=cache,
+                        fp8_scales=scales, grad_scale=grad_scale, main_grad=main_grad, **args)
+    dgrad, wgrad, dbias = finish_backward(args, grads, ctx.grad_amax_state, main_grad)
     # one grad per linear_fwd argument, by name: None for the others (a list of Nones for a list)
     grads_by_name = dict(inp=dgrad, weight=wgrad, bias=dbias, grad_amax_state=[None] * len(ctx.grad_amax_state),
                          weight_cache=[None] * ctx.n_cache_in, inp_quantized=[None] * ctx.n_prequantized)
