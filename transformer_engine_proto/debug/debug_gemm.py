@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 import torch
 
 from ..gemm import gemm
-from ..ops.linear import finish_backward
+from ..ops.linear import backward_tail, finish_backward
 from ..ops.recipe_registry import HIGH_PRECISION_KEY, quantizers_from_key
 from ..tensor import QuantizedTensor
 from . import state
@@ -226,11 +226,7 @@ def linear_bwd(grad_out: torch.Tensor, token: torch.Tensor, grad_scale: Optional
             wdtype = torch.float32 if fuse_wgrad_accumulation else weight_dtype
             wgrad = gemm(_operand(gs["wgrad"], False), saved["x"], trans_a=True, out_dtype=wdtype)
             grads.append(_fresh(calls.output_tensor("wgrad", wgrad), (grad_out,)))
-    if bias_requires_grad:
-        grads.append(dy.float().sum(0).to(weight_dtype))
-    if delayed:
-        grads.append(grad_amax)
-    return grads
+    return backward_tail(grads, dy, bias_requires_grad, weight_dtype, grad_amax if delayed else None)
 
 
 @linear_bwd.register_fake

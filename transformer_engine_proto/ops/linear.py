@@ -443,9 +443,16 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
         a = _usage(dy_q, False) if plan.wgrad_q else dy
         wgrad_dtype = torch.float32 if fuse_wgrad_accumulation else weight_dtype
         grads.append(gemm(a, x, trans_a=True, out_dtype=wgrad_dtype))
+    return backward_tail(grads, dy, bias_requires_grad, weight_dtype, grad_amax if delayed else None)
+
+
+def backward_tail(grads: List[torch.Tensor], dy: torch.Tensor, bias_requires_grad: bool, weight_dtype: torch.dtype,
+                  grad_amax: Optional[torch.Tensor]) -> List[torch.Tensor]:
+    """`grads` + [dbias (from the high-precision dy)] + [the gradient amax (delayed scaling)]: the
+    end of every Linear backward op's output list, in the order `finish_backward` reads."""
     if bias_requires_grad:
         grads.append(dy.float().sum(0).to(weight_dtype))
-    if delayed:
+    if grad_amax is not None:
         grads.append(grad_amax)
     return grads
 
