@@ -12,7 +12,8 @@ every step around the forward, as a training loop does. Compiled variants are
 `torch.compile(model)` (default mode, or reduce-overhead with `cudagraph_mark_step_begin`), each on a
 fresh model after `torch._dynamo.reset()`; graph breaks are counted and reported. A te variant
 name may add `+policy` (`te.GemmPolicy()`; its choices are printed) and `+soi` (every Linear with
-`save_original_input=True`: the raw input saved, quantized in backward). Every variant
+`save_original_input=True`: the raw input saved, quantized in backward; `+soi-attn`: all but
+down_proj and lm_head). Every variant
 runs in this process, so the ratios compare like with like.
 """
 from __future__ import annotations
@@ -60,9 +61,10 @@ def make_variant(variant: str, args, device, dtype):
 
     recipe = C.make_recipe(variant.split(":", 1)[1])
     model = te.convert_model(model, recipe=recipe)
-    if "+soi" in variant:  # every Linear saves its raw input; backward quantizes it (save_original_input)
-        for m in model.modules():
-            if isinstance(m, te.Linear):
+    if "+soi" in variant:  # Linears save their raw input; backward quantizes it (save_original_input)
+        skip = ("down_proj", "lm_head") if "+soi-attn" in variant else ()  # +soi-attn: attention + gate/up only
+        for name, m in model.named_modules():
+            if isinstance(m, te.Linear) and not name.endswith(skip):
                 m.save_original_input = True
     return model, recipe
 
