@@ -13,7 +13,7 @@ every step around the forward, as a training loop does. Compiled variants are
 fresh model after `torch._dynamo.reset()`; graph breaks are counted and reported. A te variant
 name may add `+policy` (`te.GemmPolicy()`; its choices are printed) and `+soi` (every Linear with
 `save_original_input=True`: the raw input saved, quantized in backward; `+soi-attn`: all but
-down_proj and lm_head). Every variant
+down_proj and lm_head; `+rc`: `ops.recompute_tags.set_recompute_saved_input(True)`). Every variant
 runs in this process, so the ratios compare like with like.
 """
 from __future__ import annotations
@@ -61,6 +61,8 @@ def make_variant(variant: str, args, device, dtype):
 
     recipe = C.make_recipe(variant.split(":", 1)[1])
     model = te.convert_model(model, recipe=recipe)
+    # +rc: the Linears' quantized inputs (and the norms) recomputed in backward, not saved
+    te.ops.recompute_tags.set_recompute_saved_input("+rc" in variant)
     if "+soi" in variant:  # Linears save their raw input; backward quantizes it (save_original_input)
         skip = ("down_proj", "lm_head") if "+soi-attn" in variant else ()  # +soi-attn: attention + gate/up only
         for name, m in model.named_modules():

@@ -186,3 +186,39 @@ def test_compiled_qkv_saves_quantized_input_once():
     assert shared_input.stats["hits"] - hits == 2
     acts = [t for t in saved if t.dtype == torch.float8_e4m3fn and TOKENS in t.shape]
     assert len(acts) == 1, [(t.shape, t.dtype) for t in saved]
+
+
+@pytest.mark.parametrize("rid", ["current", "delayed"])  # on CPU, compiled MXFP8 recomputes its quantizes anyway
+def test_recompute_saved_input_saves_no_quantized_activation(rid):
+    """set_recompute_saved_input(True): under inductor a norm -> Linear saves neither the FP8 input
+    nor the norm's output (both rebuilt in backward from the norm's input), with the same grads."""
+    from transformer_engine_proto.ops import recompute_tags
+
+    def run(recompute):
+        torch.manual_seed(0)  # fresh modules: delayed scaling's state starts equal
+        norm = te.RMSNorm(IN, params_dtype=torch.bfloat16)
+        lin = te.Linear(IN, OUT, bias=False, params_dtype=torch.bfloat16)
+        h = torch.randn(TOKENS, IN, dtype=torch.bfloat16, requires_grad=True)
+        recompute_tags.set_recompute_saved_input(recompute)
+        grads = []
+
+        def step(backend):
+            for t in (h, norm.weight, lin.weight):
+                t.grad = None
+            with recipe_ctx(RECIPES[rid]):
+                loss = torch.compile(lambda: lin(norm(h)).float().square().sum(), backend=backend)()
+            loss.backward()
+            grads.extend(t.grad for t in (h, norm.weight, lin.weight))
+
+        try:
+            saved = [v for n, v in saved_tensors.compiled_backward_inputs(step) if not n.startswith("primals")]
+        finally:
+            recompute_tags.set_recompute_saved_input(None)
+        acts = [tuple(t.shape) for t in saved if sorted(t.shape) == sorted((TOKENS, IN))]  # the Linear input
+        return acts, grads
+
+    acts_saved, grads_saved = run(False)
+    acts_rebuilt, grads_rebuilt = run(True)
+    assert acts_saved and not acts_rebuilt, (acts_saved, acts_rebuilt)
+    for a, b in zip(grads_saved, grads_rebuilt):
+        assert torch.equal(a, b)

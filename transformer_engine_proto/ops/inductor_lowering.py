@@ -28,7 +28,7 @@ from torch._inductor import decomposition as _inductor_decomp
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from . import shared_input
+from . import recompute_tags, shared_input
 
 __all__ = ["inline_in_inductor", "set_inductor_inlining", "inductor_inlining_enabled"]
 
@@ -88,6 +88,7 @@ def _source_hash() -> str:
 
 
 _SOURCE_HASH = _source_hash()
+recompute_tags.ON_CHANGE.append(lambda: _table_changed())
 
 
 def _table_changed() -> None:
@@ -99,4 +100,5 @@ def _table_changed() -> None:
     config = torch.compiler.config
     if hasattr(config, "cache_key_tag"):
         tags = [t for t in config.cache_key_tag.split("|") if t and not t.startswith("te_proto:")]
-        config.cache_key_tag = "|".join(tags + [f"te_proto:{_SOURCE_HASH}:{int(_enabled)}"])
+        setting = f"{int(_enabled)}{int(recompute_tags.recompute_saved_input())}"
+        config.cache_key_tag = "|".join(tags + [f"te_proto:{_SOURCE_HASH}:{setting}"])

@@ -12,16 +12,13 @@ the module's pending buffer (`record_grad_amax`) and accumulates `main_grad`.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import torch
-import torch.fx.traceback as fx_traceback
 from torch._subclasses.fake_tensor import is_fake
-from torch.utils.checkpoint import CheckpointPolicy
 
 from ..gemm import gemm
 from ..tensor import TensorProto
@@ -30,6 +27,7 @@ from . import shared_input
 from .eager_path import eager_function
 from .inductor_lowering import inline_in_inductor
 from .recipe_registry import base_key, quantizers_from_key
+from .recompute_tags import recompute_saved_input, recomputed_in_backward
 from .row_padding import gemm_rows, pad_rows, unpad_rows
 
 __all__ = ["linear", "LinearPlan", "CACHE_OFF", "CACHE_FILL", "CACHE_USE", "pack_flags", "unpack_flags",
@@ -231,28 +229,6 @@ class LinearPlan:
         return self.input_requires_grad and (not self.dgrad_q or self.cache_mode != CACHE_USE)
 
 
-@contextlib.contextmanager
-def _stays_in_backward():
-    """While inductor traces the backward body: tag the nodes made inside MUST_RECOMPUTE, so AOT's
-    partitioner keeps them in the backward graph. They read only forward values (the weight and
-    its scale), and the partitioner would otherwise compute them in the forward and save their
-    output: the quantized weight this op means not to keep (issue 21)."""
-    if not fx_traceback.has_preserved_node_meta():
-        yield
-        return
-    meta = fx_traceback.get_current_meta()
-    before = meta.get("recompute", _MISSING)
-    meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-    try:
-        yield
-    finally:
-        if before is _MISSING:
-            meta.pop("recompute", None)
-        else:
-            meta["recompute"] = before
-
-
-_MISSING = object()
 
 
 def _usage(t: QuantizedTensorStorage, rowwise: bool) -> QuantizedTensorStorage:
@@ -345,11 +321,13 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         xq = rebuild(plan.prequantized_input(), inp_quantized)
     elif plan.input_quantizer() is not None:
         iq = plan.input_quantizer()
-        if plan.delayed:
-            iq, amaxes[0] = _bind_delayed(iq, fp8_scales, 0)
-            xq = iq.quantize(pad_rows(x2d, plan.input_rows), internal=True)
-        else:
-            xq = _quantize_shared(plan, inp, x2d)
+        # its columnwise copy is saved for wgrad, or rebuilt in backward (recompute_tags.py)
+        with recomputed_in_backward(plan.saved_input() is not None and recompute_saved_input()):
+            if plan.delayed:
+                iq, amaxes[0] = _bind_delayed(iq, fp8_scales, 0)
+                xq = iq.quantize(pad_rows(x2d, plan.input_rows), internal=True)
+            else:
+                xq = _quantize_shared(plan, inp, x2d)
     if cache_mode == CACHE_USE:
         wq = rebuild(plan.cached_weight(), weight_cache)
     elif plan.weight_quantizer() is not None:
@@ -413,7 +391,7 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
         w = rebuild(plan.cached_weight(), weight_cache).only_usage(False)
     elif plan.dgrad_q:  # the columnwise weight again, from the weight: the forward's bytes
         wq = plan.dgrad_weight().quantizer
-        with _stays_in_backward():
+        with recomputed_in_backward():
             if plan.delayed:  # the forward's scale (snapshot); this amax was recorded in forward
                 wq = wq.with_scale_state(_scale_slot(fp8_scales, 1), torch.zeros(1, device=dy.device))
             w = wq.quantize(weight, internal=True)
@@ -428,9 +406,9 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
         if plan.delayed:
             gq = gq.with_scale_state(grad_scale, grad_amax)
         dy_q = gq.quantize(pad_rows(dy, rows), internal=True)
-    if plan.wgrad_q and plan.save_original_input:  # kept in backward, as the weight's (_stays_in_backward)
+    if plan.wgrad_q and plan.save_original_input:  # kept in backward, as the weight's quantize
         iq = plan.quantizers.input.with_usage(rowwise=False, columnwise=True)
-        with _stays_in_backward():
+        with recomputed_in_backward():
             if plan.delayed:  # reuse the forward's scale; the amax was recorded in forward
                 iq = iq.with_scale_state(_scale_slot(fp8_scales, 0), torch.zeros(1, device=dy.device))
             x = iq.quantize(pad_rows(x, rows), internal=True)

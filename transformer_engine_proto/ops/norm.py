@@ -15,6 +15,7 @@ import torch
 from ..kernels import kernel
 from ..kernels.reference.norm import NORMALIZATIONS
 from .eager_path import eager_function
+from .recompute_tags import recompute_saved_input, recomputed_in_backward
 from .inductor_lowering import inline_in_inductor
 from .row_padding import gemm_rows, pad_rows
 
@@ -24,7 +25,8 @@ __all__ = ["norm", "NORMALIZATIONS"]
 @torch.library.custom_op("te_proto::norm_fwd", mutates_args=())
 def norm_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
              kind: str, zero_centered_gamma: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return kernel("norm_fwd", inp.device)(inp, weight, bias, eps, kind, zero_centered_gamma)
+    with recomputed_in_backward(recompute_saved_input()):  # the next Linear's input: rebuilt, not saved
+        return kernel("norm_fwd", inp.device)(inp, weight, bias, eps, kind, zero_centered_gamma)
 
 
 @norm_fwd.register_fake
@@ -91,13 +93,14 @@ def norm_quantize_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     can write both from one read of the input. With `columnwise` the rows are zero-padded to the
     recipe's row block, as linear_fwd expects (ops/row_padding.py)."""
     q = _input_quantizer(key, columnwise)
-    fused = q.fused_norm_quantize(inp, weight, bias, eps, kind, zero_centered_gamma)  # the format's own kernel
-    if fused is not None:
-        return fused
-    out, mu, rsigma = kernel("norm_fwd", inp.device)(inp, weight, bias, eps, kind, zero_centered_gamma)
-    out2d = out.reshape(-1, out.shape[-1])
-    out2d = pad_rows(out2d, gemm_rows(out2d.shape[0], key, columnwise))
-    return out, mu, rsigma, list(q.quantize(out2d, internal=True).get_buffers().values())
+    with recomputed_in_backward(columnwise and recompute_saved_input()):  # saved columnwise: rebuilt instead
+        fused = q.fused_norm_quantize(inp, weight, bias, eps, kind, zero_centered_gamma)  # the format's own kernel
+        if fused is not None:
+            return fused
+        out, mu, rsigma = kernel("norm_fwd", inp.device)(inp, weight, bias, eps, kind, zero_centered_gamma)
+        out2d = out.reshape(-1, out.shape[-1])
+        out2d = pad_rows(out2d, gemm_rows(out2d.shape[0], key, columnwise))
+        return out, mu, rsigma, list(q.quantize(out2d, internal=True).get_buffers().values())
 
 
 def norm_fp8_current(inp, weight, bias, eps: float, kind: str, zero_centered_gamma: bool, q):
