@@ -214,7 +214,7 @@ def decide(policy: Optional[GemmPolicy], recipe, device, m: int, n: int, k: int,
     _, predicted, q = min(choices, key=lambda c: c[0])
     all_bf16 = {g: pins.get(g) == RECIPE for g in GEMMS}
     all_recipe = {g: pins.get(g) != HIGH for g in GEMMS}
-    bf16_ms, per_bf16 = _predict(costs, m, n, k, all_bf16, needed)
+    bf16_ms, _ = _predict(costs, m, n, k, all_bf16, needed)
     recipe_ms, _ = _predict(costs, m, n, k, all_recipe, needed)
     per_fmt = {g: costs.gemm(costs.kind, g, gemm_shapes(m, n, k)[g]) for g in needed}
     costs.save()
