@@ -101,14 +101,17 @@ class LinearPlan:
 
     # ---- which GEMMs run in the recipe's format (the others read the high-precision operands) ----
     @property
+    @_memo
     def fprop_q(self) -> bool:
         return self.quantizers.quantizes("fprop")
 
     @property
+    @_memo
     def dgrad_q(self) -> bool:
         return self.quantizers.quantizes("dgrad") and self.input_requires_grad
 
     @property
+    @_memo
     def wgrad_q(self) -> bool:
         return self.quantizers.quantizes("wgrad") and self.weight_requires_grad
 
@@ -231,12 +234,6 @@ class LinearPlan:
 
 
 
-def _usage(t: QuantizedTensorStorage, rowwise: bool) -> QuantizedTensorStorage:
-    """`t` with only the usage a GEMM reads (as is when it holds only that one)."""
-    has_other = t.has_columnwise() if rowwise else t.has_rowwise()
-    return t.only_usage(rowwise) if has_other else t
-
-
 def _split(buffers: Sequence[torch.Tensor], protos: Sequence[TensorProto]):
     out, i = [], 0
     for p in protos:
@@ -317,10 +314,10 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         return out.view(out_shape), inp.new_empty(0, dtype=torch.float32), [], []
     amaxes = [torch.zeros(1, dtype=torch.float32, device=inp.device) for _ in range(2 if plan.delayed else 0)]
     xq = wq = None
+    iq = plan.input_quantizer()
     if plan.prequantized:
         xq = rebuild(plan.prequantized_input(), inp_quantized)
-    elif plan.input_quantizer() is not None:
-        iq = plan.input_quantizer()
+    elif iq is not None:
         # its columnwise copy is saved for wgrad, or rebuilt in backward (recompute_tags.py)
         with recomputed_in_backward(plan.saved_input() is not None and recompute_saved_input()):
             if plan.delayed:
@@ -328,10 +325,10 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
                 xq = iq.quantize(pad_rows(x2d, plan.input_rows), internal=True)
             else:
                 xq = _quantize_shared(plan, inp, x2d)
+    wq = plan.weight_quantizer() if cache_mode != CACHE_USE else None
     if cache_mode == CACHE_USE:
         wq = rebuild(plan.cached_weight(), weight_cache)
-    elif plan.weight_quantizer() is not None:
-        wq = plan.weight_quantizer()
+    elif wq is not None:
         if plan.delayed:
             wq, amaxes[1] = _bind_delayed(wq, fp8_scales, 1)
         wq = wq.quantize(weight, internal=True)
@@ -413,12 +410,13 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
                 iq = iq.with_scale_state(_scale_slot(fp8_scales, 0), torch.zeros(1, device=dy.device))
             x = iq.quantize(pad_rows(x, rows), internal=True)
     grads = []
-    if input_requires_grad:
-        a = _usage(dy_q, True) if plan.dgrad_q else dy  # in high precision: the bf16 path's GEMM
+    dgrad_q, wgrad_q = plan.dgrad_q, plan.wgrad_q  # dy_q holds the usages of these two
+    if input_requires_grad:  # a GEMM in high precision reads dy: the bf16 path's own GEMM
+        a = (dy_q.only_usage(True) if wgrad_q else dy_q) if dgrad_q else dy
         dgrad = unpad_rows(gemm(a, w, out_dtype=grad_out.dtype), dy.shape[0])
         grads.append(dgrad.view(tuple(in_shape)))
     if weight_requires_grad:
-        a = _usage(dy_q, False) if plan.wgrad_q else dy
+        a = (dy_q.only_usage(False) if dgrad_q else dy_q) if wgrad_q else dy
         wgrad_dtype = torch.float32 if fuse_wgrad_accumulation else weight_dtype
         grads.append(gemm(a, x, trans_a=True, out_dtype=wgrad_dtype))
     return backward_tail(grads, dy, bias_requires_grad, weight_dtype, grad_amax if delayed else None)
