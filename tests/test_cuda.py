@@ -89,6 +89,31 @@ def test_reduce_overhead_training_has_no_cudagraph_skips(recipe):
         assert abs(a - b) <= 2e-2 * abs(b), (recipe, compiled, eager)
 
 
+@pytest.mark.parametrize("recipe", ["current", "mxfp8"])
+def test_gemm_policy_under_reduce_overhead(recipe):
+    """te.GemmPolicy (the shipped H100 table) under reduce-overhead: no graph break, no cudagraph
+    skip, the eager run's choices and (to bf16 rounding) its losses."""
+    import os
+
+    from transformer_engine_proto.precision import policy as P
+
+    table = os.path.join(os.path.dirname(P.__file__), "tables", "h100.json")
+    policy = te.GemmPolicy(table=table)
+    cfg = Config(hidden=1024, ffn=4096, heads=8, layers=2, seq=512, batch=8, steps=10, lr=1e-3)
+    dev = torch.device("cuda")
+    eager, _, _ = train(recipe, cfg, None, dev, torch.bfloat16, progress=False, gemm_policy=policy)
+    chosen = {uid: d.high_precision for uid, d in P.decisions().items()}
+    torch._dynamo.reset()
+    counters.clear()
+    graphed, _, _ = train(recipe, cfg, "reduce-overhead", dev, torch.bfloat16, progress=False, gemm_policy=policy)
+    assert sum(counters["graph_break"].values()) == 0
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert sorted(map(sorted, chosen.values())) == sorted(sorted(d.high_precision) for uid, d in
+                                                          P.decisions().items() if uid not in chosen)
+    for a, b in zip(graphed, eager):
+        assert abs(a - b) <= 2e-2 * abs(b), (recipe, graphed, eager)
+
+
 # Delayed scaling under the `cudagraphs` backend (eager kernels in CUDA-graph trees, no inductor),
 # with dynamo's default inlining of nn.Modules: the backward's write of `grad_amax_pending` is lost
 # from the first graphed step on (single-Linear state test: pending [amax, generation] =

@@ -274,3 +274,38 @@ def test_debug_path_keeps_pins_and_may_disable_more(tmp_path, disable):
         assert state.route(dbg.gemm, True) == "lin"
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+def test_pins_with_the_weight_cache_match_no_cache():
+    """is_first_microbatch (the quantized-weight cache) with fprop pinned to bf16: the same bits
+    as without the cache (dgrad reads the cached FP8 weight, fprop the bf16 weight)."""
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    recipe = R.Float8CurrentScaling()
+    plain = _run(_fresh(te.Linear), x, recipe, pins={"fprop"})
+    m = _fresh(te.Linear)
+    te.pin_gemm_precision(m, fprop="bf16")
+    for first in (True, False):
+        m.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        with te.autocast(recipe=recipe):
+            y = m(xi, is_first_microbatch=first)
+        y.backward(torch.linspace(-2, 2, y.numel()).reshape(y.shape).to(y.dtype))
+        for a, b in zip((y.detach(), xi.grad, m.weight.grad), plain):
+            assert torch.equal(a, b), first
+
+
+def test_weights_stored_quantized_keep_fprop_and_dgrad_in_the_recipe(tmp_path):
+    """quantized_model_init: the policy may move wgrad to bf16 but never fprop / dgrad (they read
+    the stored FP8 weight); pinning those to bf16 there is a clear error."""
+    path = _synthetic_table(tmp_path / "t.json")  # small GEMMs: every GEMM bf16 if free to choose
+    recipe = R.Float8CurrentScaling()
+    with te.quantized_model_init(recipe=recipe):
+        m = te.Linear(64, 64, bias=False, params_dtype=torch.bfloat16)
+    x = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
+    with te.autocast(recipe=recipe, gemm_policy=te.GemmPolicy(table=path)):
+        m(x).float().sum().backward()
+    assert P.decisions()[m.gemm._debug_uid].high_precision == {"wgrad"}
+    te.pin_gemm_precision(m, fprop="bf16")
+    with pytest.raises(NotImplementedError, match="stored quantized"):
+        with te.autocast(recipe=recipe):
+            m(x)

@@ -21,6 +21,7 @@ from ..distributed import amax_reduction as _amax_reduction
 from ..distributed import fsdp as _fsdp
 from ..distributed import sp_gather as _sp_gather
 from ..distributed import tp as _tp
+from ..errors import raise_error
 from ..kernels.reference.common import true_div
 from ..ops import linear_ops
 from ..ops.recipe_registry import HIGH_PRECISION_KEY, high_precision_gemms, quantizers_from_key, recipe_key
@@ -241,7 +242,10 @@ class QuantizedGemm(nn.Module):
         policy = get_gemm_policy_key()
         if not (policy or self.pinned_precision) or key == HIGH_PRECISION_KEY:
             return key
-        return _policy.op_key(key, policy, self.pinned_precision, self._debug_uid, str(inp.device),
+        pins = self.pinned_precision
+        if isinstance(weight, QuantizedTensor):  # stored quantized: fprop and dgrad read it as it is
+            pins = _policy.with_default_pins(pins, fprop=_policy.RECIPE, dgrad=_policy.RECIPE)
+        return _policy.op_key(key, policy, pins, self._debug_uid, str(inp.device),
                               inp.numel() // inp.shape[-1], weight.shape[0], weight.shape[1],
                               torch.is_grad_enabled())
 
@@ -319,8 +323,14 @@ class QuantizedGemm(nn.Module):
             inp, inp_quantized, sp_amax = self._gather_input(
                 inp, weight, key, delayed, sequence_gather, debug_linear is None and not save_original_input)
         extra = {"inp_quantized": inp_quantized} if inp_quantized and debug_linear is None else {}
+        op_key = self.precision_key(key, inp, weight)
+        if fsdp_quantized and high_precision_gemms(op_key) & {"fprop", "dgrad"}:
+            raise_error(NotImplementedError,
+                        "fprop / dgrad pinned to bf16 (pin_gemm_precision) on a weight stored quantized "
+                        "(quantized_model_init or an FSDP2 quantized all-gather): the weight exists only "
+                        "quantized; unpin them for this layer")
         out, amaxes, new_cache = linear(
-            inp, weight, bias, key=self.precision_key(key, inp, weight),
+            inp, weight, bias, key=op_key,
             fp8_scales=self.fp8_scale if delayed else None,
             grad_scale=self.grad_fp8_scale if delayed else None,
             grad_amax_state=self.grad_amax_state() if delayed else (),

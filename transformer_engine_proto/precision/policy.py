@@ -33,6 +33,7 @@ from . import calibrate
 from .cost_model import BF16, CostTable, cache_path, gemm_shapes, shipped_table_path
 
 __all__ = ["GemmPolicy", "Decision", "op_key", "policy_key", "policy_from_key", "decisions", "pins_key",
+           "with_default_pins",
            "HIGH", "RECIPE", "cost_table"]
 
 HIGH, RECIPE = "high_precision", "recipe"  # pinned values
@@ -104,6 +105,14 @@ def pins_key(pins: Dict[str, str]) -> str:
             raise ValueError(f"pin_gemm_precision: {gemm}={value!r}, expected one of {sorted(_PIN_NAMES)} or None")
         out.append(f"{gemm}={_PIN_NAMES[value]}")
     return ",".join(sorted(out))
+
+
+def with_default_pins(pins: str, **defaults: str) -> str:
+    """`pins` (a `pins_key` string) plus `defaults` (gemm=HIGH|RECIPE) for the GEMMs it leaves free."""
+    have = dict(p.split("=") for p in pins.split(",")) if pins else {}
+    for gemm, value in defaults.items():
+        have.setdefault(gemm, value)
+    return ",".join(f"{g}={v}" for g, v in sorted(have.items()))
 
 
 def decisions() -> Dict[int, Decision]:
