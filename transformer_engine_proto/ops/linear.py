@@ -232,8 +232,6 @@ class LinearPlan:
         return self.input_requires_grad and (not self.dgrad_q or self.cache_mode != CACHE_USE)
 
 
-
-
 def _split(buffers: Sequence[torch.Tensor], protos: Sequence[TensorProto]):
     out, i = [], 0
     for p in protos:
@@ -313,7 +311,7 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         out = gemm(x2d, weight, trans_b=True, bias=bias, out_dtype=inp.dtype)
         return out.view(out_shape), inp.new_empty(0, dtype=torch.float32), [], []
     amaxes = [torch.zeros(1, dtype=torch.float32, device=inp.device) for _ in range(2 if plan.delayed else 0)]
-    xq = wq = None
+    xq = None
     iq = plan.input_quantizer()
     if plan.prequantized:
         xq = rebuild(plan.prequantized_input(), inp_quantized)
@@ -325,13 +323,14 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
                 xq = iq.quantize(pad_rows(x2d, plan.input_rows), internal=True)
             else:
                 xq = _quantize_shared(plan, inp, x2d)
-    wq = plan.weight_quantizer() if cache_mode != CACHE_USE else None
     if cache_mode == CACHE_USE:
         wq = rebuild(plan.cached_weight(), weight_cache)
-    elif wq is not None:
-        if plan.delayed:
-            wq, amaxes[1] = _bind_delayed(wq, fp8_scales, 1)
-        wq = wq.quantize(weight, internal=True)
+    else:
+        wq = plan.weight_quantizer()  # None: forward reads the bf16 weight only
+        if wq is not None:
+            if plan.delayed:
+                wq, amaxes[1] = _bind_delayed(wq, fp8_scales, 1)
+            wq = wq.quantize(weight, internal=True)
     if plan.delayed:  # a tensor only backward quantizes: record its amax here (forward_amax_roles)
         for role in plan.forward_amax_roles():
             slot, t = (0, x2d) if role == "input" else (1, weight)
