@@ -151,16 +151,14 @@ def calibrate_grid(recipes, device, table: CostTable, grid=GRID, log=print, save
 
 
 def main(argv=None) -> None:
-    from .. import recipe as R_
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--grid", action="store_true", help="measure the full grid (the shipped table)")
     p.add_argument("--sizes", type=int, nargs="*", default=list(GRID))
     p.add_argument("--out", required=True)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
-    recipes = [R_.Float8CurrentScaling(), R_.DelayedScaling(), R_.MXFP8BlockScaling(), R_.Float8BlockScaling(),
-               R_.NVFP4BlockScaling()]
+    recipes = [R.Float8CurrentScaling(), R.DelayedScaling(), R.MXFP8BlockScaling(), R.Float8BlockScaling(),
+               R.NVFP4BlockScaling()]
     table = CostTable(device_name(args.device))
     calibrate_grid(recipes, args.device, table, tuple(args.sizes), save=lambda t: t.save(args.out))
     print(f"wrote {args.out}")
