@@ -63,7 +63,8 @@ def unpack_flags(flags: int):
 def _memo(method):
     """Compute a zero-argument plan method once per plan (plans are cached per call signature, so
     eager calls skip rebuilding protos and quantizers: host time on the hot path). Callers must
-    not mutate what it returns."""
+    not mutate what it returns. (The plan's properties are `functools.cached_property` for the
+    same reason: read from the instance dict after the first access, with no call.)"""
     name = method.__name__
 
     @functools.wraps(method)
@@ -91,51 +92,46 @@ class LinearPlan:
     save_original_input: bool
     prequantized: bool = False  # the input arrives already quantized (a fused norm + quantize)
 
-    @property
+    @functools.cached_property
     def quantizers(self):
         return quantizers_from_key(self.key)
 
-    @property
+    @functools.cached_property
     def quantized(self) -> bool:
         return self.quantizers.enabled
 
     # ---- which GEMMs run in the recipe's format (the others read the high-precision operands) ----
-    @property
-    @_memo
+    @functools.cached_property
     def fprop_q(self) -> bool:
         return self.quantizers.quantizes("fprop")
 
-    @property
-    @_memo
+    @functools.cached_property
     def dgrad_q(self) -> bool:
         return self.quantizers.quantizes("dgrad") and self.input_requires_grad
 
-    @property
-    @_memo
+    @functools.cached_property
     def wgrad_q(self) -> bool:
         return self.quantizers.quantizes("wgrad") and self.weight_requires_grad
 
-    @property
+    @functools.cached_property
     def delayed(self) -> bool:
         q = self.quantizers.input  # scale from module state: delayed scaling
         return q is not None and q.has_scale_state()
 
-    @property
+    @functools.cached_property
     def m(self) -> int:
         m = 1
         for s in self.in_shape[:-1]:
             m *= s
         return m
 
-    @property
-    @_memo
+    @functools.cached_property
     def rows(self):
         """Rows of the quantized input and grad_output: `m` zero-padded to the recipe's row block
         when wgrad runs (ops/row_padding.py)."""
         return gemm_rows(self.m, self.key, self.wgrad_q)
 
-    @property
-    @_memo
+    @functools.cached_property
     def input_rows(self):
         """Rows of the input as the forward quantizes it: padded only with its columnwise copy
         (with save_original_input, backward pads the raw input)."""
