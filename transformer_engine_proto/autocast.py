@@ -103,7 +103,7 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[_
     saved = FP8GlobalState.state
     FP8GlobalState.state = _State(enabled=bool(enabled), recipe=recipe if enabled else None,
                                   key=recipe_key(recipe if enabled else None), group=amax_reduction_group,
-                                  policy=policy_key(gemm_policy))
+                                  policy="" if gemm_policy is None else policy_key(gemm_policy))
     try:
         yield
     finally:
