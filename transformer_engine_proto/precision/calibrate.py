@@ -4,7 +4,7 @@ On CUDA a call is timed as a CUDA graph of several back-to-back calls (host time
 torch.compile and CUDA graphs the host is off the critical path, and a Linear's GEMM choice is
 about GPU time); elsewhere by wall clock. Operands are random normal bf16.
 
-    python -m transformer_engine_proto.precision.calibrate --grid --out tables/h100.json
+    python -m transformer_engine_proto.precision --out tables/h100.json
 """
 from __future__ import annotations
 
@@ -152,7 +152,6 @@ def calibrate_grid(recipes, device, table: CostTable, grid=GRID, log=print, save
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--grid", action="store_true", help="measure the full grid (the shipped table)")
     p.add_argument("--sizes", type=int, nargs="*", default=list(GRID))
     p.add_argument("--out", required=True)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
