@@ -325,3 +325,27 @@ def test_report_measures_when_asked(tmp_path, monkeypatch):
     report = te.precision_report(m, measure=True)
     assert "measured" in report.splitlines()[0]
     assert report.count("-> 0.500/0.250") == 3, report
+
+
+def test_calibrate_grid_fills_a_table_the_policy_can_use(monkeypatch, tmp_path):
+    """The shipped-table measurement on a tiny grid: every recipe's GEMM and quantize calls run once
+    (the timer stubbed), and the saved table predicts any shape for every kind."""
+    from transformer_engine_proto.precision import calibrate
+
+    def once(fn, device, **kw):
+        fn()
+        return 1.0
+
+    monkeypatch.setattr(calibrate, "time_ms", once)
+    monkeypatch.setattr(calibrate, "_QUANTIZE_ROWS", (32, 64))
+    recipes = [R.Float8CurrentScaling(), R.DelayedScaling(), R.MXFP8BlockScaling(), R.Float8BlockScaling(),
+               R.NVFP4BlockScaling()]
+    table = calibrate.calibrate_grid(recipes, "cpu", CostTable("cpu"), grid=(128, 256), log=lambda *_: None,
+                                     save=lambda t: t.save(str(tmp_path / "t.json")))
+    loaded = CostTable.load(str(tmp_path / "t.json"))
+    for kind in ["bf16"] + [type(r).__name__ for r in recipes]:
+        assert len(loaded.gemm[kind]) == 8, kind
+        assert loaded.gemm_ms(kind, "wgrad", 200, 300, 1000) is not None
+        if kind != "bf16":
+            assert loaded.quantize_ms(kind, "grad", 5000, True, True) is not None
+    assert loaded.to_json() == table.to_json()
