@@ -1,5 +1,6 @@
 """Inductor sees through the library's ops (ops/inductor_lowering.py): a compiled training step
 runs no library Python per Linear, and the opaque fallback still works."""
+import gc
 import os
 import sys
 
@@ -30,6 +31,7 @@ def _compiled_step_calls(recipe) -> int:
 
     for _ in range(2):
         step()
+    gc.collect()  # modules other tests left in reference cycles would be prepared at autocast entry
     return library_calls(step)
 
 
