@@ -26,8 +26,9 @@ import torch
 
 
 def make_recipe(name: str):
-    """None for 'none'/'bf16'; else a fresh recipe with TE's defaults. A name ending in
-    '+policy' (e.g. 'current+policy') gives the same recipe: `te_autocast` adds the GemmPolicy."""
+    """None for 'none'/'bf16'; else a fresh recipe with TE's defaults. Suffixes after '+' are run
+    options the scripts read ('+policy': `te_autocast` adds the GemmPolicy; '+soi', '+rc' in
+    bench_llama); the recipe is the name before them."""
     from transformer_engine_proto import recipe as R
 
     name = name.split("+", 1)[0]
@@ -49,7 +50,7 @@ def make_recipe(name: str):
 
 def te_autocast(recipe, variant: str):
     """`te.autocast(recipe=...)` for a te variant (with `te.GemmPolicy()` when the variant's name
-    ends in '+policy'); a no-op context for bf16 / torchao (recipe None)."""
+    contains '+policy'); a no-op context for bf16 / torchao (recipe None)."""
     import transformer_engine_proto as te
 
     if recipe is None:

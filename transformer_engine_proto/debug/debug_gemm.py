@@ -25,7 +25,7 @@ import torch
 
 from ..gemm import gemm
 from ..ops.linear import backward_tail, finish_backward
-from ..ops.recipe_registry import HIGH_PRECISION_KEY, quantizers_from_key
+from ..ops.recipe_registry import HIGH_PRECISION_KEY, high_precision_gemms, quantizers_from_key
 from ..tensor import QuantizedTensor
 from . import state
 from .state import HIGH, MODIFY, QUANTIZE, TENSOR_GEMMS
@@ -78,7 +78,7 @@ class _Calls:
         self.recipe_on = key != HIGH_PRECISION_KEY
         # GEMMs a per-GEMM precision choice keeps in high precision (te.gemm_policy / pins): a
         # debug feature may disable more, never re-enable these
-        self.high_precision_gemms = quantizers_from_key(key).high_precision_gemms
+        self.high_precision_gemms = high_precision_gemms(key)
         self.live = state.SESSION.active and state.debug_manager() is not None
         self.iteration = state.current_iteration()
         if plan is None:

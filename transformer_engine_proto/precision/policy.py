@@ -107,9 +107,14 @@ def pins_key(pins: Dict[str, str]) -> str:
     return ",".join(sorted(out))
 
 
+def _parse_pins(pins: str) -> Dict[str, str]:
+    """A `pins_key` string back to {gemm: HIGH | RECIPE}."""
+    return dict(p.split("=") for p in pins.split(",")) if pins else {}
+
+
 def with_default_pins(pins: str, **defaults: str) -> str:
     """`pins` (a `pins_key` string) plus `defaults` (gemm=HIGH|RECIPE) for the GEMMs it leaves free."""
-    have = dict(p.split("=") for p in pins.split(",")) if pins else {}
+    have = _parse_pins(pins)
     for gemm, value in defaults.items():
         have.setdefault(gemm, value)
     return ",".join(f"{g}={v}" for g, v in sorted(have.items()))
@@ -235,12 +240,11 @@ def decide(policy: Optional[GemmPolicy], recipe, device, m: int, n: int, k: int,
 @functools.lru_cache(maxsize=4096)
 def _cached_decision(policy: str, key: str, device: str, m: int, n: int, k: int, training: bool,
                      pins: str) -> Decision:
-    pin_dict = dict(p.split("=") for p in pins.split(",")) if pins else {}
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():  # measuring runs real kernels, also while dynamo traces
         return decide(policy_from_key(policy), recipe_from_key(key), torch.device(device), m, n, k, training,
-                      pin_dict)
+                      _parse_pins(pins))
 
 
 @torch._dynamo.assume_constant_result
