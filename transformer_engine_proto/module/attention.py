@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from ..errors import raise_error, shape_str
 from .base import TransformerEngineBaseModule
 from .rope import token_positions
 
@@ -33,6 +34,7 @@ ATTN_MASK_TYPES = ("no_mask", "padding", "causal", "padding_causal", "causal_bot
                    "padding_causal_bottom_right", "arbitrary")
 QKV_FORMATS = ("sbhd", "bshd", "thd")
 _THD_MASK = {"no_mask": "padding", "causal": "padding_causal", "causal_bottom_right": "padding_causal_bottom_right"}
+_PADDING_MASK_TYPES = ("padding", "padding_causal", "padding_causal_bottom_right")
 
 
 def canonical_mask_type(who: str, mask_type: str) -> str:
@@ -40,7 +42,7 @@ def canonical_mask_type(who: str, mask_type: str) -> str:
     if mask_type == "causal_padding":
         mask_type = "padding_causal"
     if mask_type not in ATTN_MASK_TYPES:
-        raise ValueError(f"{who}: attn_mask_type must be one of {ATTN_MASK_TYPES}, got {mask_type!r}")
+        raise_error(ValueError, f"{who}: attn_mask_type must be one of {ATTN_MASK_TYPES}, got {mask_type!r}")
     return mask_type
 
 
@@ -50,7 +52,7 @@ def check_window(who: str, window_size) -> Tuple[int, int]:
         return (-1, -1)
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or not all(isinstance(w, int) and w >= -1 for w in window_size)):
-        raise ValueError(f"{who}: window_size must be a (left, right) tuple of ints >= -1, got {window_size!r}")
+        raise_error(ValueError, f"{who}: window_size must be a (left, right) tuple of ints >= -1, got {window_size!r}")
     return (int(window_size[0]), int(window_size[1]))
 
 
@@ -108,7 +110,8 @@ class DotProductAttention(TransformerEngineBaseModule):
     `cu_seqlens_q` / `cu_seqlens_kv` [b + 1]); output with heads folded: [s, b, h*d], [b, s, h*d]
     or [t, h*d]. GQA / MQA: `num_gqa_groups` key/value heads. `attention_mask` follows TE: True
     means masked out; "padding*" takes [b, 1, 1, s] (a (q, kv) tuple for cross attention) or
-    `cu_seqlens_q` / `cu_seqlens_kv`; "arbitrary" a mask broadcastable to [b, h, s_q, s_kv]."""
+    `cu_seqlens_q` / `cu_seqlens_kv`; "arbitrary" a mask broadcastable to [b, h, s_q, s_kv]; the
+    other mask types take no attention_mask: passing one is an error."""
 
     def __init__(self, num_attention_heads: int, kv_channels: Union[int, Tuple[int, int]],
                  num_gqa_groups: Optional[int] = None, attention_dropout: float = 0.0, qkv_format: str = "sbhd",
@@ -160,26 +163,83 @@ class DotProductAttention(TransformerEngineBaseModule):
     def _check_qkv(self, q, k, v, fmt):
         who, rank = self._who(), 3 if fmt == "thd" else 4
         for n, t in (("query_layer", q), ("key_layer", k), ("value_layer", v)):
-            if not isinstance(t, torch.Tensor) or t.dim() != rank:
-                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"{who}: {n} must be a {rank}D tensor for qkv_format {fmt!r}, got {shape}")
+            if not isinstance(t, torch.Tensor):
+                raise_error(TypeError, f"{who}: {n} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != rank:
+                raise_error(ValueError, f"{who}: {n} must be a {rank}D tensor for qkv_format {fmt!r}, "
+                                        f"got {shape_str(t)}")
         if q.dtype != k.dtype or q.dtype != v.dtype or not q.dtype.is_floating_point:
-            raise TypeError(f"{who}: query/key/value dtypes must be one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+            raise_error(TypeError, f"{who}: query/key/value dtypes must be one floating dtype, "
+                                   f"got {q.dtype}, {k.dtype}, {v.dtype}")
         hq, hk, hv = q.shape[-2], k.shape[-2], v.shape[-2]
         if hq != self.heads_per_partition or hk != self.groups_per_partition or hv != hk:
-            raise ValueError(f"{who}: expected {self.heads_per_partition} query heads and {self.groups_per_partition} "
-                             f"key/value heads (num_gqa_groups), got {hq}, {hk}, {hv}")
+            raise_error(ValueError, f"{who}: expected {self.heads_per_partition} query heads and "
+                                    f"{self.groups_per_partition} key/value heads (num_gqa_groups), got {hq}, {hk}, {hv}")
         dk, dv = self.hidden_size_per_attention_head_k, self.hidden_size_per_attention_head_v
         if q.shape[-1] != dk or k.shape[-1] != dk or v.shape[-1] != dv:
-            raise ValueError(f"{who}: head dims must be kv_channels={self.kv_channels}, got q {q.shape[-1]}, "
-                             f"k {k.shape[-1]}, v {v.shape[-1]}")
+            raise_error(ValueError, f"{who}: head dims must be kv_channels={self.kv_channels}, got q {q.shape[-1]}, "
+                                    f"k {k.shape[-1]}, v {v.shape[-1]}")
         if fmt != "thd":
             b = 1 if fmt == "sbhd" else 0
-            if q.shape[b] != k.shape[b] or k.shape[:2] != v.shape[:2]:
-                raise ValueError(f"{who}: query/key/value batch or sequence dims disagree for {fmt!r}: "
-                                 f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+            if q.shape[b] != k.shape[b] or k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1]:
+                raise_error(ValueError, f"{who}: query/key/value batch or sequence dims disagree for {fmt!r}: "
+                                        f"{shape_str(q)}, {shape_str(k)}, {shape_str(v)}")
         elif k.shape[0] != v.shape[0]:
-            raise ValueError(f"{who}: key_layer and value_layer token counts differ: {k.shape[0]} vs {v.shape[0]}")
+            raise_error(ValueError, f"{who}: key_layer and value_layer token counts differ: "
+                                    f"{k.shape[0]} vs {v.shape[0]}")
+
+    def _check_mask(self, mask, mask_type, fmt, q, k, cu_q, cu_kv):
+        """TE's mask conventions (True = masked out), checked on shapes and dtypes only: a padding
+        mask is [b, 1, 1, s] (a (q, kv) pair when s_q != s_kv), an "arbitrary" one broadcastable
+        to [b, h, s_q, s_kv]. A mask the mask type would not read is an error, not ignored."""
+        who = self._who()
+        if fmt == "thd":
+            if cu_q is None or cu_kv is None:
+                raise_error(ValueError, f"{who}: qkv_format 'thd' needs cu_seqlens_q and cu_seqlens_kv")
+            if mask_type == "arbitrary" or mask is not None:
+                raise_error(ValueError, f"{who}: qkv_format 'thd' takes its mask from cu_seqlens (padding mask "
+                                        "types), not an attention_mask / 'arbitrary'")
+            return
+        if mask is None:
+            if mask_type == "arbitrary":
+                raise_error(ValueError, f"{who}: attn_mask_type 'arbitrary' needs a bool attention_mask "
+                                        "broadcastable to [b, h, s_q, s_kv] (True = masked out)")
+            if mask_type in _PADDING_MASK_TYPES and cu_q is None:
+                raise_error(ValueError, f"{who}: attn_mask_type {mask_type!r} needs attention_mask or "
+                                        "cu_seqlens_q/kv")
+            return
+        if mask_type not in _PADDING_MASK_TYPES and mask_type != "arbitrary":
+            raise_error(ValueError, f"{who}: attn_mask_type {mask_type!r} does not use attention_mask; pass "
+                                    "attention_mask=None, or an attn_mask_type that takes one: 'padding', "
+                                    "'padding_causal', 'padding_causal_bottom_right' (a bool [b, 1, 1, s] padding "
+                                    "mask, or a (q, kv) pair) or 'arbitrary' (a bool mask broadcastable to "
+                                    "[b, h, s_q, s_kv]); True = masked out")
+        bi, si = (1, 0) if fmt == "sbhd" else (0, 1)
+        b, h, sq, skv = q.shape[bi], q.shape[-2], q.shape[si], k.shape[si]
+        if mask_type == "arbitrary":
+            if not isinstance(mask, torch.Tensor):
+                raise_error(TypeError, f"{who}: attn_mask_type 'arbitrary' takes one attention_mask tensor, "
+                                       f"got {type(mask).__name__}")
+            if mask.dtype != torch.bool:
+                raise_error(TypeError, f"{who}: an 'arbitrary' attention_mask must be bool (True = masked out), "
+                                       f"got {mask.dtype}")
+            if mask.dim() > 4 or any(m != 1 and m != e for m, e in zip(reversed(mask.shape), (skv, sq, h, b))):
+                raise_error(ValueError, f"{who}: an 'arbitrary' attention_mask must be broadcastable to "
+                                        f"[b, h, s_q, s_kv] = [{b}, {h}, {sq}, {skv}], got {shape_str(mask)}")
+            return
+        pair = isinstance(mask, (tuple, list))
+        if pair and len(mask) != 2:
+            raise_error(TypeError, f"{who}: a padding attention_mask is one tensor [b, 1, 1, s] or a (q, kv) pair, "
+                                   f"got {len(mask)} items")
+        for n, m, s in zip(("q", "kv"), mask if pair else (mask, mask), (sq, skv)):
+            if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
+                got = m.dtype if isinstance(m, torch.Tensor) else type(m).__name__
+                raise_error(TypeError, f"{who}: a padding attention_mask must be bool (True = masked out), got {got}")
+            if m.dim() != 4 or m.shape[0] != b or m.shape[1] != 1 or m.shape[2] != 1 or m.shape[3] != s:
+                hint = ("; a padding mask is not broadcast over the batch" if m.dim() == 4 and m.shape[0] == 1
+                        else "; pass a (q, kv) pair when s_q != s_kv" if not pair and sq != skv else "")
+                raise_error(ValueError, f"{who}: the {n} padding attention_mask must be [b, 1, 1, s_{n}] = "
+                                        f"[{b}, 1, 1, {s}], got {shape_str(m)}{hint}")
 
     def forward(self, query_layer: torch.Tensor, key_layer: torch.Tensor, value_layer: torch.Tensor,
                 attention_mask=None, qkv_format: Optional[str] = None,
@@ -190,18 +250,20 @@ class DotProductAttention(TransformerEngineBaseModule):
                 bottom_right_diagonal: Optional[bool] = None, checkpoint_core_attention: bool = False,
                 core_attention_bias_type: str = "no_bias", core_attention_bias=None, alibi_slopes=None,
                 fast_zero_fill: bool = True, inference_params=None, **unsupported) -> torch.Tensor:
-        """max_seqlen_q / max_seqlen_kv are accepted and not needed (no host sync either way)."""
+        """max_seqlen_q / max_seqlen_kv are accepted and not needed (no host sync either way).
+        Every check reads only types, shapes and dtypes (no host sync) and raises through
+        `raise_error`, so under torch.compile(fullgraph=True) too the user gets our type and message."""
         who = self._who()
         if unsupported:
-            raise TypeError(f"{who}: unsupported forward arguments {sorted(unsupported)}")
+            raise_error(TypeError, f"{who}: unsupported forward arguments {', '.join(sorted(unsupported))}")
         if core_attention_bias_type != "no_bias" or core_attention_bias is not None or alibi_slopes is not None:
-            raise NotImplementedError(f"{who}: attention bias / ALiBi (core_attention_bias_type="
-                                      f"{core_attention_bias_type!r}) is not supported")
+            raise_error(NotImplementedError, f"{who}: attention bias / ALiBi (core_attention_bias_type="
+                                             f"{core_attention_bias_type!r}) is not supported")
         if inference_params is not None:
-            raise NotImplementedError(f"{who}: inference_params (KV cache) is not supported")
+            raise_error(NotImplementedError, f"{who}: inference_params (KV cache) is not supported")
         fmt = qkv_format or self.qkv_format
         if fmt not in QKV_FORMATS:
-            raise ValueError(f"{who}: qkv_format must be one of {QKV_FORMATS}, got {fmt!r}")
+            raise_error(ValueError, f"{who}: qkv_format must be one of {QKV_FORMATS}, got {fmt!r}")
         mask_type = canonical_mask_type(who, attn_mask_type) if attn_mask_type is not None else self.attn_mask_type
         window = check_window(who, window_size) if window_size is not None else self.window_size
         if bottom_right_diagonal is None:
@@ -209,14 +271,11 @@ class DotProductAttention(TransformerEngineBaseModule):
         self._check_qkv(query_layer, key_layer, value_layer, fmt)
         if fmt == "thd":
             mask_type = _THD_MASK.get(mask_type, mask_type)
-            if cu_seqlens_q is None or cu_seqlens_kv is None:
-                raise ValueError(f"{who}: qkv_format 'thd' needs cu_seqlens_q and cu_seqlens_kv")
-            if mask_type == "arbitrary" or attention_mask is not None:
-                raise ValueError(f"{who}: qkv_format 'thd' takes its mask from cu_seqlens (padding mask types), "
-                                 "not an attention_mask / 'arbitrary'")
+        self._check_mask(attention_mask, mask_type, fmt, query_layer, key_layer, cu_seqlens_q, cu_seqlens_kv)
         if cu_seqlens_q is not None and (cu_seqlens_q.dim() != 1 or cu_seqlens_kv is None
                                          or cu_seqlens_kv.shape != cu_seqlens_q.shape or cu_seqlens_q.is_floating_point()):
-            raise ValueError(f"{who}: cu_seqlens_q and cu_seqlens_kv must be integer tensors of one shape [batch + 1]")
+            raise_error(ValueError, f"{who}: cu_seqlens_q and cu_seqlens_kv must be integer tensors of one shape "
+                                    "[batch + 1]")
         args = (query_layer, key_layer, value_layer, attention_mask, fmt, cu_seqlens_q, cu_seqlens_kv,
                 cu_seqlens_q_padded, cu_seqlens_kv_padded, mask_type, window, bottom_right_diagonal)
         if checkpoint_core_attention and torch.is_grad_enabled():
@@ -224,8 +283,7 @@ class DotProductAttention(TransformerEngineBaseModule):
         return self._attend(*args)
 
     def _mask(self, q, k, attention_mask, fmt, cu_q, cu_kv, pad_q, pad_kv, mask_type, window, bottom_right):
-        """(SDPA's attn_mask or None, is_causal)."""
-        who = self._who()
+        """(SDPA's attn_mask or None, is_causal); the inputs passed `_check_mask`."""
         sq, skv = q.shape[-2], k.shape[-2]  # [b, h, s, d]
         no_window = window[0] < 0 and (window[1] < 0 or (window[1] == 0 and "causal" in mask_type))
         if mask_type == "no_mask" and no_window:
@@ -256,27 +314,15 @@ class DotProductAttention(TransformerEngineBaseModule):
         elif "padding" in mask_type:
             if attention_mask is not None:
                 mq, mkv = attention_mask if isinstance(attention_mask, (tuple, list)) else (attention_mask, attention_mask)
-                if mq.dtype != torch.bool or mkv.dtype != torch.bool:
-                    raise TypeError(f"{who}: a padding attention_mask must be bool (True = masked out)")
-                q_valid, kv_valid = ~mq.reshape(mq.shape[0], -1), ~mkv.reshape(mkv.shape[0], -1)
-                if q_valid.shape[-1] != sq or kv_valid.shape[-1] != skv:
-                    raise ValueError(f"{who}: padding attention_mask must be [b, 1, 1, s] with s = {sq} (q) / "
-                                     f"{skv} (kv), got {tuple(mq.shape)} / {tuple(mkv.shape)}")
-            elif cu_q is not None:
+                q_valid, kv_valid = ~mq[:, 0, 0], ~mkv[:, 0, 0]  # [b, 1, 1, s] -> [b, s]
+            else:
                 q_valid = q_pos[None, :] < cu_q.diff()[:, None]
                 kv_valid = kv_pos[None, :] < cu_kv.diff()[:, None]
-            else:
-                raise ValueError(f"{who}: attn_mask_type {mask_type!r} needs attention_mask or cu_seqlens_q/kv")
             if bottom_right:
                 offset = (kv_valid.sum(-1) - q_valid.sum(-1))[:, None]  # [b, 1]
             q_pos, kv_pos = q_pos[None, :], kv_pos[None, :]
         elif mask_type == "arbitrary":
-            if attention_mask is None or attention_mask.dtype != torch.bool:
-                raise ValueError(f"{who}: attn_mask_type 'arbitrary' needs a bool attention_mask (True = masked out)")
             arbitrary = ~attention_mask
-        elif attention_mask is not None:
-            raise ValueError(f"{who}: attention_mask is only used with padding or arbitrary masks, "
-                             f"not attn_mask_type {mask_type!r}")
         if offset is not None and offset.__class__ is int and offset == 0:
             offset = None
         mask = attention_mask_from_positions(q_pos, kv_pos, mask_type, window, offset, q_valid, kv_valid,

@@ -21,6 +21,7 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from ..errors import raise_error, shape_str
 from .attention import DotProductAttention
 from .base import TransformerEngineBaseModule
 from .layernorm_linear import LayerNormLinear
@@ -145,20 +146,20 @@ class MultiheadAttention(TransformerEngineBaseModule):
         self._check_input(hidden_states, self.hidden_size, "hidden_states")
         rank = 2 if self.qkv_format == "thd" else 3
         if hidden_states.dim() != rank:
-            raise ValueError(f"{who}: hidden_states must be {rank}D for qkv_format {self.qkv_format!r}, "
-                             f"got {tuple(hidden_states.shape)}")
+            raise_error(ValueError, f"{who}: hidden_states must be {rank}D for qkv_format {self.qkv_format!r}, "
+                                    f"got {shape_str(hidden_states)}")
         mb = dict(is_first_microbatch=is_first_microbatch)
         ln_out = None
         if self.attention_type == "self":
             if encoder_output is not None:
-                raise ValueError(f"{who}: encoder_output is only used with attention_type='cross'")
+                raise_error(ValueError, f"{who}: encoder_output is only used with attention_type='cross'")
             qkv = self.qkv(hidden_states, **mb)
             if self.return_layernorm_output:
                 qkv, ln_out = qkv
             q, k, v = self._split_qkv(qkv)
         else:
             if encoder_output is None:
-                raise ValueError(f"{who}: attention_type='cross' needs encoder_output")
+                raise_error(ValueError, f"{who}: attention_type='cross' needs encoder_output")
             self._check_input(encoder_output, self.hidden_size, "encoder_output")
             q = self.query(hidden_states, **mb)
             if self.return_layernorm_output:
