@@ -24,6 +24,7 @@ from ..distributed import tp as _tp
 from ..errors import raise_error
 from ..kernels.reference.common import true_div
 from ..ops import linear_ops
+from ..ops.saved_state import saved_state
 from ..ops.recipe_registry import HIGH_PRECISION_KEY, high_precision_gemms, quantizers_from_key, recipe_key
 from ..precision import policy as _policy
 from ..tensor import QuantizedTensor, TensorProto
@@ -54,7 +55,7 @@ def _update_from_history(scale, amax_history, recipe: R.DelayedScaling, fp8_max:
     # kept where amax <= 0, amax is inf/NaN or new is not finite; where amax is positive and
     # finite, new lies in [0, inf], so `new < inf` is its finiteness test
     ok = (amax > 0) & (amax < math.inf) & (new < math.inf)
-    scale.copy_(torch.where(ok, new, scale))
+    scale.copy_(saved_state(torch.where(ok, new, scale)))  # backward reads this step's scale
     history.copy_(torch.roll(history, -1, 0))
     history[0].zero_()
 

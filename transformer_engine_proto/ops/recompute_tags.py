@@ -17,7 +17,7 @@ from typing import Optional
 import torch.fx.traceback as fx_traceback
 from torch.utils.checkpoint import CheckpointPolicy
 
-__all__ = ["recomputed_in_backward", "set_recompute_saved_input", "recompute_saved_input"]
+__all__ = ["recomputed_in_backward", "tagged", "set_recompute_saved_input", "recompute_saved_input"]
 
 _MISSING = object()
 _recompute_input: Optional[bool] = None
@@ -40,15 +40,20 @@ def recompute_saved_input() -> bool:
     return _recompute_input
 
 
-@contextlib.contextmanager
 def recomputed_in_backward(active: bool = True):
     """Tag the nodes traced inside MUST_RECOMPUTE (a no-op outside inductor's tracing)."""
+    return tagged(CheckpointPolicy.MUST_RECOMPUTE, active)
+
+
+@contextlib.contextmanager
+def tagged(policy: CheckpointPolicy, active: bool = True):
+    """Tag the nodes traced inside with `policy` (a no-op outside inductor's tracing)."""
     if not active or not fx_traceback.has_preserved_node_meta():
         yield
         return
     meta = fx_traceback.get_current_meta()
     before = meta.get("recompute", _MISSING)
-    meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    meta["recompute"] = policy
     try:
         yield
     finally:

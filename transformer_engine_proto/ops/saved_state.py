@@ -1,0 +1,41 @@
+"""`saved_state(t)`: a module-state value that backward reads exactly as the forward computed it.
+
+The delayed-scaling scales are computed in the forward graph from the amax history, written into
+their buffers, and read again by backward (the gradient's scale, the columnwise copies' scales).
+AOT's min-cut partitioner (torch 2.11 to 2.13, pytorch/pytorch#197039) may recompute such a value
+in backward from the buffers it came from, which the same forward graph has mutated by then: the
+backward would quantize with the next step's scale, silently. Routing the value through this op
+pins it: under inductor its body is tagged MUST_SAVE, and since the forward writes it into the
+buffer (the forward needs it) the partitioner must save it. Eager and the other backends see the
+value itself (no op, no copy).
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from .inductor_lowering import inline_in_inductor
+from .recompute_tags import tagged
+
+__all__ = ["saved_state"]
+
+
+@torch.library.custom_op("te_proto::saved_state", mutates_args=())
+def _saved_state(t: torch.Tensor) -> torch.Tensor:
+    # `t * 1.0` is `t` bit for bit; a clone would be deleted (with its tag) by inductor's
+    # joint-graph no-op pass before the partitioner sees it
+    with tagged(CheckpointPolicy.MUST_SAVE):
+        return t * 1.0
+
+
+@_saved_state.register_fake
+def _(t):
+    return torch.empty_like(t)
+
+
+inline_in_inductor(torch.ops.te_proto.saved_state.default, _saved_state._init_fn)
+
+
+def saved_state(t: torch.Tensor) -> torch.Tensor:
+    """`t`, pinned as a value backward must read from forward (a no-op outside torch.compile)."""
+    return _saved_state(t) if torch.compiler.is_compiling() else t
