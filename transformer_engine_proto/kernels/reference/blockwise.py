@@ -1,7 +1,8 @@
 """FP8 blockwise (DeepSeek-style) quantize/dequantize: one fp32 scale per 1x128 or 128x128 tile.
 
 Partial tiles at the matrix edges are allowed: their amax covers only the real elements (the
-padding used to shape the reduction is zeros, which cannot raise an amax).
+padding used to shape the reduction is zeros, which cannot raise an amax). Non-finite values as in
+`common`: a tile's amax is that of its finite values, and inf / NaN stay non-finite in the data.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import guard_or_true
 
 from .. import register_kernel
-from .common import fp8_max, saturating_cast, scale_from_amax, transpose_2d
+from .common import fp8_max, scale_from_amax, scaled_cast, transpose_2d
 
 TILE = 128
 
@@ -23,11 +24,12 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def tile_scales(x2d: torch.Tensor, rows: int, fp8_dtype, power_2: bool, epsilon: float) -> torch.Tensor:
-    """fp32 quantization scale per (rows x 128) tile of the (R, C) matrix `x2d`: shape
-    (ceil(R/rows), ceil(C/128))."""
+    """fp32 quantization scale per (rows x 128) tile of the (R, C) matrix `x2d`, from the amax of
+    the tile's finite values: shape (ceil(R/rows), ceil(C/128))."""
     r, c = x2d.shape
     rt, ct = ceil_div(r, rows), ceil_div(c, TILE)
     a = x2d.float().abs()
+    a = torch.where(a < math.inf, a, 0.0)  # NaN compares False too
     if guard_or_true(rt * rows != r) or guard_or_true(ct * TILE != c):  # unknown (a data-dependent row count): pad, maybe by 0
         a = F.pad(a, (0, ct * TILE - c, 0, rt * rows - r))
     amax = a.reshape(rt, rows, ct, TILE).amax(dim=(1, 3))
@@ -43,7 +45,7 @@ def expand_tiles(s: torch.Tensor, rows: int, r: int, c: int) -> torch.Tensor:
 
 def _cast_tiles(x2d, scale, rows, fp8_dtype) -> torch.Tensor:
     r, c = x2d.shape
-    return saturating_cast(x2d.float() * expand_tiles(scale, rows, r, c), fp8_dtype)
+    return scaled_cast(x2d, expand_tiles(scale, rows, r, c), fp8_dtype)
 
 
 def outer_dim_major(s: torch.Tensor) -> torch.Tensor:

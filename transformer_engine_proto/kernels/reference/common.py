@@ -1,5 +1,14 @@
-"""Shared numerics: format maxima and saturating casts."""
+"""Shared numerics: format maxima, amaxes and saturating casts.
+
+Non-finite inputs (the FP8 formats' spec): a scale is computed from the amax of the finite values
+(`abs_max(x, finite=True)`), so one inf or NaN leaves every other value its FP8 precision; and
+`scaled_cast` keeps inf / NaN non-finite in the quantized data, so they reach the GEMM outputs as
+they would in bf16: E5M2 keeps +-inf and NaN, E4M3 (no inf) holds both as NaN. Finite values
+beyond the format's max saturate to +-max.
+"""
 from __future__ import annotations
+
+import math
 
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -9,16 +18,22 @@ FP4_E2M1_MAX = 6.0
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
-def abs_max(x: torch.Tensor) -> torch.Tensor:
-    """max |x| as a float32 tensor of shape (1,) (NaN if x has a NaN); 0 for an empty tensor,
-    which torch's amax() rejects. Decided on the shape alone: a symbolic size is never guarded."""
+def abs_max(x: torch.Tensor, finite: bool = False) -> torch.Tensor:
+    """max |x| as a float32 tensor of shape (1,): over every element (NaN if x has a NaN, else
+    inf if it has an inf: what delayed scaling records, so its history sees the overflow) or, with
+    `finite`, over the finite elements only (what a scale is computed from; 0 if there are none).
+    0 for an empty tensor, which torch's amax() rejects. Decided on the shape alone: a symbolic
+    size is never guarded."""
     if statically_known_true(x.numel() == 0):
         return x.new_zeros(1, dtype=torch.float32)
+    a = x.abs()
+    if finite:
+        a = torch.where(a < math.inf, a, 0.0)  # NaN compares False too
     if statically_known_true(x.numel() != 0):
-        return x.abs().amax().float().reshape(1)
+        return a.amax().float().reshape(1)
     # a row count that is data (an unbacked SymInt: a GroupedLinear expert's tokens under compile)
     # may be 0 at run time: reduce with one zero prepended (a copy)
-    return torch.cat([x.new_zeros(1), x.abs().reshape(-1)]).amax().float().reshape(1)
+    return torch.cat([x.new_zeros(1), a.reshape(-1)]).amax().float().reshape(1)
 
 
 def fp8_max(fp8_dtype: torch.dtype) -> float:
@@ -32,6 +47,18 @@ def saturating_cast(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """Round-to-nearest-even cast to fp8 that clamps to +-max (Inf saturates, NaN stays NaN)."""
     m = fp8_max(fp8_dtype)
     return x.float().clamp(-m, m).to(fp8_dtype)
+
+
+def scaled_cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """fp8 of `x * scale` (a finite scale > 0, broadcast against x), rounded to nearest even.
+
+    A finite x saturates to +-max, also where x * scale overflows fp32. A non-finite x stays
+    non-finite, sign included: E5M2 keeps +-inf and NaN; E4M3 has no inf, so both become NaN."""
+    m = fp8_max(fp8_dtype)
+    x = x.float()
+    v = (x * scale.float()).clamp(-m, m)
+    special = x if fp8_dtype == torch.float8_e5m2 else torch.copysign(torch.full_like(x, math.nan), x)
+    return torch.where(x.abs() < math.inf, v, special).to(fp8_dtype)
 
 
 def true_div(num: float, den: torch.Tensor) -> torch.Tensor:

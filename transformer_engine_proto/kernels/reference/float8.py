@@ -1,4 +1,8 @@
-"""Per-tensor FP8 (delayed and current scaling): cast with one scale, optional 2D transpose."""
+"""Per-tensor FP8 (delayed and current scaling): cast with one scale, optional 2D transpose.
+
+Non-finite inputs (`common`): current scaling takes its scale from the amax of the finite values;
+the cast keeps inf / NaN non-finite. Delayed scaling records the amax of every value, so an inf or
+NaN shows in the amax it hands back (the module skips and counts it in its history)."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -6,11 +10,11 @@ from typing import Optional, Tuple
 import torch
 
 from .. import register_kernel
-from .common import abs_max, fp8_max, saturating_cast, scale_from_amax, transpose_2d
+from .common import abs_max, fp8_max, scale_from_amax, scaled_cast, transpose_2d
 
 
 def _cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype, rowwise: bool, columnwise: bool):
-    data = saturating_cast(x.float() * scale.float(), fp8_dtype)
+    data = scaled_cast(x, scale, fp8_dtype)
     x2d = data.reshape(-1, x.shape[-1])
     transpose = transpose_2d(x2d) if columnwise else None
     return (data if rowwise else None), transpose
@@ -18,22 +22,25 @@ def _cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype, rowwise: bool, column
 
 @register_kernel("amax")
 def amax(x: torch.Tensor) -> torch.Tensor:
-    """max |x| as a float32 tensor of shape (1,) (NaN if x has a NaN; 0 if x is empty)."""
-    return abs_max(x)
+    """max |x| over the finite values of x, as a float32 tensor of shape (1,) (0 if x is empty or
+    has no finite value): the amax a current scale is computed from."""
+    return abs_max(x, finite=True)
 
 
 @register_kernel("fp8_quantize_delayed")
 def fp8_quantize_delayed(x, scale, amax_out, fp8_dtype, rowwise, columnwise
                          ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor]:
-    """Cast with a given scale; max-accumulate this tensor's amax into `amax_out` in place."""
-    amax_out.copy_(torch.maximum(amax_out, amax(x).reshape(amax_out.shape)))
+    """Cast with a given scale; max-accumulate max |x| of every value (inf / NaN included) into
+    `amax_out` in place."""
+    amax_out.copy_(torch.maximum(amax_out, abs_max(x).reshape(amax_out.shape)))
     data, transpose = _cast(x, scale, fp8_dtype, rowwise, columnwise)
     return data, transpose, scale.float().reciprocal().reshape(1)
 
 
 @register_kernel("fp8_quantize_current")
 def fp8_quantize_current(x, fp8_dtype, rowwise, columnwise, margin=0, power_2=False, epsilon=0.0):
-    """Scale from this tensor's own amax: returns (data, transpose, scale_inv, amax)."""
+    """Scale from this tensor's own amax (of its finite values): returns (data, transpose,
+    scale_inv, amax)."""
     a = amax(x)
     scale = scale_from_amax(a, fp8_max(fp8_dtype), margin, power_2, epsilon)
     data, transpose = _cast(x, scale, fp8_dtype, rowwise, columnwise)

@@ -91,7 +91,8 @@ def norm_bwd(grad_out, inp, mu, rsigma, weight, kind: str, zero_centered_gamma: 
 
 @register_kernel("norm_fwd_amax")
 def norm_fwd_amax(inp, weight, bias, eps: float, kind: str, zero_centered_gamma: bool):
-    """(y, mu, rsigma, amax): the norm plus max |y| of y as stored (fp32 (1,), NaN if y has one)."""
+    """(y, mu, rsigma, amax): the norm plus max |y| over the finite values of y as stored (fp32
+    (1,)): the `amax` kernel of y, what current scaling of y takes its scale from."""
     y, mu, rsigma = norm_fwd(inp, weight, bias, eps, kind, zero_centered_gamma)
     return y, mu, rsigma, _amax(y)
 

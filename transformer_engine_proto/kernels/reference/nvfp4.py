@@ -7,13 +7,15 @@ Encoding, with S_enc = 448 * 6 / amax (see `global_encode_scale`):
                                                      overflows: e2m1((x * S_enc) / S_dec_b))
   x~      = q * S_dec_b / S_enc
 
-NaN has no E2M1 encoding: a NaN element makes its block's amax (hence S_dec_b) NaN, so the
-whole block dequantizes to NaN; the element's own code is 0. Inf saturates to +-6 (x scale).
+Non-finite values (E2M1 has neither inf nor NaN): the global amax is that of the finite values
+(`common.abs_max`), so they leave the other blocks their precision; a block holding an inf or NaN
+gets a NaN S_dec_b (its codes are 0), so the whole block dequantizes to NaN.
 The columnwise operand may go through a random Hadamard transform (RHT) first: every run of 16
 values along M is multiplied by the orthonormal H = Had16 @ diag(signs) / 4.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -117,7 +119,8 @@ def _rht_values(seed: int) -> Tuple[Tuple[float, ...], ...]:
     if seed not in _RHT_CACHE:
         with _disable_current_modes():  # real tensors even while an op body is being traced
             g = torch.Generator().manual_seed(seed)
-            signs = (torch.randint(0, 2, (BLOCK,), generator=g) * 2 - 1).tolist()
+            # device="cpu": the generator's device, also under a user's `with torch.device("cuda")`
+            signs = (torch.randint(0, 2, (BLOCK,), generator=g, device="cpu") * 2 - 1).tolist()
         _RHT_CACHE[seed] = tuple(
             tuple((-1.0 if bin(i & j).count("1") % 2 else 1.0) * signs[j] / 4.0 for j in range(BLOCK))
             for i in range(BLOCK)
@@ -190,7 +193,10 @@ def quantize_blocks(x2d: torch.Tensor, amax: torch.Tensor, two_d: bool = False,
     r, c = x2d.shape
     s_enc = global_encode_scale(amax)
     six = s_enc.new_full((1,), FP4_E2M1_MAX)  # a tensor: CUDA divides by a scalar via its reciprocal
-    s_dec = saturating_cast(_block_amax(x2d, two_d) / six * s_enc, torch.float8_e4m3fn)
+    block_amax = _block_amax(x2d, two_d)
+    # a non-finite block amax (the block holds an inf or NaN) gives a NaN scale, not a saturated one
+    s_dec = saturating_cast(torch.where(block_amax < math.inf, block_amax / six * s_enc, math.nan),
+                            torch.float8_e4m3fn)
     s_dec_f = s_dec.float().unsqueeze(-1)
     enc = torch.where(s_dec_f == 0, torch.zeros_like(s_dec_f), s_enc / s_dec_f)
     blocks = x2d.reshape(-1, BLOCK)
@@ -217,7 +223,9 @@ def transpose_2d_blocks(data: torch.Tensor, scale_inv: torch.Tensor) -> Tuple[to
     return pack_fp4(codes_t), tiles.repeat_interleave(BLOCK, 0).view(torch.float8_e4m3fn)
 
 
-_amax = abs_max
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    """The global amax: of the finite values."""
+    return abs_max(x, finite=True)
 
 
 def check_given_amax(amax: Optional[torch.Tensor], rht: bool) -> None:

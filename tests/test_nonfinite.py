@@ -1,0 +1,154 @@
+"""Non-finite inputs under every recipe. A current scale comes from the amax of the finite values,
+so one inf or NaN leaves the other values their FP8 precision; inf / NaN stay non-finite through
+the quantize (E4M3 has no inf: NaN; E5M2 keeps +-inf) and so reach the GEMM outputs and gradients
+where bf16 / fp32 has them, where overflow checks and loss scalers can see them."""
+import math
+
+import pytest
+import torch
+
+import transformer_engine_proto as te
+from transformer_engine_proto import recipe as R
+from transformer_engine_proto.kernels import kernel
+from transformer_engine_proto.tensor import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
+                                             MXFP8Quantizer, NVFP4Quantizer)
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+INF, NAN = float("inf"), float("nan")
+# bytes of +inf, -inf, +NaN, -NaN
+NONFINITE_BYTES = {E4M3: [0x7F, 0xFF, 0x7F, 0xFF], E5M2: [0x7C, 0xFC, 0x7F, 0xFF]}
+MAX_BYTE = {E4M3: 0x7E, E5M2: 0x7B}
+
+
+def _rel_err(y, ref):
+    return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def _nonfinite_row(n):
+    """[+inf, -inf, +NaN, -NaN] then n - 4 finite values."""
+    x = torch.randn(1, n)
+    x[0, :4] = torch.tensor([INF, -INF, NAN, NAN])
+    x[0, 3] = torch.copysign(x[0, 3], torch.tensor(-1.0))  # -NaN
+    return x
+
+
+# ---- te.Linear ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_current_scaling_inf_in_one_row_keeps_the_other_rows_precision(dtype):
+    torch.manual_seed(0)
+    model = te.Linear(64, 32, bias=False, params_dtype=dtype)
+    x = (torch.randn(16, 64) * 1e-2).to(dtype)
+    x[3, 5] = INF
+    with te.autocast(recipe=R.Float8CurrentScaling()):
+        y = model(x)
+    ref = x.float() @ model.weight.detach().float().T
+    clean = torch.arange(16) != 3
+    assert _rel_err(y[clean], ref[clean]) < 0.1  # scale 1 (an inf amax) gave 0.68
+    assert torch.equal(torch.isfinite(y), torch.isfinite(ref)) and not torch.isfinite(y[3]).any()
+
+
+@pytest.mark.parametrize("recipe", [R.DelayedScaling(), R.Float8CurrentScaling()], ids=["delayed", "current"])
+def test_inf_in_grad_output_reaches_dgrad_and_wgrad(recipe):
+    torch.manual_seed(0)
+    model = te.Linear(64, 32, bias=False)
+    x = torch.randn(16, 64, requires_grad=True)
+    with te.autocast(recipe=recipe):
+        y = model(x)
+    g = torch.randn_like(y)
+    g[2, 7] = INF
+    y.backward(g)
+    xr = x.detach().clone().requires_grad_()
+    wr = model.weight.detach().clone().requires_grad_()
+    (xr @ wr.T).backward(g)
+    assert not torch.isfinite(xr.grad[2]).any() and not torch.isfinite(wr.grad[7]).any()
+    assert torch.equal(torch.isfinite(x.grad), torch.isfinite(xr.grad))  # the bf16 path: 64 non-finite each
+    assert torch.equal(torch.isfinite(model.weight.grad), torch.isfinite(wr.grad))
+    if isinstance(recipe, R.DelayedScaling):  # the recorded grad amax still shows the inf: counted
+        with te.autocast(recipe=recipe):
+            model(x)  # folds the pending grad amax into the history
+        assert model.gemm.nonfinite_amax_count.tolist() == [0, 0, 1]
+        assert torch.isfinite(model.gemm.grad_amax_history).all()
+
+
+# ---- per-tensor quantizers: the bytes -------------------------------------------------------------
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+def test_current_scaling_keeps_nonfinite_bytes_and_scales_from_finite_amax(fp8_dtype):
+    x = _nonfinite_row(64)
+    x[0, 10] = 3.0 * x[0, 4:].abs().max()  # the finite amax
+    t = Float8CurrentScalingQuantizer(fp8_dtype)(x)
+    assert t._data.view(torch.uint8)[0, :4].tolist() == NONFINITE_BYTES[fp8_dtype]
+    assert t._transpose.view(torch.uint8)[:4, 0].tolist() == NONFINITE_BYTES[fp8_dtype]
+    fmax = torch.finfo(fp8_dtype).max
+    assert t._scale_inv.item() == pytest.approx(x[0, 10].item() / fmax, rel=1e-6)
+    assert t._data.view(torch.uint8)[0, 10].item() == MAX_BYTE[fp8_dtype]
+    assert _rel_err(t.dequantize()[0, 4:], x[0, 4:]) < 0.1
+
+
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+def test_delayed_scaling_keeps_nonfinite_bytes_saturates_finite_and_records_the_inf(fp8_dtype):
+    x = _nonfinite_row(8)
+    x[0, 4:6] = torch.tensor([3e38, -1e30])  # finite beyond the max (3e38 * 2 overflows fp32)
+    amax = torch.zeros(1)
+    t = Float8Quantizer(torch.tensor([2.0]), amax, fp8_dtype)(x)
+    data = t._data.view(torch.uint8)[0]
+    assert data[:4].tolist() == NONFINITE_BYTES[fp8_dtype]
+    assert data[4:6].tolist() == [MAX_BYTE[fp8_dtype], MAX_BYTE[fp8_dtype] | 0x80]
+    assert t._transpose.view(torch.uint8)[:, 0].tolist() == data.tolist()
+    assert not torch.isfinite(amax).any()  # the module's history skips and counts it
+
+
+# ---- every format -------------------------------------------------------------------------------------
+def _formats():
+    return {
+        "current_e4m3": Float8CurrentScalingQuantizer(E4M3),
+        "current_e5m2": Float8CurrentScalingQuantizer(E5M2),
+        "delayed": Float8Quantizer(torch.tensor([2.0 ** 12]), torch.zeros(1), E4M3),
+        "blockwise_1x128": Float8BlockQuantizer(E4M3, 1),
+        "blockwise_128x128": Float8BlockQuantizer(E4M3, 2),
+        "mxfp8": MXFP8Quantizer(E4M3),
+        "nvfp4": NVFP4Quantizer(),
+        "nvfp4_2d": NVFP4Quantizer(with_2d_quantization=True),
+        "nvfp4_rht": NVFP4Quantizer(with_rht=True),
+    }
+
+
+def test_no_format_quantizes_inf_or_nan_to_finite_values():
+    """Each format and usage: the non-finite element dequantizes non-finite, and a block far from
+    it keeps its precision (small inputs: scale 1 from an inf / NaN amax would flush them)."""
+    failures = []
+    for name, q in _formats().items():
+        for bad in (INF, -INF, NAN):
+            for rowwise in (True, False):
+                torch.manual_seed(0)
+                x = torch.randn(256, 256) * 1e-3
+                x[5, 10] = bad
+                t = q.with_usage(rowwise=rowwise, columnwise=not rowwise)(x)
+                y = t.dequantize(dtype=torch.float32)
+                err = _rel_err(y[128:, 128:], x[128:, 128:])
+                bound = 0.2 if name.startswith("nvfp4") else 0.1
+                if math.isfinite(y[5, 10].item()) or not err < bound:
+                    failures.append(f"{name} {bad} rowwise={rowwise}: y={y[5, 10].item()}, clean block error {err:.3f}")
+    assert not failures, "\n".join(failures)
+
+
+def test_compiled_current_scaling_keeps_nonfinite_bytes():
+    """The reference kernels under inductor: the same bytes as eager."""
+    def quantize(x):
+        return [Float8CurrentScalingQuantizer(d)(x)._data.view(torch.uint8) for d in (E4M3, E5M2)]
+
+    x = _nonfinite_row(64).repeat(8, 1)
+    compiled = torch.compile(quantize, backend="inductor", fullgraph=True)(x)
+    for got, want, d in zip(compiled, quantize(x), (E4M3, E5M2)):
+        assert torch.equal(got, want)
+        assert got[:, :4].tolist() == [NONFINITE_BYTES[d]] * 8
+
+
+def test_amax_kernel_and_fused_norm_take_finite_values():
+    x = torch.tensor([[1.0, -2.5, INF, NAN]])
+    assert kernel("amax", x.device)(x).tolist() == [2.5]
+    inp = torch.tensor([[1.0, -2.5, INF, 0.5], [0.0, 1.0, 2.0, 3.0]])  # row 0 normalizes to a NaN
+    y, _, _, data, _, scale_inv, amax = kernel("norm_fp8_current_quantize", inp.device)(
+        inp, torch.ones(4), None, 1e-5, "RMSNorm", False, E4M3, True, False)
+    finite = torch.isfinite(y)
+    assert not finite.all() and amax.item() == y[finite].abs().max().item()
+    assert torch.equal(torch.isnan(data.float()), ~finite)
