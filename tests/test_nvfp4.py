@@ -492,3 +492,16 @@ def test_given_amax_bad_input():
         ref.nvfp4_quantize(x, True, False, amax=torch.ones(2))
     with pytest.raises(ValueError, match=r"given amax cannot be combined with the RHT"):
         ref.nvfp4_quantize(x, True, True, rht=True, amax=torch.ones(1))
+
+
+def test_rht_signs_under_a_default_device_context():
+    """The RHT sign vector comes from a CPU generator, also while the user's code runs under
+    `with torch.device(...)` (a CUDA context on a GPU; meta here, which fails the same way)."""
+    from transformer_engine_proto.kernels.reference import nvfp4 as ref
+
+    seed = 987654
+    ref._RHT_CACHE.pop(seed, None)
+    with torch.device("meta"):
+        values = ref._rht_values(seed)
+    ref._RHT_CACHE.pop(seed, None)
+    assert values == ref._rht_values(seed)
