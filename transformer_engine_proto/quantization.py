@@ -55,9 +55,8 @@ def quantized_model_init(enabled: bool = True, recipe: Optional[R.Recipe] = None
     to seed master weights."""
     global _PARAM_INIT
     _autocast._reject_recipe_as_enabled(enabled, "quantized_model_init(recipe=...)")
-    if recipe is not None and not isinstance(recipe, R.Recipe):
-        raise TypeError(f"quantized_model_init: recipe must be a transformer_engine_proto.recipe.Recipe, "
-                        f"got {type(recipe).__name__}")
+    if recipe is not None:
+        R.require_recipe(recipe, "quantized_model_init")
     saved = _PARAM_INIT
     _PARAM_INIT = _ParamInit(bool(enabled), recipe or get_default_recipe(), bool(preserve_high_precision_init_val))
     try:
@@ -166,8 +165,7 @@ class RecipeState:
     @staticmethod
     def create(recipe: R.Recipe, *, mode: str, num_quantizers: int = 1, device=None,
                roles: Optional[List[QuantizerRole]] = None) -> "RecipeState":
-        if not isinstance(recipe, R.Recipe):
-            raise TypeError(f"RecipeState.create: expected a recipe, got {type(recipe).__name__}")
+        R.require_recipe(recipe, "RecipeState.create")
         return RecipeState(recipe, mode=mode, num_quantizers=num_quantizers, device=device, roles=roles)
 
     def tensor_type(self, slot: int) -> str:

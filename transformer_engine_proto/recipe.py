@@ -23,6 +23,7 @@ __all__ = [
     "NVFP4BlockScaling",
     "CustomRecipe",
     "QuantizerRole",
+    "require_recipe",
 ]
 
 
@@ -87,6 +88,17 @@ class Recipe:
 
     def custom(self) -> bool:
         return isinstance(self, CustomRecipe)
+
+
+def require_recipe(recipe, where: str) -> None:
+    """A TypeError naming `where` unless `recipe` is a Recipe instance; a Recipe class (the
+    common slip `recipe=Float8CurrentScaling`) is told to pass an instance."""
+    if isinstance(recipe, Recipe):
+        return
+    if isinstance(recipe, type) and issubclass(recipe, Recipe):
+        raise TypeError(f"{where}: got the recipe class {recipe.__name__}; pass an instance: {recipe.__name__}()")
+    raise TypeError(f"{where}: recipe must be a transformer_engine_proto.recipe.Recipe instance, "
+                    f"got {type(recipe).__name__}")
 
 
 def _check_format(fmt) -> None:

@@ -15,6 +15,7 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
+from .. import recipe as R
 from ..tensor.quantizer import HIGH_PRECISION_DTYPES
 from .base import TransformerEngineBaseModule, _recipe_shape_error
 from .linear import Linear
@@ -156,7 +157,10 @@ def _children(module: nn.Module, prefix: str) -> Iterable[Tuple[nn.Module, str, 
 def _recipe_list(recipe) -> List:
     if recipe is None:
         return []
-    return list(recipe) if isinstance(recipe, (list, tuple)) else [recipe]
+    recipes = list(recipe) if isinstance(recipe, (list, tuple)) else [recipe]
+    for r in recipes:
+        R.require_recipe(r, "convert_model(recipe=...)")
+    return recipes
 
 
 # ---- the entry point ----------------------------------------------------------------------

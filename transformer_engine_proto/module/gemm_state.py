@@ -69,6 +69,13 @@ def _keep_finite(slot: torch.Tensor, new: torch.Tensor, fallback: torch.Tensor, 
     count.add_((~ok).to(count.dtype))
 
 
+def _longer(history: torch.Tensor, rows: int) -> torch.Tensor:
+    """`history` extended with zero rows to `rows` (the recorded amaxes kept)."""
+    out = history.new_zeros(rows, history.shape[1])
+    out[: history.shape[0]] = history
+    return out
+
+
 def _finite(x: torch.Tensor) -> torch.Tensor:
     """`torch.isfinite(x)` in two elementwise ops (eager runs isfinite as four): NaN and +-inf
     compare False."""
@@ -125,6 +132,12 @@ class QuantizedGemm(nn.Module):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # checkpoints written before the counter existed load with a zero count
         state_dict.setdefault(prefix + "nonfinite_amax_count", torch.zeros_like(self.nonfinite_amax_count))
+        # a checkpoint written with a longer or shorter amax history: take its length
+        for name in ("amax_history", "grad_amax_history"):
+            saved, mine = state_dict.get(prefix + name), getattr(self, name)
+            if isinstance(saved, torch.Tensor) and saved.dim() == 2 and saved.shape[1:] == mine.shape[1:] \
+                    and saved.shape[0] != mine.shape[0]:
+                setattr(self, name, mine.new_zeros(saved.shape))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def __getstate__(self):
@@ -175,9 +188,8 @@ class QuantizedGemm(nn.Module):
     # ---- eager preparation ----------------------------------------------------------------
     def prepare_for_recipe(self, recipe: R.Recipe, weight: torch.Tensor) -> None:
         if isinstance(recipe, R.DelayedScaling) and recipe.amax_history_len > self.amax_history.shape[0]:
-            device = self.amax_history.device
-            self.amax_history = torch.zeros(recipe.amax_history_len, 2, device=device)
-            self.grad_amax_history = torch.zeros(recipe.amax_history_len, 1, device=device)
+            self.amax_history = _longer(self.amax_history, recipe.amax_history_len)
+            self.grad_amax_history = _longer(self.grad_amax_history, recipe.amax_history_len)
         if self.uses_weight_cache:
             try:
                 self._alloc_weight_cache(self._op_key(recipe_key(recipe)), weight)
