@@ -112,8 +112,8 @@ class TransformerLayer(TransformerEngineBaseModule):
             raise_error(ValueError, f"{self.name}: hidden_states must be {rank}D ({self.attn_input_format}), "
                                     f"got {shape_str(hidden_states)}")
         if encoder_output is not None or enc_dec_attn_mask is not None:
-            raise ValueError(f"{self.name}: encoder_output / enc_dec_attn_mask need layer_type='decoder' "
-                             "(not supported)")
+            raise_error(ValueError, f"{self.name}: encoder_output / enc_dec_attn_mask need layer_type='decoder' "
+                                    "(not supported)")
         drop = self.hidden_dropout if self.training else 0.0
         attn = self.self_attention(
             hidden_states, attention_mask=attention_mask, attn_mask_type=self_attn_mask_type, window_size=window_size,
