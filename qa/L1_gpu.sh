@@ -15,7 +15,8 @@
 #   L1_SKIP_TESTS=0         1: skip pytest
 #   L1_SMOKE=0              1: tiny benchmark shapes and 3 training steps (checks the wiring; CPU ok)
 #   PYTEST_TIMEOUT=0        hard limit for pytest in seconds (0: none)
-#   PYTEST_ARGS="-m cuda"   pytest selection ("" for every test)
+#   PYTEST_ARGS="-m cuda or slow"   pytest selection ("" for every test)
+#   PYTEST_WORKERS=         pytest-xdist workers (default: 3/4 of the CPU cores when xdist is installed, 0: none)
 #   TRAIN_TIMEOUT=300       hard limit for the training example
 #   L1_SKIP_TRAIN=0         1: skip the training example
 #   LINEAR_SHAPES=          bench_linear --shapes (default: the script's DESIGN.md shapes)
@@ -111,9 +112,17 @@ if [ "$L1_SMOKE" = "1" ]; then
     TRAIN_STEPS=3
 fi
 
-# 1. tests: the cuda-marked ones by default (the CPU suite is what CI runs); PYTEST_ARGS="" runs all
+# 1. tests: the cuda- and slow-marked ones by default (the CPU suite is what CI runs; slow: CPU cases too
+#    long for CI, such as inductor compiles of MXFP8 / NVFP4); PYTEST_ARGS="" runs all
 if [ "$L1_SKIP_TESTS" != "1" ]; then
-    read -r -a PARGS <<< "${PYTEST_ARGS--m cuda}"
+    read -r -a PARGS <<< "${PYTEST_ARGS-}"
+    [ -z "${PYTEST_ARGS+x}" ] && PARGS=(-m "cuda or slow")
+    WORKERS="${PYTEST_WORKERS:-}"
+    if [ -z "$WORKERS" ]; then
+        WORKERS=0
+        "$PYTHON" -c "import xdist" 2>/dev/null && WORKERS=$(( $(nproc) * 3 / 4 ))
+    fi
+    [ "$WORKERS" -gt 1 ] && PARGS+=(-n "$WORKERS")
     run_step pytest "$PYTEST_TIMEOUT" env HYPOTHESIS_PROFILE=gpu "$PYTHON" -m pytest tests -q -p no:cacheprovider "${PARGS[@]}"
 fi
 

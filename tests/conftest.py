@@ -15,12 +15,19 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_collection_modifyitems(config, items):
+    """Without a GPU: cuda tests skip; slow tests (CPU cases too long for CI, such as inductor
+    compiles of the MXFP8 / NVFP4 reference kernels) skip unless TE_PROTO_RUN_SLOW=1. Both run in
+    qa/L1_gpu.sh."""
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (runs in qa/L1_gpu.sh)")
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU (runs in qa/L1_gpu.sh)")
+    skip_slow = pytest.mark.skip(reason="slow on CPU (runs in qa/L1_gpu.sh, or with TE_PROTO_RUN_SLOW=1)")
+    run_slow = os.environ.get("TE_PROTO_RUN_SLOW") == "1"
     for item in items:
         if "cuda" in item.keywords:
-            item.add_marker(skip)
+            item.add_marker(skip_cuda)
+        elif "slow" in item.keywords and not run_slow:
+            item.add_marker(skip_slow)
 
 
 # The library reads its switches (TE_PROTO_KERNELS, TE_PROTO_FAST_LAUNCH, TE_PROTO_TRITON_SOFT_CAST,
