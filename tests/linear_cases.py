@@ -52,3 +52,25 @@ def forget_modules(*modules):
     finally:
         for m in modules:
             FP8GlobalState.modules.discard(m)
+
+
+# ---- compile backends -------------------------------------------------------------------------------
+# Every compiled-vs-eager test runs under aot_eager (the op bodies as eager runs them: bitwise) and
+# under inductor (what users run: the bodies inlined, fused and partitioned by inductor). On CPU,
+# inductor compiles the reference kernels to C++: seconds a graph for the FP8 recipes, minutes for
+# MXFP8 / NVFP4. CI runs inductor for the recipes in INDUCTOR_IN_CI; the other inductor cases are
+# marked slow and run in the GPU suite's selection (qa/L1_gpu.sh: -m "cuda or slow"), or on CPU with
+# TE_PROTO_RUN_SLOW=1.
+BACKENDS = ("aot_eager", "inductor")
+INDUCTOR_IN_CI = ("delayed",)
+
+
+def backend_params(rids=None, ci=INDUCTOR_IN_CI):
+    """pytest params `backend, rid` over BACKENDS x `rids` (or `backend` alone when rids is None),
+    inductor cases outside `ci` marked slow."""
+    import pytest
+
+    if rids is None:
+        return [pytest.param(b, id=b, marks=[] if b != "inductor" or ci else [pytest.mark.slow]) for b in BACKENDS]
+    return [pytest.param(b, r, id=f"{b}-{r}", marks=[pytest.mark.slow] if b == "inductor" and r not in ci else [])
+            for b in BACKENDS for r in rids]
