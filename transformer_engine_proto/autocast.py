@@ -1,14 +1,18 @@
 """`autocast(enabled=True, recipe=...)` and TE's older `fp8_autocast(enabled=True, fp8_recipe=...)`:
 which recipe modules use now.
 
-The state is a plain Python object that torch.compile reads and guards on, so entering autocast
-with another recipe recompiles instead of silently reusing a graph traced for the old one.
-On entry (outside compiled code) live modules are told the recipe so they can allocate the
-recipe's state buffers eagerly; a compiled graph then only reads and mutates them.
+The state is per thread, as torch.autocast's: a thread sees only the autocast blocks it entered.
+It is a plain Python object (an attribute of a threading.local) that torch.compile reads and
+guards on, so entering autocast with another recipe recompiles instead of silently reusing a
+graph traced for the old one; the guards read the calling thread's state.
+On entry (outside compiled code) live modules, a registry shared by all threads, are told the
+recipe so they can allocate the recipe's state buffers eagerly; a compiled graph then only reads
+and mutates them.
 """
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Optional
@@ -22,7 +26,7 @@ __all__ = ["autocast", "fp8_autocast", "is_fp8_enabled", "get_fp8_recipe", "get_
 @dataclass
 class _State:
     enabled: bool = False
-    recipe: Optional[_recipe.Recipe] = None
+    recipe: Optional[_recipe.Recipe] = None  # None unless enabled
     # The recipe's registry key (a string): compiled code reads this, so dynamo guards on a plain
     # constant and never has to rebuild a recipe object (torch 2.11 cannot for frozen dataclasses).
     key: str = "high_precision"
@@ -31,16 +35,26 @@ class _State:
     policy: str = ""  # the GemmPolicy's registry key ("" off): per-GEMM precision choice (precision/)
 
 
-class FP8GlobalState:
-    state = _State()
+class _ThreadState(threading.local):
+    """`state` and `recompute_phase` are this thread's (set up on a thread's first read); the
+    class attributes are shared by all threads."""
+
     modules: "weakref.WeakSet" = weakref.WeakSet()  # modules to prepare on autocast entry
-    # True while `te.checkpoint` recomputes a forward in backward: modules then use the scales of
-    # the first forward and record no amax (delayed scaling). A trace-time constant under compile.
-    recompute_phase: bool = False
+    lock = threading.RLock()  # guards `modules` and the preparation of modules
+
+    def __init__(self):
+        self.state = _State()
+        # True while `te.checkpoint` recomputes a forward in backward: modules then use the scales of
+        # the first forward and record no amax (delayed scaling). A trace-time constant under compile.
+        self.recompute_phase = False
 
     @classmethod
     def register_module(cls, module) -> None:
-        cls.modules.add(module)
+        with cls.lock:
+            cls.modules.add(module)
+
+
+FP8GlobalState = _ThreadState()
 
 
 def get_fp8_recipe_key() -> str:
@@ -63,7 +77,7 @@ def is_fp8_enabled() -> bool:
 
 
 def get_fp8_recipe() -> Optional[_recipe.Recipe]:
-    return FP8GlobalState.state.recipe if FP8GlobalState.state.enabled else None
+    return FP8GlobalState.state.recipe  # one read of the thread-local: every Linear call asks
 
 
 def _default_recipe() -> _recipe.Recipe:
@@ -95,11 +109,14 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[_
     from .ops.recipe_registry import recipe_key
     from .precision.policy import policy_key
 
-    if torch.compiler.is_compiling():
+    # is_dynamo_compiling, not is_compiling: the latter is process-wide, True in every thread while
+    # one thread compiles
+    if torch.compiler.is_dynamo_compiling():
         raise RuntimeError("enter autocast outside the torch.compile'd region (compile the model, not the context)")
     if enabled:
-        for module in list(FP8GlobalState.modules):
-            module.prepare_for_recipe(recipe)
+        with FP8GlobalState.lock:
+            for module in list(FP8GlobalState.modules):
+                module.prepare_for_recipe(recipe)
     saved = FP8GlobalState.state
     FP8GlobalState.state = _State(enabled=bool(enabled), recipe=recipe if enabled else None,
                                   key=recipe_key(recipe if enabled else None), group=amax_reduction_group,
