@@ -102,8 +102,7 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[_
         raise NotImplementedError("calibrating=True is not supported by transformer_engine_proto")
     if recipe is None:
         recipe = _default_recipe()
-    if not isinstance(recipe, _recipe.Recipe):
-        raise TypeError(f"recipe must be a transformer_engine_proto.recipe.Recipe, got {type(recipe).__name__}")
+    _recipe.require_recipe(recipe, "autocast")
     import torch
 
     from .ops.recipe_registry import recipe_key

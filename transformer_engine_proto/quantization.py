@@ -106,7 +106,7 @@ class FP8GlobalStateManager:
 
     @classmethod
     def fp8_graph_capturing(cls) -> bool:
-        if torch.compiler.is_compiling() or not torch.cuda.is_available():
+        if torch.compiler.is_dynamo_compiling() or not torch.cuda.is_available():
             return False
         return torch.cuda.is_current_stream_capturing()
 

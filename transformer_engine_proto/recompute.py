@@ -83,7 +83,7 @@ def checkpoint(function: Callable, *args: Any, distribute_saved_activations: boo
     for name in ("context_fn", "determinism_check", "debug"):
         if name in kwargs:
             raise NotImplementedError(f"te.checkpoint: {name}= is not supported")
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         # traced once; AOT autograd replays the graph's ops for the recompute (see the module docstring)
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=_compiled_context,
                                                  preserve_rng_state=preserve_rng_state, **kwargs)

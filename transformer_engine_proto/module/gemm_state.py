@@ -299,7 +299,7 @@ class QuantizedGemm(nn.Module):
                 type(self).__name__, weight, key, is_first_microbatch)
         elif recipe is not None and is_first_microbatch is not None:
             if self._cache_for != (key, tuple(weight.shape), weight.dtype):
-                if torch.compiler.is_compiling():
+                if torch.compiler.is_dynamo_compiling():
                     raise RuntimeError(
                         "is_first_microbatch needs the quantized-weight cache, allocated eagerly: run one "
                         "micro-batch eagerly (or set `uses_weight_cache = True` on the module's "
@@ -313,7 +313,7 @@ class QuantizedGemm(nn.Module):
         record = delayed and not in_activation_recompute_phase()
         if record and cache_mode != linear_ops.CACHE_USE:
             if recipe.amax_history_len > self.amax_history.shape[0]:
-                if torch.compiler.is_compiling():
+                if torch.compiler.is_dynamo_compiling():
                     raise RuntimeError(
                         f"amax_history_len={recipe.amax_history_len} exceeds the allocated history "
                         f"({self.amax_history.shape[0]}); enter autocast outside torch.compile first"

@@ -23,7 +23,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 def takes_eager_path(*args) -> bool:
     """Whether a call with these arguments (tensors, lists of tensors, anything else) may skip the op."""
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+    if torch.compiler.is_dynamo_compiling() or _get_current_dispatch_mode() is not None:
         return False
     for a in args:
         for t in (a if isinstance(a, list) else (a,)):
