@@ -20,6 +20,8 @@ Everywhere else (the opaque op under aot_eager, opcheck, fake tensors) the body 
 An entry lives while its source tensor does (a weakref callback drops it), is checked against
 the source's version counter (an in-place write invalidates it), and `clear()` (autocast exit)
 drops them all, so the quantized rowwise copy never outlives the forward that made it.
+Inference tensors (made under `torch.inference_mode`) have no version counter, so an in-place
+write to one could not be detected: they are never shared.
 """
 from __future__ import annotations
 
@@ -63,7 +65,10 @@ class _Scope:
         self.pending = []
 
     def source(self, t):
-        return t if self.sources is None else self.sources.get(id(t))
+        """The tensor identifying `t`, or None when `t` cannot be shared (untracked, or an
+        inference tensor: no version counter)."""
+        src = t if self.sources is None else self.sources.get(id(t))
+        return None if src is None or src.is_inference() else src
 
 
 def scope(sources: Optional[dict] = None, owner=None, wrap: Optional[Callable] = None,
