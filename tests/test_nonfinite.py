@@ -133,8 +133,10 @@ def test_no_format_quantizes_inf_or_nan_to_finite_values():
 
 def test_compiled_current_scaling_keeps_nonfinite_bytes():
     """The reference kernels under inductor: the same bytes as eager."""
+    quantizers = [Float8CurrentScalingQuantizer(d) for d in (E4M3, E5M2)]
+
     def quantize(x):
-        return [Float8CurrentScalingQuantizer(d)(x)._data.view(torch.uint8) for d in (E4M3, E5M2)]
+        return [q(x)._data.view(torch.uint8) for q in quantizers]
 
     x = _nonfinite_row(64).repeat(8, 1)
     compiled = torch.compile(quantize, backend="inductor", fullgraph=True)(x)
@@ -152,3 +154,114 @@ def test_amax_kernel_and_fused_norm_take_finite_values():
     finite = torch.isfinite(y)
     assert not finite.all() and amax.item() == y[finite].abs().max().item()
     assert torch.equal(torch.isnan(data.float()), ~finite)
+
+
+# ---- the GPU: Triton kernels bitwise the reference, GEMMs through torch._scaled_mm ----------------------
+def _poisoned(shape, dtype, seed=0, device="cuda"):
+    """Small values (1e-2) with +-inf, +-NaN and a finite 3e38 scattered over them."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(shape, generator=g, device=device) * 1e-2
+    flat = x.view(-1)
+    n = flat.numel()
+    for i, v in enumerate((INF, -INF, NAN, -NAN, 3e38, INF)):
+        flat[(i * 7919 + 5) % n] = v
+    flat[n // 2] = torch.copysign(torch.tensor(NAN, device=device), torch.tensor(-1.0, device=device))
+    return x.to(dtype)
+
+
+def _same_bits(out, ref, what):
+    assert len(out) == len(ref), what
+    for i, (o, r) in enumerate(zip(out, ref)):
+        if r is None:
+            assert o is None, (what, i)
+            continue
+        assert (o.shape, o.dtype, o.stride()) == (r.shape, r.dtype, r.stride()), (what, i)
+        if o.dtype.itemsize == 1:
+            ob, rb = o.view(torch.uint8), r.view(torch.uint8)
+        else:  # fp32 scales / amaxes: every NaN alike
+            ob, rb = (torch.where(torch.isnan(t), torch.full_like(t.view(torch.int32), -1), t.view(torch.int32))
+                      for t in (o, r))
+        bad = ob != rb
+        assert not bad.any(), f"{what}[{i}]: {int(bad.sum())} differ, e.g. {ob[bad][:4].tolist()} vs {rb[bad][:4].tolist()}"
+
+
+@pytest.mark.cuda
+def test_cuda_triton_quantize_equals_reference_on_nonfinite_inputs():
+    from transformer_engine_proto.kernels.reference import blockwise as ref_bw, float8 as ref_f8, nvfp4 as ref_fp4
+    from transformer_engine_proto.kernels.triton import blockwise as tri_bw, float8 as tri_f8, nvfp4 as tri_fp4
+
+    usages = ((True, True), (True, False), (False, True))
+    for dtype in (torch.bfloat16, torch.float32):
+        for shape in ((132, 256), (130, 200), (3, 5, 96)):  # packed transpose (M % 4 == 0), byte transpose
+            x = _poisoned(shape, dtype)
+            _same_bits((tri_f8.amax(x),), (ref_f8.amax(x),), "amax")
+            assert torch.isfinite(tri_f8.amax(x)).all()
+            for fp8_dtype in (E4M3, E5M2):
+                for usage in usages:
+                    _same_bits(tri_f8.fp8_quantize_current(x, fp8_dtype, *usage),
+                               ref_f8.fp8_quantize_current(x, fp8_dtype, *usage), f"current {shape} {fp8_dtype}")
+                    scale = torch.tensor([2.0 ** 10], device="cuda")  # 3e38 * 2**10 overflows fp32
+                    a_tri, a_ref = torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
+                    _same_bits(tri_f8.fp8_quantize_delayed(x, scale, a_tri, fp8_dtype, *usage) + (a_tri,),
+                               ref_f8.fp8_quantize_delayed(x, scale, a_ref, fp8_dtype, *usage) + (a_ref,),
+                               f"delayed {shape} {fp8_dtype}")
+                    assert torch.isnan(a_tri).all()  # every value's amax: the NaN shows
+                data = tri_f8.fp8_quantize_current(x, fp8_dtype, True, False)[0].view(torch.uint8).reshape(-1)
+                flat = x.float().reshape(-1)
+                for v, byte in zip((INF, -INF), NONFINITE_BYTES[fp8_dtype][:2]):
+                    assert (data[flat == v] == byte).all()
+                assert ((data[torch.isnan(flat)] & 0x7F) == 0x7F).all()
+                for dim in (1, 2):
+                    for usage in usages:
+                        for power_2 in (True, False):
+                            _same_bits(tri_bw.fp8_blockwise_quantize(x, fp8_dtype, dim, *usage, power_2),
+                                       ref_bw.fp8_blockwise_quantize(x, fp8_dtype, dim, *usage, power_2),
+                                       f"blockwise {dim} {shape} {fp8_dtype}")
+        x = _poisoned((144, 256), dtype)
+        for mode in (dict(), dict(two_d=True), dict(rht=True, rht_seed=3)):
+            out = tri_fp4.nvfp4_quantize(x, True, True, **mode)
+            _same_bits(out, ref_fp4.nvfp4_quantize(x, True, True, **mode), f"nvfp4 {mode}")
+            assert torch.isfinite(out[4]).all() and torch.isnan(out[1].float()).any()
+
+
+@pytest.mark.cuda
+def test_cuda_fused_norm_quantize_takes_the_finite_amax():
+    from transformer_engine_proto.kernels.reference import float8 as ref_f8
+    from transformer_engine_proto.kernels.triton import norm as tri_norm
+
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    x[5, 9] = INF  # its row normalizes to NaN
+    w = torch.rand(256, device="cuda", dtype=torch.bfloat16) + 0.5
+    out = tri_norm.norm_fp8_current_quantize(x, w, None, 1e-5, "RMSNorm", False, E4M3, True, True)
+    y = out[0]
+    assert torch.isnan(y[5]).any() and torch.isfinite(out[6]).all()
+    _same_bits(out[3:], ref_f8.fp8_quantize_current(y, E4M3, True, True), "norm + current")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe", [R.DelayedScaling(), R.Float8CurrentScaling(), R.Float8BlockScaling(),
+                                    R.NVFP4BlockScaling()], ids=lambda r: type(r).__name__)
+def test_cuda_linear_keeps_nonfinite_outputs_and_clean_rows(recipe):
+    torch.manual_seed(0)
+    model = te.Linear(256, 128, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    w = model.weight.detach().float()
+    x = (torch.randn(256, 256, device="cuda") * 1e-2).to(torch.bfloat16)
+    x[3, 5] = INF
+    with te.autocast(recipe=recipe):
+        y = model(x)
+    ref = x.float() @ w.T
+    assert torch.equal(torch.isfinite(y), torch.isfinite(ref)) and not torch.isfinite(y[3]).any()
+    if not isinstance(recipe, R.DelayedScaling):  # a delayed scale does not come from this tensor
+        clean = torch.arange(256, device="cuda") != 3
+        assert _rel_err(y[clean], ref[clean]) < (0.25 if isinstance(recipe, R.NVFP4BlockScaling) else 0.1)
+    x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with te.autocast(recipe=recipe):
+        y = model(x)
+    g = torch.randn_like(y)
+    g[2, 7] = INF
+    y.backward(g)
+    xr = x.detach().float().requires_grad_()
+    wr = w.clone().requires_grad_()
+    (xr @ wr.T).backward(g.float())
+    assert torch.equal(torch.isfinite(x.grad), torch.isfinite(xr.grad))
+    assert torch.equal(torch.isfinite(model.weight.grad), torch.isfinite(wr.grad))

@@ -2,7 +2,9 @@
 
 Buffers: `_data` (logical shape, fp8), `_transpose` (K, M) fp8 for columnwise use, and one fp32
 `_scale_inv` of shape (1,). The transpose is an exact relayout of the rowwise data, so either
-usage can be derived from the other without requantizing.
+usage can be derived from the other without requantizing. Inf / NaN inputs stay non-finite in the
+data (E5M2 keeps +-inf, E4M3 holds NaN), so they reach the GEMM outputs; finite values beyond the
+format's max saturate (`kernels/reference/common.py`).
 """
 from __future__ import annotations
 
@@ -275,7 +277,8 @@ class Float8Quantizer(_Float8QuantizerBase):
                                                 "use_existing_amax": (False,)})
 @dataclass(frozen=True)
 class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
-    """Current scaling: scale = fp8_max / amax(x) / 2**margin, computed at quantize time."""
+    """Current scaling: scale = fp8_max / amax(x) / 2**margin, computed at quantize time from the
+    amax of x's finite values (an inf or NaN leaves the other values their precision)."""
 
     fp8_dtype: torch.dtype = torch.float8_e4m3fn
     device: Optional[torch.device] = field(default=None, compare=False)
@@ -303,8 +306,9 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
         return [("_data", data, 0)], {"_scale_inv": scale_inv}, amax
 
     def quantize_with_reduced_amax(self, x, all_reduce_max, rowwise: bool, columnwise: bool):
-        """(data, transpose, scale_inv, amax): current scaling of `x` with its amax all-reduced
-        (max) first by `all_reduce_max` (in place), so shards of one tensor share its scale."""
+        """(data, transpose, scale_inv, amax): current scaling of `x` with its amax (of the finite
+        values) all-reduced (max) first by `all_reduce_max` (in place), so shards of one tensor
+        share its scale."""
         amax = kernel("amax", x.device)(x)
         all_reduce_max(amax)
         scale = scale_from_amax(amax, self.fp8_max, self.margin, self.force_pow_2_scales, self.amax_epsilon)

@@ -53,12 +53,13 @@ def scaled_cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) ->
     """fp8 of `x * scale` (a finite scale > 0, broadcast against x), rounded to nearest even.
 
     A finite x saturates to +-max, also where x * scale overflows fp32. A non-finite x stays
-    non-finite, sign included: E5M2 keeps +-inf and NaN; E4M3 has no inf, so both become NaN."""
+    non-finite, with the product's sign (a NaN's sign: the device's multiply): E5M2 keeps +-inf
+    and NaN; E4M3 has no inf, so both become NaN."""
     m = fp8_max(fp8_dtype)
     x = x.float()
-    v = (x * scale.float()).clamp(-m, m)
-    special = x if fp8_dtype == torch.float8_e5m2 else torch.copysign(torch.full_like(x, math.nan), x)
-    return torch.where(x.abs() < math.inf, v, special).to(fp8_dtype)
+    v = x * scale.float()
+    special = v if fp8_dtype == torch.float8_e5m2 else torch.copysign(torch.full_like(v, math.nan), v)
+    return torch.where(x.abs() < math.inf, v.clamp(-m, m), special).to(fp8_dtype)
 
 
 def true_div(num: float, den: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,9 @@ Numerics follow `kernels/reference/common.py` bit for bit:
   `TRITON_INTERPRET=1` Triton's emulated fp8 cast is wrong at a mantissa carry (it rounds
   127.4 to 64 instead of 128), so there the kernels use `SOFT_CAST`: an exact RNE done with
   fp32 adds and bit ops (also usable on the GPU, for cross-checks).
+- `fp8_scaled_bits`: the cast of x * scale that `reference.common.scaled_cast` specifies, a
+  non-finite x kept non-finite (E5M2 +-inf, E4M3 NaN) by one select (in place of `fp8_bits`'
+  NaN select); `finite_abs_bits`: what an amax of the finite values reduces.
 - `scale_from_amax`: `fp8_max / amax` as a correctly rounded fp32 division (`div_rn`), times
   2**-margin (exact), the edge rules of the reference, optional power-of-two floor by masking
   the mantissa; a power-of-two scale without margin (the blockwise default) and its reciprocal
@@ -124,6 +127,38 @@ def fp8_bits(v, FMAX: tl.constexpr, E4M3: tl.constexpr, SOFT: tl.constexpr):
 
 
 @triton.jit
+def fp8_scaled_bits(x, scale, FMAX: tl.constexpr, E4M3: tl.constexpr, SOFT: tl.constexpr,
+                    SCALE_FROM_X: tl.constexpr):
+    """uint8 fp8 bytes of fp32 `x * scale` (scale finite, > 0), as `reference.common.scaled_cast`:
+    finite x saturates to +-FMAX; a non-finite x stays non-finite, with the product's sign: E5M2
+    inf 0x7C, NaN 0x7F; E4M3 (no inf) 0x7F for both. One select, in place of `fp8_bits`' NaN one.
+
+    SCALE_FROM_X: the scale comes from the amax of x's finite values (current scaling, blockwise
+    tiles), so x * scale cannot overflow and is non-finite exactly where x is: the test reads the
+    product's bits. Otherwise (a given scale: delayed scaling, where a finite x * scale may
+    overflow and must saturate) it reads x's."""
+    v = x * scale
+    vb = v.to(tl.int32, bitcast=True)
+    va = vb & 0x7FFFFFFF
+    if SCALE_FROM_X:
+        nonfinite = va >= 0x7F800000
+    else:
+        nonfinite = abs_bits(x) >= 0x7F800000
+    sign = (vb >> 24) & 0x80
+    if E4M3:
+        special = sign | 0x7F
+    else:
+        special = sign | (0x7C + 3 * (va > 0x7F800000).to(tl.int32))
+    if SOFT:
+        q = fp8_bits(v, FMAX, E4M3, SOFT)
+    elif E4M3:  # the hardware cast of `fp8_bits`, without its NaN select
+        q = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        q = v.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    return tl.where(nonfinite, special.to(tl.uint8), q)
+
+
+@triton.jit
 def to_f32(x, BF16_BITS: tl.constexpr):
     """fp32 value of a loaded input; bf16 arrives as its int16 bits (see `as_kernel_input`)."""
     if BF16_BITS:
@@ -147,6 +182,14 @@ def as_kernel_input(x: torch.Tensor):
 def abs_bits(x):
     """int32 bits of |x| (fp32): their integer order is the float order, NaN above Inf."""
     return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def finite_abs_bits(x):
+    """`abs_bits` of the finite values, 0 for inf and NaN: their max is the amax of the finite
+    values (`reference.common.abs_max(x, finite=True)`)."""
+    b = abs_bits(x)
+    return tl.where(b < 0x7F800000, b, 0)
 
 
 @triton.jit

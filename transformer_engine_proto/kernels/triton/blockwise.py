@@ -9,7 +9,9 @@ and the columnwise buffers, in the exact layouts of `kernels/reference/blockwise
   ceil(K/128)) contiguous; the columnwise data is the transpose of the rowwise data and its
   scale_inv the (ceil(K/128), ceil(M/128)) transpose.
 
-Partial tiles: masked loads give 0, which cannot raise an amax.
+Partial tiles: masked loads give 0, which cannot raise an amax. Non-finite values as in the
+reference: tile amaxes of the finite values (`finite_abs_bits`), inf / NaN kept non-finite in the
+data (`fp8_scaled_bits`).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import triton.language as tl
 
 from ..reference import blockwise as _ref
 from .launch import fast_launch
-from ._common import (INT32_LIMIT, abs_bits, as_kernel_input, fp8_bits, fp8_params,
+from ._common import (INT32_LIMIT, as_kernel_input, finite_abs_bits, fp8_params, fp8_scaled_bits,
                       scale_from_amax, scale_reciprocal, soft_cast, to_f32, triton_kernel)
 
 TILE = 128
@@ -59,9 +61,9 @@ def _store_t(col_ptr, col_base, r0, offs_t, q, mask):
 def _rowwise_1x128(x, mask, base, rows, row_ptr, row_si_ptr, pid_k, M, K, rc, rk,
                    FMAX: tl.constexpr, E4M3: tl.constexpr, SOFT: tl.constexpr,
                    POW2: tl.constexpr, EPS: tl.constexpr):
-    ramax = tl.max(abs_bits(x), axis=1).to(tl.float32, bitcast=True)
+    ramax = tl.max(finite_abs_bits(x), axis=1).to(tl.float32, bitcast=True)
     rscale = scale_from_amax(ramax, FMAX, 1.0, POW2, EPS)
-    q = fp8_bits(x * rscale[:, None], FMAX, E4M3, SOFT)
+    q = fp8_scaled_bits(x, rscale[:, None], FMAX, E4M3, SOFT, True)
     tl.store(row_ptr + base + rc[:, None] * K + rk[None, :], q, mask=mask)
     # scale_inv (M, n_k) with strides (1, M)
     tl.store(row_si_ptr + pid_k.to(tl.int64) * M + rows, scale_reciprocal(rscale, POW2), mask=rows < M)
@@ -95,12 +97,12 @@ def _blockwise_kernel(x_ptr, row_ptr, row_si_ptr, col_ptr, col_si_ptr, M, K, n_m
     if TWO_D:
         if NCH == 1:
             x, mask, base = _load_rows(x_ptr, m0, 0, M, K, k0, rc, rk, k_ok, BF16_BITS)
-            amax_bits = tl.max(tl.max(abs_bits(x), axis=1), axis=0)
+            amax_bits = tl.max(tl.max(finite_abs_bits(x), axis=1), axis=0)
         else:
             acc = tl.zeros([CH, BK], dtype=tl.int32)
             for c in range(NCH):
                 xc, _, _ = _load_rows(x_ptr, m0, c * CH, M, K, k0, rc, rk, k_ok, BF16_BITS)
-                acc = tl.maximum(acc, abs_bits(xc))
+                acc = tl.maximum(acc, finite_abs_bits(xc))
             amax_bits = tl.max(tl.max(acc, axis=1), axis=0)
         scale = scale_from_amax(amax_bits.to(tl.float32, bitcast=True), FMAX, 1.0, POW2, EPS)
         si = scale_reciprocal(scale, POW2)
@@ -109,7 +111,7 @@ def _blockwise_kernel(x_ptr, row_ptr, row_si_ptr, col_ptr, col_si_ptr, M, K, n_m
         if COLWISE:
             tl.store(col_si_ptr + pid_k * n_m + pid_m, si)
         if NCH == 1:
-            q = fp8_bits(x * scale, FMAX, E4M3, SOFT)
+            q = fp8_scaled_bits(x, scale, FMAX, E4M3, SOFT, True)
             if ROWWISE:
                 tl.store(row_ptr + base + rc[:, None] * K + rk[None, :], q, mask=mask)
             if COLWISE:
@@ -117,7 +119,7 @@ def _blockwise_kernel(x_ptr, row_ptr, row_si_ptr, col_ptr, col_si_ptr, M, K, n_m
         else:
             for c in range(NCH):
                 xc, maskc, basec = _load_rows(x_ptr, m0, c * CH, M, K, k0, rc, rk, k_ok, BF16_BITS)
-                q = fp8_bits(xc * scale, FMAX, E4M3, SOFT)
+                q = fp8_scaled_bits(xc, scale, FMAX, E4M3, SOFT, True)
                 if ROWWISE:
                     tl.store(row_ptr + basec + rc[:, None] * K + rk[None, :], q, mask=maskc)
                 if COLWISE:
@@ -130,7 +132,7 @@ def _blockwise_kernel(x_ptr, row_ptr, row_si_ptr, col_ptr, col_si_ptr, M, K, n_m
                 _rowwise_1x128(x, mask, base, m0 + rc, row_ptr, row_si_ptr, pid_k, M, K, rc, rk,
                                FMAX, E4M3, SOFT, POW2, EPS)
             if COLWISE:
-                cacc = tl.max(abs_bits(x), axis=0)
+                cacc = tl.max(finite_abs_bits(x), axis=0)
         else:
             # elementwise max over the chunks, one reduction across rows (threads) at the end
             cacc2 = tl.zeros([CH, BK], dtype=tl.int32)
@@ -140,18 +142,19 @@ def _blockwise_kernel(x_ptr, row_ptr, row_si_ptr, col_ptr, col_si_ptr, M, K, n_m
                     _rowwise_1x128(xc, maskc, basec, m0 + c * CH + rc, row_ptr, row_si_ptr, pid_k,
                                    M, K, rc, rk, FMAX, E4M3, SOFT, POW2, EPS)
                 if COLWISE:
-                    cacc2 = tl.maximum(cacc2, abs_bits(xc))
+                    cacc2 = tl.maximum(cacc2, finite_abs_bits(xc))
             cacc = tl.max(cacc2, axis=0)
         if COLWISE:  # BM == 128: this program is m-tile pid_m
             cscale = scale_from_amax(cacc.to(tl.float32, bitcast=True), FMAX, 1.0, POW2, EPS)
             # scale_inv (K, n_m) with strides (1, K)
             tl.store(col_si_ptr + pid_m.to(tl.int64) * K + k0 + rk, scale_reciprocal(cscale, POW2), mask=k_ok)
             if NCH == 1:
-                _store_t(col_ptr, col_base, 0, offs_t, fp8_bits(x * cscale[None, :], FMAX, E4M3, SOFT), mask)
+                qc = fp8_scaled_bits(x, cscale[None, :], FMAX, E4M3, SOFT, True)
+                _store_t(col_ptr, col_base, 0, offs_t, qc, mask)
             else:
                 for c in range(NCH):
                     xc, maskc, _ = _load_rows(x_ptr, m0, c * CH, M, K, k0, rc, rk, k_ok, BF16_BITS)
-                    qc = fp8_bits(xc * cscale[None, :], FMAX, E4M3, SOFT)
+                    qc = fp8_scaled_bits(xc, cscale[None, :], FMAX, E4M3, SOFT, True)
                     _store_t(col_ptr, col_base, c * CH, offs_t, qc, maskc)
 
 

@@ -4,8 +4,9 @@ x once and writes the rowwise fp8 data and its (K, M) transpose.
 Same names, signatures and results (bit for bit) as `kernels/reference/float8.py`.
 
 - amax: a (1,) fp32 buffer, zeroed, max-accumulated by `atomic_max` on the float bits as int32
-  (|x| >= 0, so integer order is float order; a NaN's bits are above Inf's, so any NaN gives a
-  NaN amax, as torch's `amax` does).
+  (|x| >= 0, so integer order is float order). The `amax` kernel and current scaling reduce the
+  finite values only (inf / NaN lanes count as 0); delayed scaling records every value (a NaN's
+  bits are above Inf's, so any NaN gives a NaN amax, as torch's `amax` does).
 - current scaling: pass 1 amax; pass 2 the cast kernel reads the amax, computes the scale on
   the device (`scale_from_amax`), writes scale_inv (program 0) and the data. No host sync.
 - delayed scaling: cast with the given scale; the amax max-accumulated into `amax_out` by atomic
@@ -27,8 +28,9 @@ import triton.language as tl
 
 from ..reference import float8 as _ref
 from .launch import fast_launch
-from ._common import (INT32_LIMIT, abs_bits, as_kernel_input, flat_2d, fp8_bits, fp8_params,
-                      pack4, reciprocal, scale_from_amax, soft_cast, to_f32, triton_kernel)
+from ._common import (INT32_LIMIT, abs_bits, as_kernel_input, finite_abs_bits, flat_2d, fp8_params,
+                      fp8_scaled_bits, pack4, reciprocal, scale_from_amax, soft_cast, to_f32,
+                      triton_kernel)
 
 # Launch configurations (tunable: benchmarks/bench_quantize.py sweeps them).
 CONFIG = {
@@ -44,13 +46,18 @@ CONFIG = {
 
 @fast_launch
 @triton.jit
-def _amax_kernel(x_ptr, amax_ptr, N, BF16_BITS: tl.constexpr, BLOCK: tl.constexpr):
+def _amax_kernel(x_ptr, amax_ptr, N, FINITE: tl.constexpr, BF16_BITS: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """max |x| into amax_ptr (int32 bits): of the finite values with FINITE, else of all."""
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     base = pid.to(tl.int64) * BLOCK
     mask = offs < N - base
     x = to_f32(tl.load(x_ptr + base + offs, mask=mask, other=0), BF16_BITS)
-    m = tl.max(abs_bits(x), axis=0)
+    if FINITE:
+        m = tl.max(finite_abs_bits(x), axis=0)
+    else:
+        m = tl.max(abs_bits(x), axis=0)
     # a plain (possibly stale) read can only under-estimate the running max: skipping the
     # atomic when m <= it is safe, and spares most programs the contended atomic
     cur = tl.load(amax_ptr)
@@ -96,7 +103,7 @@ def _cast_transpose_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, scale_i
     x = to_f32(tl.load(x_ptr + row_base + offs, mask=mask, other=0), BF16_BITS)
     if TILE_AMAX:
         tile_amax = tl.max(tl.max(abs_bits(x), axis=1), axis=0)
-    q = fp8_bits(x * scale, FMAX, E4M3, SOFT)
+    q = fp8_scaled_bits(x, scale, FMAX, E4M3, SOFT, CURRENT)
     if ROWWISE:
         tl.store(row_ptr + row_base + offs, q, mask=mask)
     if COLWISE:
@@ -112,7 +119,7 @@ def _cast_transpose_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, scale_i
 
 @triton.jit
 def _cast_quarter(x_ptr, row_ptr, base, m0, k0, j: tl.constexpr, M, K, rq, rk, scale,
-                  FMAX: tl.constexpr, E4M3: tl.constexpr, SOFT: tl.constexpr,
+                  FMAX: tl.constexpr, E4M3: tl.constexpr, SOFT: tl.constexpr, CURRENT: tl.constexpr,
                   ROWWISE: tl.constexpr, BF16_BITS: tl.constexpr):
     """Rows m0 + 4 * rq + j of the tile (columns k0 + rk): cast and stored rowwise; returns the
     fp8 bytes and the int32 bits of |x|."""
@@ -120,7 +127,7 @@ def _cast_quarter(x_ptr, row_ptr, base, m0, k0, j: tl.constexpr, M, K, rq, rk, s
     mask = ((m0 + r) < M)[:, None] & ((k0 + rk) < K)[None, :]
     offs = r[:, None] * K + rk[None, :]
     x = to_f32(tl.load(x_ptr + base + offs, mask=mask, other=0), BF16_BITS)
-    q = fp8_bits(x * scale, FMAX, E4M3, SOFT)
+    q = fp8_scaled_bits(x, scale, FMAX, E4M3, SOFT, CURRENT)
     if ROWWISE:
         tl.store(row_ptr + base + offs, q, mask=mask)
     return q, abs_bits(x)
@@ -150,13 +157,13 @@ def _cast_transpose_packed_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, 
     k0 = pid_k * BK
     base = m0.to(tl.int64) * K + k0
     q0, a0 = _cast_quarter(x_ptr, row_ptr, base, m0, k0, 0, M, K, rq, rk, scale, FMAX, E4M3,
-                           SOFT, ROWWISE, BF16_BITS)
+                           SOFT, CURRENT, ROWWISE, BF16_BITS)
     q1, a1 = _cast_quarter(x_ptr, row_ptr, base, m0, k0, 1, M, K, rq, rk, scale, FMAX, E4M3,
-                           SOFT, ROWWISE, BF16_BITS)
+                           SOFT, CURRENT, ROWWISE, BF16_BITS)
     q2, a2 = _cast_quarter(x_ptr, row_ptr, base, m0, k0, 2, M, K, rq, rk, scale, FMAX, E4M3,
-                           SOFT, ROWWISE, BF16_BITS)
+                           SOFT, CURRENT, ROWWISE, BF16_BITS)
     q3, a3 = _cast_quarter(x_ptr, row_ptr, base, m0, k0, 3, M, K, rq, rk, scale, FMAX, E4M3,
-                           SOFT, ROWWISE, BF16_BITS)
+                           SOFT, CURRENT, ROWWISE, BF16_BITS)
     words = pack4(q0, q1, q2, q3)  # [BM // 4, BK]: word (i, k) = rows 4i .. 4i + 3 of column k
     m4 = M // 4
     wmask = ((k0 + rk) < K)[:, None] & ((m0 // 4 + rq) < m4)[None, :]
@@ -169,12 +176,12 @@ def _cast_transpose_packed_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, 
         tl.atomic_max(amax_ptr, tile_amax, mask=tile_amax > cur, sem="relaxed")
 
 
-def _amax_into(x2d: torch.Tensor, amax_i32: torch.Tensor) -> None:
+def _amax_into(x2d: torch.Tensor, amax_i32: torch.Tensor, finite: bool) -> None:
     n = x2d.numel()
     cfg = CONFIG["amax"]
     grid = (triton.cdiv(n, cfg["BLOCK"]),)
     xk, bf16_bits = as_kernel_input(x2d)
-    _amax_kernel[grid](xk, amax_i32, n, BF16_BITS=bf16_bits, BLOCK=cfg["BLOCK"],
+    _amax_kernel[grid](xk, amax_i32, n, FINITE=finite, BF16_BITS=bf16_bits, BLOCK=cfg["BLOCK"],
                        num_warps=cfg["num_warps"])
 
 
@@ -238,18 +245,19 @@ def _as_2d(x: torch.Tensor) -> torch.Tensor:
 
 @triton_kernel("amax")
 def amax(x: torch.Tensor) -> torch.Tensor:
-    """max |x| as a float32 tensor of shape (1,) (NaN if x has a NaN)."""
+    """max |x| over the finite values of x, as a float32 tensor of shape (1,)."""
     if x.numel() == 0:
         return _ref.amax(x)
     out = torch.zeros((1,), dtype=torch.int32, device=x.device)
-    _amax_into(x.contiguous().reshape(-1), out)
+    _amax_into(x.contiguous().reshape(-1), out, finite=True)
     return out.view(torch.float32)
 
 
 @triton_kernel("fp8_quantize_delayed")
 def fp8_quantize_delayed(x, scale, amax_out, fp8_dtype, rowwise, columnwise
                          ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor]:
-    """Cast with a given scale; max-accumulate this tensor's amax into `amax_out` in place."""
+    """Cast with a given scale; max-accumulate max |x| of every value (inf / NaN included) into
+    `amax_out` in place."""
     if (not _fits(x) or amax_out.dtype != torch.float32 or amax_out.numel() != 1
             or not amax_out.is_contiguous()):
         return _ref.fp8_quantize_delayed(x, scale, amax_out, fp8_dtype, rowwise, columnwise)
@@ -261,7 +269,7 @@ def fp8_quantize_delayed(x, scale, amax_out, fp8_dtype, rowwise, columnwise
     # 8192^2): it leaves the amax to a separate pass (59 us); the other kernels take it per tile
     tile_amax = not columnwise or _packs(x2d.shape[0], columnwise)
     if not tile_amax:
-        _amax_into(x2d, amax_i32)
+        _amax_into(x2d, amax_i32, finite=False)
     data, transpose, scale_inv = _launch_cast(x2d, fp8_dtype, rowwise, columnwise, scale=scale,
                                               amax_i32=amax_i32, current=False,
                                               tile_amax=tile_amax)
@@ -272,13 +280,14 @@ def fp8_quantize_delayed(x, scale, amax_out, fp8_dtype, rowwise, columnwise
 
 @triton_kernel("fp8_quantize_current")
 def fp8_quantize_current(x, fp8_dtype, rowwise, columnwise, margin=0, power_2=False, epsilon=0.0):
-    """Scale from this tensor's own amax: returns (data, transpose, scale_inv, amax)."""
+    """Scale from this tensor's own amax (of its finite values): returns (data, transpose,
+    scale_inv, amax)."""
     if not _fits(x):
         return _ref.fp8_quantize_current(x, fp8_dtype, rowwise, columnwise, margin, power_2, epsilon)
     fp8_params(fp8_dtype)
     x2d = _as_2d(x)
     amax_i32 = torch.zeros((1,), dtype=torch.int32, device=x.device)
-    _amax_into(x2d, amax_i32)
+    _amax_into(x2d, amax_i32, finite=True)
     data, transpose, scale_inv = _launch_cast(x2d, fp8_dtype, rowwise, columnwise, amax_i32=amax_i32,
                                               current=True, margin=margin, power_2=power_2,
                                               epsilon=epsilon)

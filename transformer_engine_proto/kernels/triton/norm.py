@@ -9,9 +9,9 @@ division (what torch computes on CPU), so y is the reference's to about one ulp 
 
 - forward: a program normalizes ROWS rows. A row of K <= BLOCK stays in registers; a longer row
   is read in BLOCK-wide chunks three times (sum, centred sum of squares, output; RMSNorm skips
-  the first): the re-reads of a 32 KiB row come from L1/L2. With AMAX the program max-reduces |y| of y as rounded to the output
-  dtype (what a quantize of y reads) and `atomic_max`es it into an int32-viewed fp32 buffer, as
-  `float8._amax_kernel` does (float order is integer order for |y|; NaN bits lie above Inf's).
+  the first): the re-reads of a 32 KiB row come from L1/L2. With AMAX the program max-reduces |y| over the finite values of y as
+  rounded to the output dtype (what a quantize of y reads) and `atomic_max`es it into an
+  int32-viewed fp32 buffer, as `float8._amax_kernel` does (float order is integer order for |y|).
 - backward: dx per row; dgamma / dbeta as one fp32 partial row per program (a program owns
   ITERS consecutive row tiles; ITERS a power of two so that a new M rarely recompiles), summed
   afterwards by torch: deterministic, no atomics. A row longer than BLOCK is read twice (the two
@@ -29,7 +29,7 @@ import triton.language as tl
 from ..reference import norm as _ref
 from . import float8 as _f8
 from .launch import fast_launch
-from ._common import abs_bits, as_kernel_input, fp8_params, soft_cast, to_f32, triton_kernel
+from ._common import as_kernel_input, finite_abs_bits, fp8_params, soft_cast, to_f32, triton_kernel
 from .dequant import OUT_KIND, out_buffer, round_out
 
 # Launch configurations: a row longer than MAX_BLOCK is looped over in chunks; ROWS (rows per
@@ -72,7 +72,7 @@ def _write_y(x, mu, rs, y_ptr, offs, mask, w_ptr, b_ptr, cols, cmask,
              ZERO_CENTERED: tl.constexpr, HAS_BIAS: tl.constexpr, W_BF16: tl.constexpr,
              B_BF16: tl.constexpr, OUT: tl.constexpr, SOFT: tl.constexpr):
     """Store y = ((x - mu) * rs) * gamma (+ beta) in the output dtype; return |y| bits of the
-    stored values (0 on masked lanes)."""
+    stored values (0 on masked lanes and where y is inf or NaN)."""
     y = (x - mu[:, None]) * rs[:, None] * _gamma(w_ptr, cols, cmask, W_BF16, ZERO_CENTERED)
     if HAS_BIAS:
         y = y + _load_f32(b_ptr, cols, cmask, B_BF16)[None, :]
@@ -82,7 +82,7 @@ def _write_y(x, mu, rs, y_ptr, offs, mask, w_ptr, b_ptr, cols, cmask,
         stored = to_f32(q, True)
     else:
         stored = q.to(tl.float32)
-    return tl.where(mask, abs_bits(stored), 0)
+    return tl.where(mask, finite_abs_bits(stored), 0)
 
 
 @fast_launch
@@ -266,7 +266,7 @@ def norm_fwd(inp, weight, bias, eps: float, kind: str, zero_centered_gamma: bool
 
 @triton_kernel("norm_fwd_amax")
 def norm_fwd_amax(inp, weight, bias, eps: float, kind: str, zero_centered_gamma: bool):
-    """(y, mu, rsigma, amax): the norm plus max |y| of y as stored (fp32 (1,), NaN if y has one)."""
+    """(y, mu, rsigma, amax): the norm plus max |y| over the finite values of y as stored (fp32 (1,))."""
     if not _usable(inp):
         return _ref.norm_fwd_amax(inp, weight, bias, eps, kind, zero_centered_gamma)
     return _run_fwd(inp, weight, bias, eps, kind, zero_centered_gamma, True)

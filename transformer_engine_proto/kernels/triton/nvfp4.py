@@ -1,7 +1,7 @@
 """NVFP4 quantize / dequantize in Triton, bit for bit as `kernels/reference/nvfp4.py`.
 
-Quantize is two passes, like FP8 current scaling: (1) the global amax (of x, and of the RHT'd
-x^T for the columnwise usage), max-accumulated by atomic max on the int32 bits (NaN propagates);
+Quantize is two passes, like FP8 current scaling: (1) the global amax of the finite values (of
+x, and of the RHT'd x^T for the columnwise usage), max-accumulated by atomic max on the int32 bits;
 (2) one cast kernel that reads its tile of x once for every usage:
 
 - rowwise 1x16 and 2D 16x16 blocks: the tile is loaded as [G, 16, NB, 16] (row block, row, column
@@ -30,8 +30,8 @@ import triton.language as tl
 from ..reference import nvfp4 as _ref
 from ..reference.nvfp4_to import nvfp4_dequantize_to as _ref_dequantize_to
 from .launch import fast_launch
-from ._common import (INT32_LIMIT, abs_bits, as_kernel_input, flat_2d, fp8_bits, scale_from_amax, soft_cast, to_f32,
-                      triton_kernel)
+from ._common import (INT32_LIMIT, abs_bits, as_kernel_input, finite_abs_bits, flat_2d, fp8_bits, scale_from_amax,
+                      soft_cast, to_f32, triton_kernel)
 from .dequant import OUT_KIND, fp8_value, out_buffer, round_out
 from .float8 import _amax_kernel  # the same per-tensor amax; launched with this module's CONFIG["amax"]
 
@@ -99,9 +99,11 @@ def _e2m1_code(v, r, SR: tl.constexpr):
 
 @triton.jit
 def _block_scale(amax_bits, s_enc, SOFT: tl.constexpr):
-    """(e4m3 byte, its fp32 value) of the block scale e4m3(amax_b / 6 * S_enc), saturating."""
+    """(e4m3 byte, its fp32 value) of the block scale e4m3(amax_b / 6 * S_enc), saturating; NaN
+    for a non-finite block amax (a block holding an inf or NaN)."""
     amax_b = amax_bits.to(tl.float32, bitcast=True)
-    q = fp8_bits(tl.math.div_rn(amax_b, tl.zeros_like(amax_b) + 6.0) * s_enc, 448.0, True, SOFT)
+    v = tl.math.div_rn(amax_b, tl.zeros_like(amax_b) + 6.0) * s_enc
+    q = fp8_bits(tl.where(amax_bits < 0x7F800000, v, float("nan")), 448.0, True, SOFT)
     return q, fp8_value(q, True, SOFT)
 
 
@@ -216,7 +218,8 @@ def _rht_inverse(t, SIGNS: tl.constexpr):
 @triton.jit
 def _amax_rht_kernel(x_ptr, row_ptr, col_ptr, M, K, n_k, SIGNS: tl.constexpr, ROWWISE: tl.constexpr,
                      BF16_BITS: tl.constexpr, G: tl.constexpr, BK: tl.constexpr):
-    """amax of the RHT'd x^T (and, with ROWWISE, of x) from one read of the tile."""
+    """amax of the finite values of the RHT'd x^T (and, with ROWWISE, of x) from one read of the
+    tile."""
     pid = tl.program_id(0)
     m0 = (pid // n_k) * (16 * G)
     k0 = (pid % n_k) * BK
@@ -225,9 +228,9 @@ def _amax_rht_kernel(x_ptr, row_ptr, col_ptr, M, K, n_k, SIGNS: tl.constexpr, RO
     mask = ((m0 + 16 * g) < M) & ((k0 + kk) < K)
     t = _load16(x_ptr + m0.to(tl.int64) * K + k0, g * (16 * K) + kk, mask, BF16_BITS, K)
     if ROWWISE:
-        a = tl.max(tl.reshape(abs_bits(t), (G * BK * 16,)), axis=0)
+        a = tl.max(tl.reshape(finite_abs_bits(t), (G * BK * 16,)), axis=0)
         tl.atomic_max(row_ptr, a, mask=a > tl.load(row_ptr), sem="relaxed")
-    a = tl.max(tl.reshape(abs_bits(_rht(t, SIGNS)), (G * BK * 16,)), axis=0)
+    a = tl.max(tl.reshape(finite_abs_bits(_rht(t, SIGNS)), (G * BK * 16,)), axis=0)
     tl.atomic_max(col_ptr, a, mask=a > tl.load(col_ptr), sem="relaxed")
 
 
@@ -485,8 +488,8 @@ def _amax_pass(xk, bf16_bits, m, k, row: bool, col: bool, rht: bool, rht_seed: i
     else:
         cm = CONFIG["amax"]
         _amax_kernel[(triton.cdiv(m * k, cm["BLOCK"]),)](
-            xk, amax_r if amax_r is not None else amax_c, m * k, BF16_BITS=bf16_bits, BLOCK=cm["BLOCK"],
-            num_warps=cm["num_warps"])
+            xk, amax_r if amax_r is not None else amax_c, m * k, FINITE=True, BF16_BITS=bf16_bits,
+            BLOCK=cm["BLOCK"], num_warps=cm["num_warps"])
         if amax_r is not None and amax_c is not None:
             amax_c = amax_r.clone()  # the same values: x^T has x's amax
     return amax_r, amax_c
