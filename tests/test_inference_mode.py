@@ -20,14 +20,6 @@ MODULES = {
 }
 
 
-# strict: these pass once module/gemm_state.py allocates its state under inference_mode(False) and
-# (the no-grad rule) autocast records the grad mode it was entered with; then drop the markers
-NEEDS_STATE_OUTSIDE_INFERENCE = pytest.mark.xfail(
-    strict=True, reason="QuantizedGemm state allocated inside inference_mode is made of inference tensors")
-NEEDS_NO_GRAD_RULE = pytest.mark.xfail(
-    strict=True, reason="delayed scaling updates its scales in every forward, with or without grad")
-
-
 def _inference_tensors(m):
     return [n for n, t in list(m.named_parameters()) + list(m.named_buffers()) if t.is_inference()]
 
@@ -80,7 +72,6 @@ def _train_step(m, recipe, **kw):
     assert x.grad is not None and m.weight.grad is not None
 
 
-@NEEDS_STATE_OUTSIDE_INFERENCE
 def test_history_reallocated_in_inference_mode_then_training():
     """A longer amax history, first allocated when autocast is entered inside inference_mode,
     is a normal buffer: the next training step updates it in place."""
@@ -95,7 +86,6 @@ def test_history_reallocated_in_inference_mode_then_training():
     _train_step(m, recipe)
 
 
-@NEEDS_STATE_OUTSIDE_INFERENCE
 @pytest.mark.parametrize("rid", QUANTIZED_IDS)
 def test_weight_cache_allocated_in_inference_mode_then_training(rid):
     """The is_first_microbatch weight cache, first allocated inside inference_mode, is a normal
@@ -110,7 +100,6 @@ def test_weight_cache_allocated_in_inference_mode_then_training(rid):
     _train_step(m, RECIPES[rid], is_first_microbatch=False)
 
 
-@NEEDS_NO_GRAD_RULE
 @pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
 def test_delayed_scaling_without_grad_records_amax_but_keeps_scales(grad_mode):
     """TE updates delayed-scaling scales (and rolls the history) at autocast exit only with grad

@@ -20,7 +20,7 @@ from typing import Optional
 from . import recipe as _recipe
 
 __all__ = ["autocast", "fp8_autocast", "is_fp8_enabled", "get_fp8_recipe", "get_fp8_recipe_key", "FP8GlobalState",
-           "in_activation_recompute_phase", "get_gemm_policy_key"]
+           "in_activation_recompute_phase", "get_gemm_policy_key", "in_training_autocast"]
 
 
 @dataclass
@@ -33,6 +33,9 @@ class _State:
     group: object = None  # amax_reduction_group / fp8_group, as given (FP8GlobalStateManager.get_fp8_group)
     first_module_pending: bool = True  # FP8GlobalStateManager.is_first_fp8_module
     policy: str = ""  # the GemmPolicy's registry key ("" off): per-GEMM precision choice (precision/)
+    # grad mode at entry. Delayed scaling moves its scales only in blocks entered with grad enabled,
+    # as TE (which updates them at such a block's exit); an evaluation block records its amaxes only
+    training: bool = True
 
 
 class _ThreadState(threading.local):
@@ -70,6 +73,12 @@ def in_activation_recompute_phase() -> bool:
     """Whether the running forward is `te.checkpoint`'s recompute (TE's
     `FP8GlobalStateManager.in_fp8_activation_recompute_phase`)."""
     return FP8GlobalState.recompute_phase
+
+
+def in_training_autocast() -> bool:
+    """Whether the active autocast block was entered with grad enabled (delayed scaling then
+    updates its scales; a trace-time constant under compile)."""
+    return FP8GlobalState.state.training
 
 
 def is_fp8_enabled() -> bool:
@@ -119,7 +128,8 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[_
     saved = FP8GlobalState.state
     FP8GlobalState.state = _State(enabled=bool(enabled), recipe=recipe if enabled else None,
                                   key=recipe_key(recipe if enabled else None), group=amax_reduction_group,
-                                  policy="" if gemm_policy is None else policy_key(gemm_policy))
+                                  policy="" if gemm_policy is None else policy_key(gemm_policy),
+                                  training=torch.is_grad_enabled())
     try:
         yield
     finally:

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from .. import recipe as R
-from ..autocast import get_fp8_recipe, get_fp8_recipe_key, get_gemm_policy_key, in_activation_recompute_phase
+from ..autocast import (get_fp8_recipe, get_fp8_recipe_key, get_gemm_policy_key, in_activation_recompute_phase,
+                        in_training_autocast)
 from ..debug import debug_gemm as _debug_gemm  # precision debug tools (issue 5)
 from ..distributed import amax_reduction as _amax_reduction
 from ..distributed import fsdp as _fsdp
@@ -137,7 +138,8 @@ class QuantizedGemm(nn.Module):
             saved, mine = state_dict.get(prefix + name), getattr(self, name)
             if isinstance(saved, torch.Tensor) and saved.dim() == 2 and saved.shape[1:] == mine.shape[1:] \
                     and saved.shape[0] != mine.shape[0]:
-                setattr(self, name, mine.new_zeros(saved.shape))
+                with torch.inference_mode(False):
+                    setattr(self, name, mine.new_zeros(saved.shape))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def __getstate__(self):
@@ -188,8 +190,9 @@ class QuantizedGemm(nn.Module):
     # ---- eager preparation ----------------------------------------------------------------
     def prepare_for_recipe(self, recipe: R.Recipe, weight: torch.Tensor) -> None:
         if isinstance(recipe, R.DelayedScaling) and recipe.amax_history_len > self.amax_history.shape[0]:
-            self.amax_history = _longer(self.amax_history, recipe.amax_history_len)
-            self.grad_amax_history = _longer(self.grad_amax_history, recipe.amax_history_len)
+            with torch.inference_mode(False):  # state, not an inference tensor: training updates it in place
+                self.amax_history = _longer(self.amax_history, recipe.amax_history_len)
+                self.grad_amax_history = _longer(self.grad_amax_history, recipe.amax_history_len)
         if self.uses_weight_cache:
             try:
                 self._alloc_weight_cache(self._op_key(recipe_key(recipe)), weight)
@@ -207,7 +210,9 @@ class QuantizedGemm(nn.Module):
         if q is not None:
             proto = TensorProto(weight.shape, weight.dtype, q.with_usage(rowwise=True, columnwise=True),
                                 device=weight.device)
-            for i, buf in enumerate(proto.create_buffers().values()):
+            with torch.inference_mode(False):  # state, not inference tensors: training fills the cache
+                buffers = proto.create_buffers().values()
+            for i, buf in enumerate(buffers):
                 name = f"weight_cache_{i}"
                 self.register_buffer(name, buf, persistent=False)
                 self._cache_names.append(name)
@@ -319,7 +324,8 @@ class QuantizedGemm(nn.Module):
                         f"({self.amax_history.shape[0]}); enter autocast outside torch.compile first"
                     )
                 self.prepare_for_recipe(recipe, weight)
-            self._update_delayed_scales(recipe)
+            if in_training_autocast():  # an evaluation block records its amaxes, moves no scale
+                self._update_delayed_scales(recipe)
         main_grad = None
         if fuse_wgrad_accumulation and weight.requires_grad:
             main_grad = getattr(weight, "main_grad", None)
