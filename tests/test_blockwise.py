@@ -329,12 +329,9 @@ def test_nan_and_inf_stay_in_their_tile():
     x[1, 200] = float("inf")
     qt = Float8BlockQuantizer(E4M3, 1, columnwise_usage=False)(x)
     y = qt.dequantize()
-    assert torch.isnan(y[0, 3]) and torch.isnan(y).sum() == 1
-    assert y[1, 200] == 448  # inf amax -> scale 1, inf saturates to fp8 max
-    assert qt._rowwise_scale_inv[0, 0] == 1 and qt._rowwise_scale_inv[1, 1] == 1
-    ok = torch.ones_like(x, dtype=torch.bool)
-    ok[0, :128] = False
-    ok[1, 128:] = False
+    # E4M3 has no inf: both come out NaN; the tiles keep the scale of their finite values
+    assert torch.isnan(y[0, 3]) and torch.isnan(y[1, 200]) and torch.isnan(y).sum() == 2
+    ok = torch.isfinite(x)
     assert ((y - x)[ok].abs() <= 0.07 * x[ok].abs().max()).all()
 
 

@@ -15,7 +15,7 @@ from typing import Dict, Optional
 import torch
 
 from ..kernels import kernel
-from ..kernels.reference.common import transpose_2d, true_div
+from ..kernels.reference.common import abs_max, transpose_2d, true_div
 from ..kernels.reference.nvfp4 import (BLOCK, apply_rht, global_encode_scale, quantize_blocks, rht_matrix,
                                        transpose_2d_blocks, unpack_fp4, unpack_fp4_codes)
 from .quantized_tensor import QuantizedTensor
@@ -286,7 +286,7 @@ class NVFP4Quantizer(Quantizer):
         xt = transpose_2d(f) if self.columnwise_usage else None
         if xt is not None and self.with_rht:
             xt = apply_rht(xt, self.rht_seed)
-        amaxes = torch.cat([t.abs().amax().float().reshape(1) for t in (f, xt) if t is not None])
+        amaxes = torch.cat([abs_max(t, finite=True) for t in (f, xt) if t is not None])  # as the quantize
         all_reduce_max(amaxes)
         data, s = quantize_blocks(f, amaxes[0:1], False)
         parts, same = [("_rowwise_data", data, 0), ("_rowwise_scale_inv", s, 0)], {"_amax_rowwise": amaxes[0:1].clone()}
