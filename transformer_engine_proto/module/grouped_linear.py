@@ -11,9 +11,16 @@ expert; expert i multiplies its `m_splits[i]` rows by `weight{i}`. Two paths:
   history and scales), exactly what a loop of per-expert `te.Linear` computes. The loop slices
   the input by the split sizes, so it needs them as Python numbers: a list is used as given; a
   tensor is read to the host (`tolist()`, one device-to-host copy, as TE's own split-quantize
-  path does). Under torch.compile the sizes of a tensor become unbacked SymInts
-  (`torch._dynamo.config.capture_scalar_outputs = True` is required), so a new split of the same
-  total reuses the graph, with no recompile and no graph break.
+  path does).
+
+Under torch.compile the expert loop reads a tensor's sizes as unbacked SymInts
+(`torch._dynamo.config.capture_scalar_outputs = True` is required), so a new split of the same
+total reuses the graph, with no recompile and no graph break. A list becomes such a tensor in
+the graph too, but dynamo bakes a list's ints into the first graph: the first new split
+recompiles once, with the ints that changed made dynamic, and later splits reuse that graph
+(an int that had not changed yet recompiles once when it does). (Without
+`capture_scalar_outputs` for the loop, or on CUDA with a recipe, a list's values stay ints or
+SymInts and new splits recompile.)
 
 The FP8 grouped GEMM (`torch._scaled_grouped_mm`, rowwise scales, Hopper) is not wired yet:
 `_scaled_grouped_gemm` is the place (see its docstring).
@@ -49,6 +56,52 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype, in_features: 
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device)[0] >= 9
     return device.type == "cpu"
+
+
+def _check_split_values(name: str, sizes: Sequence, tokens) -> None:
+    """Every size >= 0 and their sum the token count. On dynamo's dynamic ints (SymInts) these
+    comparisons become guards that any valid split passes."""
+    if not any(s < 0 for s in sizes) and sum(sizes) == tokens:
+        return
+    if not all(v.__class__ is int for v in (tokens, *sizes)):
+        # SymInts: a message cannot format them while dynamo traces (v.__class__ tells them apart
+        # there, where type(v) and isinstance report int)
+        raise_error(ValueError, f"{name}: GroupedLinear m_splits have a negative size or do not sum to the "
+                                "input's token count (rows)")
+    if any(s < 0 for s in sizes):
+        raise_error(ValueError, f"{name}: GroupedLinear m_splits has a negative size: {list(sizes)}")
+    raise_error(ValueError, f"{name}: GroupedLinear m_splits sum to {sum(sizes)} but the input has {tokens} "
+                            f"tokens (rows); splits {list(sizes)}")
+
+
+@torch.library.custom_op("te_proto::grouped_linear_host_splits", mutates_args=())
+def _host_splits(splits: torch.Tensor, tokens: int, name: str) -> torch.Tensor:
+    """A checked int64 CPU copy of the splits, which the compiled graph then reads its sizes from
+    (`tolist()`). An op, so that the check runs, with the values in its message, before the graph's
+    asserts on the sizes (torch._check's message does not reach those asserts, torch 2.13)."""
+    host = splits.to("cpu", torch.int64, copy=True)
+    _check_split_values(name, host.tolist(), tokens)
+    return host
+
+
+@_host_splits.register_fake
+def _(splits, tokens, name):
+    return torch.empty(splits.shape, dtype=torch.int64, device="cpu")
+
+
+def _at_least_one_row(x: torch.Tensor, m) -> torch.Tensor:
+    """x (m rows, m an unbacked SymInt) with a zero row appended when m == 0 (its GEMM's output
+    rows past m are sliced off), so that the row count the GEMM pads to is provably >= one block.
+
+    Works around torch 2.13 inductor, which otherwise fails to lower NVFP4 ("LoweringException:
+    AssertionError: target: aten.reshape.default"): a reshape of the transposed operand
+    [K, 16c] -> [Kc, 16] (c = ceil(m / 16), the RHT / block quantize of the wgrad operand) first
+    tries `View._dynamic_reshape_indexer` (torch/_inductor/ir.py), which checks the size it
+    guessed with `sizevars.check_equals`; for an unbacked c that records the runtime assert
+    Eq(16Kc, 16c), i.e. c == 0, as a fact instead of failing. The attempt is then abandoned, but
+    the fallback indexer reasons from that "fact" and asserts. With c >= 1 the guess is
+    provably false and nothing is recorded."""
+    return torch.nn.functional.pad(x, (0, 0, 0, torch.sym_max(m, 1) - m))
 
 
 class GroupedLinear(TransformerEngineBaseModule):
@@ -101,51 +154,63 @@ class GroupedLinear(TransformerEngineBaseModule):
         return list(zip(self.gemms, self.weights))
 
     # ---- the splits ---------------------------------------------------------------------------
-    def _check_splits(self, m_splits, tokens: int):
+    def _check_splits(self, m_splits, tokens, grouped: bool, refusal):
         """(the splits as a tensor or None, as host ints or None). A list / tuple of ints, or a 1-D
         integer tensor of length num_gemms: read and checked on the host in eager (one sync, as
-        TE's `tolist()`); under compile a tensor stays data (the sum is checked in the graph)."""
-        n = self.num_gemms
+        TE's `tolist()`). Under compile they stay data, so a new split does not recompile: a
+        tensor as it is for `_grouped_mm` (checked there, on its device), else a checked host copy
+        (`_host_splits`) that the expert loop reads the sizes from. `refusal` (compiling only): why
+        the loop cannot read sizes from data here; then a tensor is an error and a list stays
+        dynamo's ints, checked while tracing."""
+        n, compiling = self.num_gemms, torch.compiler.is_compiling()
         if isinstance(m_splits, torch.Tensor):
             if m_splits.dim() != 1 or m_splits.shape[0] != n or m_splits.dtype.is_floating_point \
                     or m_splits.dtype == torch.bool:
                 raise_error(ValueError, f"{self.name}: m_splits must be {n} split sizes (a list of ints or a 1-D "
                                         f"integer tensor), got a tensor of shape {shape_str(m_splits)} and dtype "
                                         f"{m_splits.dtype}")
-            if torch.compiler.is_compiling():
+            if not compiling:
+                sizes = m_splits.tolist()
+                _check_split_values(self.name, sizes, tokens)
+                return m_splits, sizes
+            if grouped:
                 return m_splits, None
-            sizes = m_splits.tolist()
-            self._check_split_values(sizes, tokens)
-            return m_splits, sizes
+            if refusal is not None:
+                raise_error(*refusal)
+            return torch.ops.te_proto.grouped_linear_host_splits(m_splits, tokens, self.name), None
         if not isinstance(m_splits, (list, tuple)) or len(m_splits) != n:
             raise_error(ValueError, f"{self.name}: m_splits must be {n} split sizes, got {m_splits!r}")
-        sizes = [int(s) for s in m_splits]
-        self._check_split_values(sizes, tokens)
+        if not compiling:
+            sizes = [int(s) for s in m_splits]
+            _check_split_values(self.name, sizes, tokens)
+            return None, sizes
+        sizes = list(m_splits)  # no int(): it would specialize a dynamic int
+        if grouped or refusal is None:
+            return torch.ops.te_proto.grouped_linear_host_splits(torch.tensor(sizes), tokens, self.name), None
+        _check_split_values(self.name, sizes, tokens)
         return None, sizes
 
-    def _check_split_values(self, sizes: Sequence[int], tokens: int) -> None:
-        if any(s < 0 for s in sizes):
-            raise_error(ValueError, f"{self.name}: m_splits has a negative size: {list(sizes)}")
-        if sum(sizes) != tokens:
-            raise_error(ValueError, f"{self.name}: m_splits sum to {sum(sizes)} but the input has {tokens} tokens "
-                                    f"(rows); splits {list(sizes)}")
-
-    def _sizes_in_graph(self, splits: torch.Tensor, tokens, quantized: bool) -> list:
-        """The split sizes as unbacked SymInts, with what the loop needs of them asserted."""
+    def _graph_sizes_refusal(self, device: torch.device, quantized: bool):
+        """Why the expert loop cannot read tensor splits into the graph here (an exception type
+        and message), or None."""
         if not torch._dynamo.config.capture_scalar_outputs:
-            raise_error(RuntimeError,
-                        f"{self.name}: GroupedLinear with a tensor of m_splits under torch.compile reads the sizes "
-                        "into the graph as data: set torch._dynamo.config.capture_scalar_outputs = True (or pass "
-                        "m_splits as a list of ints: each new split then recompiles)")
-        if quantized and splits.device.type == "cuda" and kernels.get_backend() == "triton":
-            raise_error(NotImplementedError,
-                        f"{self.name}: GroupedLinear with a tensor of m_splits under torch.compile with a recipe on "
-                        "CUDA: the Triton quantize kernels' launch checks need each expert's token count at trace "
-                        "time; pass m_splits as a list of ints (each new split recompiles)")
-        # first, a check that names the layer (the graph's own assert on the SymInts only names symbols)
-        torch._assert_async(splits.sum() == tokens, f"{self.name}: m_splits do not sum to the input's token count "
-                                                    "(rows)")
-        sizes = splits.tolist()
+            return RuntimeError, (
+                f"{self.name}: GroupedLinear with a tensor of m_splits under torch.compile reads the sizes into the "
+                "graph as data: set torch._dynamo.config.capture_scalar_outputs = True (or pass m_splits as a list "
+                "of ints: each new split then recompiles)")
+        if quantized and device.type == "cuda" and kernels.get_backend() == "triton":
+            return NotImplementedError, (
+                f"{self.name}: GroupedLinear with a tensor of m_splits under torch.compile with a recipe on CUDA: the "
+                "Triton quantize kernels' launch checks need each expert's token count at trace time; pass m_splits "
+                "as a list of ints (each new split recompiles)")
+        return None
+
+    @staticmethod
+    def _sizes_in_graph(host_splits: torch.Tensor, tokens) -> list:
+        """The split sizes as unbacked SymInts, read from the checked host copy (a bad split failed
+        there, naming the layer and the sizes, before the graph's own assert on the SymInts, which
+        names only symbols: Eq(u0 + u1, 96)), with what the loop needs of them asserted."""
+        sizes = host_splits.tolist()
         for s in sizes:
             torch._check(s >= 0)
         torch._check(sum(sizes) == tokens)
@@ -159,16 +224,19 @@ class GroupedLinear(TransformerEngineBaseModule):
             raise_error(ValueError, f"{self.name}: GroupedLinear takes a 2-D input [tokens, in_features], got shape "
                                     f"{shape_str(inp)}")
         tokens = inp.shape[0]
-        splits, sizes = self._check_splits(m_splits, tokens)
         recipe = get_fp8_recipe()
+        grouped = recipe is None and self.use_grouped_tensor is not False and grouped_mm_supported(
+            inp.device, inp.dtype, self.in_features, self.out_features) and inp.dtype == self.weight0.dtype
+        refusal = None
+        if torch.compiler.is_compiling() and not grouped:
+            refusal = self._graph_sizes_refusal(inp.device, recipe is not None)
+        splits, sizes = self._check_splits(m_splits, tokens, grouped, refusal)
         bias_in_gemm = self.use_bias and not self.return_bias
+        out = None
         if recipe is not None:
             out = self._scaled_grouped_gemm(inp, splits, sizes, recipe)
-        elif self.use_grouped_tensor is not False and grouped_mm_supported(
-                inp.device, inp.dtype, self.in_features, self.out_features) and inp.dtype == self.weight0.dtype:
+        elif grouped:
             out = self._grouped_mm(inp, splits, sizes, tokens, bias_in_gemm)
-        else:
-            out = None
         if out is None:
             out = self._expert_loop(inp, splits, sizes, tokens, bias_in_gemm, is_first_microbatch)
         if self.return_bias:
@@ -200,13 +268,19 @@ class GroupedLinear(TransformerEngineBaseModule):
 
     def _expert_loop(self, inp, splits, sizes, tokens, with_bias: bool, is_first_microbatch) -> torch.Tensor:
         """One quantized GEMM per expert on its slice of the tokens (what a loop of te.Linear does)."""
+        recipe = get_fp8_recipe()
+        # with unbacked sizes, a block-scaled recipe gets at least one (zero) row per expert: see _at_least_one_row
+        one_row = sizes is None and recipe is not None and not recipe.float8_per_tensor_scaling()
         if sizes is None:
-            sizes = self._sizes_in_graph(splits, tokens, get_fp8_recipe() is not None)
+            sizes = self._sizes_in_graph(splits, tokens)
         outs = []
-        for gemm, x, w, b in zip(self.gemms, torch.split(inp, sizes), self.weights, self.biases):
-            outs.append(gemm(x, w, b if with_bias else None, is_first_microbatch=is_first_microbatch,
-                             save_original_input=self.save_original_input,
-                             fuse_wgrad_accumulation=self.fuse_wgrad_accumulation))
+        for gemm, x, w, b, m in zip(self.gemms, torch.split(inp, sizes), self.weights, self.biases, sizes):
+            if one_row:
+                x = _at_least_one_row(x, m)
+            y = gemm(x, w, b if with_bias else None, is_first_microbatch=is_first_microbatch,
+                     save_original_input=self.save_original_input,
+                     fuse_wgrad_accumulation=self.fuse_wgrad_accumulation)
+            outs.append(y[:m] if one_row else y)
         return torch.cat(outs)
 
     def _scaled_grouped_gemm(self, inp, splits, sizes, recipe) -> Optional[torch.Tensor]:
