@@ -4,7 +4,7 @@
     python benchmarks/bench_host.py --out out/ --repeats 9
 
 Host time per Linear is what limits this prototype today (benchmarks/results/
-h100-2026-11-23-s9: 3.3-3.9 ms of host time per te Linear fwd+bwd against 2.75 ms of GPU
+2026-11-23-h100-f8c3bc0: 3.3-3.9 ms of host time per te Linear fwd+bwd against 2.75 ms of GPU
 kernels at 8192^3). This measures it without a GPU: every quantize / dequantize kernel and the
 te GEMM are replaced by stubs that return uninitialized tensors shaped like the real results of
 their first call, so what is timed is our Python (plans, quantized-tensor objects, dispatch),
