@@ -3,12 +3,11 @@
     python benchmarks/bench_host.py                       # CPU, compiled (default mode) and eager
     python benchmarks/bench_host.py --out out/ --repeats 9
 
-Host time per Linear is what limits this prototype today (benchmarks/results/
-2026-11-23-h100-f8c3bc0: 3.3-3.9 ms of host time per te Linear fwd+bwd against 2.75 ms of GPU
-kernels at 8192^3). This measures it without a GPU: every quantize / dequantize kernel and the
-te GEMM are replaced by stubs that return uninitialized tensors shaped like the real results of
-their first call, so what is timed is our Python (plans, quantized-tensor objects, dispatch),
-torch's custom-op and autograd machinery and the compiled graph's wrappers. The baseline
+Host time per Linear bounds eager te Linears and small shapes (figures from an H100 host:
+benchmarks/results/2026-11-23-h100-f8c3bc0). This measures it without a GPU: every quantize /
+dequantize kernel and the te GEMM are replaced by stubs that return uninitialized tensors shaped
+like the real results of their first call, so what is timed is our Python (plans, quantized-tensor
+objects, dispatch), torch's custom-op and autograd machinery and the compiled graph's wrappers. The baseline
 `nn.Linear` keeps its real (small) matmuls, in float32 on CPU (CPU bf16 matmuls are slow enough to
 dominate; params are bf16 on CUDA). Numbers depend on the host CPU: compare variants within one run.
 Reported: the best of `--repeats` timings of `--steps` steps each (the least disturbed run), and

@@ -30,13 +30,13 @@ import torch  # noqa: E402
 
 import _common as C  # noqa: E402
 
-# M (tokens), K (in features), N (out features): the shapes of DESIGN.md's reference table
+# M (tokens), K (in features), N (out features): the shapes of docs/design.md's reference table
 DEFAULT_SHAPES = "8192x8192x8192,4096x8192x16384,16384x4096x14336,2048x2048x2048,1024x2048x1024"
 TE_RECIPES = ["delayed", "current", "blockwise", "mxfp8", "nvfp4"]
 DEFAULT_VARIANTS = ["bf16"] + [f"te:{r}" for r in TE_RECIPES] + ["torchao:tensorwise", "torchao:rowwise"]
 OPTIONAL_VARIANTS = ["te:none"]  # te.Linear without autocast (bf16 through our custom ops)
 
-# DESIGN.md: torchao 0.18 float8 Linear fwd+bwd vs bf16, both compiled (mode default), H100
+# docs/design.md: torchao 0.18 float8 Linear fwd+bwd vs bf16, both compiled (mode default), H100
 REFERENCE_SPEEDUP = {
     "torchao:tensorwise": {(8192, 8192, 8192): 1.50, (4096, 8192, 16384): 1.40, (16384, 4096, 14336): 1.61,
                            (2048, 2048, 2048): 0.48, (1024, 2048, 1024): 0.35},

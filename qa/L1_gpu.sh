@@ -19,7 +19,7 @@
 #   PYTEST_WORKERS=         pytest-xdist workers (default: 3/4 of the CPU cores when xdist is installed, 0: none)
 #   TRAIN_TIMEOUT=300       hard limit for the training example
 #   L1_SKIP_TRAIN=0         1: skip the training example
-#   LINEAR_SHAPES=          bench_linear --shapes (default: the script's DESIGN.md shapes)
+#   LINEAR_SHAPES=          bench_linear --shapes (default: the script's shapes, docs/design.md's reference table)
 #   LINEAR_RO_SHAPES=8192x8192x8192,2048x2048x2048,1024x2048x1024   also run under reduce-overhead ('' skips)
 #   TRANSFORMER_SCOPE=layer bench_transformer --compile-scope (layer: 4x less to compile than model)
 set -euo pipefail

@@ -136,7 +136,7 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[_
         FP8GlobalState.state = saved
         from .ops import shared_input
 
-        shared_input.clear()  # quantized inputs shared within the forward (issue 21)
+        shared_input.clear()  # quantized inputs shared within the forward
 
 
 def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Optional[_recipe.Recipe] = None,

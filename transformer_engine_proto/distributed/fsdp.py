@@ -279,9 +279,8 @@ def _read_on_this_stream(t: torch.Tensor) -> torch.Tensor:
     """Mark a tensor made on another CUDA stream as used by the current one. FSDP2 runs
     `fsdp_pre_all_gather` on its copy-in stream and drops the metadata (our scale / amax) right
     after `fsdp_post_all_gather` queued its reads on the compute stream; without this the caching
-    allocator hands that block to the next unit's copy-in while the read is still queued (seen on
-    2 H200: FSDP current / NVFP4 results off by up to 0.7% in 7 of 8 runs, never with
-    CUDA_LAUNCH_BLOCKING=1)."""
+    allocator hands that block to the next unit's copy-in while the read is still queued, and the
+    read sees that unit's data (wrong results that CUDA_LAUNCH_BLOCKING=1 hides)."""
     if t.is_cuda:
         t.record_stream(torch.cuda.current_stream(t.device))
     return t

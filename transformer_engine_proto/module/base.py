@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ..autocast import FP8GlobalState, get_fp8_recipe, get_fp8_recipe_key
-from ..debug import state as _debug_state  # precision debug tools (issue 5)
+from ..debug import state as _debug_state  # precision debug tools: GEMM routing by layer name
 from ..distributed import tp as _tp
 from ..distributed.gemm_owner import GemmOwner
 from ..recipe import DelayedScaling
@@ -19,7 +19,7 @@ from ..tensor.quantizer import HIGH_PRECISION_DTYPES
 __all__ = ["TransformerEngineBaseModule"]
 
 _counter = itertools.count()
-# ---- precision debug tools (issue 5): TE-style default layer names (`layernorm_linear_3`, ...)
+# ---- precision debug tools: TE-style default layer names (`layernorm_linear_3`, ...)
 _DEFAULT_NAMES = {"LayerNormLinear": "layernorm_linear", "LayerNormMLP": "layernorm_mlp",
                   "TransformerLayer": "transformer_layer", "RMSNorm": "rmsnorm", "LayerNorm": "layernorm",
                   "DotProductAttention": "dot_product_attention", "MultiheadAttention": "multihead_attention",
@@ -77,7 +77,7 @@ class TransformerEngineBaseModule(GemmOwner, nn.Module):
                                     f"got shape {shape_str(inp)}")
         if get_fp8_recipe() is not None:
             self._check_recipe_shapes()
-        # ---- precision debug tools (issue 5): name this module's GEMMs for TE's debug API calls
+        # ---- precision debug tools: name this module's GEMMs for TE's debug API calls
         if _debug_state.SESSION.active:
             _debug_state.begin_forward(self)
         # ---- end debug

@@ -17,7 +17,7 @@ from torch import nn
 from .. import recipe as R
 from ..autocast import (get_fp8_recipe, get_fp8_recipe_key, get_gemm_policy_key, in_activation_recompute_phase,
                         in_training_autocast)
-from ..debug import debug_gemm as _debug_gemm  # precision debug tools (issue 5)
+from ..debug import debug_gemm as _debug_gemm  # precision debug tools: the debug GEMM path
 from ..distributed import amax_reduction as _amax_reduction
 from ..distributed import fsdp as _fsdp
 from ..distributed import sp_gather as _sp_gather
@@ -105,7 +105,7 @@ class QuantizedGemm(nn.Module):
         self._cache_names = []
         self._cache_for = None  # (recipe key, weight shape, dtype) the cache was allocated for
         self.uses_weight_cache = False  # set by the first is_first_microbatch call (eager)
-        self._debug_uid = _debug_gemm.state.new_uid()  # precision debug tools (issue 5): name registry key
+        self._debug_uid = _debug_gemm.state.new_uid()  # precision debug tools: name registry key
         # (TP group name, roles) whose current-scaling amax is all-reduced (distributed/amax_reduction.py)
         self.tp_amax_reduction = None
         # sequence parallel: all-gather this GEMM's input shard quantized where the recipe allows
@@ -331,7 +331,7 @@ class QuantizedGemm(nn.Module):
             main_grad = getattr(weight, "main_grad", None)
             if main_grad is None:
                 raise RuntimeError("fuse_wgrad_accumulation=True needs weight.main_grad (an fp32 buffer) to be set")
-        # ---- precision debug tools (issue 5): a layer with an active debug feature takes the debug GEMM path
+        # ---- precision debug tools: a layer with an active debug feature takes the debug GEMM path
         debug_linear = _debug_gemm.linear_for(self, recipe is not None)
         # ---- end debug
         if fsdp_quantized and debug_linear is not None:

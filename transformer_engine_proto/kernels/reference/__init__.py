@@ -1,1 +1,1 @@
-"""Pure-torch reference kernels: the executable spec of every format (DESIGN.md, format facts)."""
+"""Pure-torch reference kernels: the executable spec of every format (docs/design.md, format facts)."""

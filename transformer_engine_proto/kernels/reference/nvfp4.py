@@ -1,5 +1,5 @@
 """NVFP4 reference kernels: E2M1 values packed two per byte, an E4M3 scale per 16 values and one
-fp32 global amax per usage (DESIGN.md, format facts).
+fp32 global amax per usage (docs/design.md, format facts).
 
 Encoding, with S_enc = 448 * 6 / amax (see `global_encode_scale`):
   S_dec_b = e4m3(saturate(amax_b / 6 * S_enc))      one per block of 16 along the reduction dim

@@ -32,11 +32,13 @@ TILE = 128
 CONFIG = {
     # (BM, BK, CH, num_warps) by (block_scaling_dim, rowwise, columnwise). BK must be 128 for
     # 1x128 rowwise, BM 128 for 1x128 columnwise, both 128 for 128x128. CH (rows per chunk,
-    # divides BM): CH == BM holds the tile in registers, CH < BM re-reads it from L2.
-    (1, True, True): dict(BM=128, BK=128, CH=32, num_warps=4),  # 144 us; CH 64: 164, 8 warps: 156+
+    # divides BM): CH == BM holds the tile in registers, CH < BM re-reads it from L2. The
+    # rowwise + columnwise configs were chosen by timing at 8192^2 bf16 on an H100
+    # (benchmarks/results/2026-11-24-h100-96e8cd3).
+    (1, True, True): dict(BM=128, BK=128, CH=32, num_warps=4),  # faster than CH 64 or 8 warps
     (1, True, False): dict(BM=32, BK=128, CH=32, num_warps=4),
     (1, False, True): dict(BM=128, BK=64, CH=32, num_warps=4),
-    (2, True, True): dict(BM=128, BK=128, CH=64, num_warps=4),  # CH 64: 119 us vs CH 32's 142 (H100, s12)
+    (2, True, True): dict(BM=128, BK=128, CH=64, num_warps=4),  # here CH 64 is faster than CH 32
     (2, True, False): dict(BM=128, BK=128, CH=32, num_warps=4),
     (2, False, True): dict(BM=128, BK=128, CH=32, num_warps=4),
 }

@@ -11,8 +11,8 @@ Same names, signatures and results (bit for bit) as `kernels/reference/float8.py
   the device (`scale_from_amax`), writes scale_inv (program 0) and the data. No host sync.
 - delayed scaling: cast with the given scale; the amax max-accumulated into `amax_out` by atomic
   max (its bits viewed as int32: correct for amax_out >= 0 or +NaN): per tile inside the cast
-  (one pass), except in the byte-transposing kernel (M % 4 != 0), where a tile reduction made
-  it 3x slower on an H100 and a separate amax pass runs first.
+  (one pass), except in the byte-transposing kernel (M % 4 != 0), where a tile reduction is
+  slower than a separate amax pass (H100), so that pass runs first.
 - the transpose goes through registers (`tl.trans`), so both stores are coalesced. When the
   transpose's rows are whole int32 words (M % 4 == 0) the packed kernel loads the tile as four
   row-interleaved quarters (rows 4i + j), packs the four fp8 bytes of each column into one int32
@@ -39,7 +39,7 @@ CONFIG = {
     # one-usage casts need no transpose: a wide row tile
     "cast_rowwise": dict(BM=32, BK=256, num_warps=8),
     # rowwise + transpose with M % 4 == 0: the int32-packed transpose (BM rows = BM // 4 words)
-    "cast_packed": dict(BM=64, BK=128, num_warps=8),  # 98 us at 8192^2 (H100 lab, 0.96 of copy)
+    "cast_packed": dict(BM=64, BK=128, num_warps=8),  # about copy speed at 8192^2 (H100)
     "pack_transpose": True,
 }
 
@@ -145,7 +145,7 @@ def _cast_transpose_packed_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, 
     """`_cast_transpose_kernel` with the transpose written as int32 words (`col_ptr` is the
     (K, M // 4) int32 view of the (K, M) fp8 transpose; M % 4 == 0). Here the tile amax is
     cheap (an elementwise max of the quarters, then one reduction): delayed scaling takes it in
-    this pass instead of a separate amax pass (H100, 8192^2 bf16: 99 us against 148)."""
+    this pass instead of a separate amax pass, so x is read once."""
     pid = tl.program_id(0)
     pid_m = pid // n_k
     pid_k = pid % n_k
@@ -265,8 +265,8 @@ def fp8_quantize_delayed(x, scale, amax_out, fp8_dtype, rowwise, columnwise
     x2d = _as_2d(x)
     scale = scale.reshape(-1)[:1].float()
     amax_i32 = amax_out.view(torch.int32)
-    # the byte-transposing kernel with a tile amax took 361 us against 109 without (H100,
-    # 8192^2): it leaves the amax to a separate pass (59 us); the other kernels take it per tile
+    # the byte-transposing kernel is slower with a tile amax than with a separate amax pass
+    # (H100), so it leaves the amax to that pass; the other kernels take it per tile
     tile_amax = not columnwise or _packs(x2d.shape[0], columnwise)
     if not tile_amax:
         _amax_into(x2d, amax_i32, finite=False)

@@ -3,18 +3,16 @@ the Triton it was verified on (3.6; other versions: set `TE_PROTO_FAST_LAUNCH=1`
 GPU kernel suites, since the launcher's signature and Triton's specialization rules change between
 versions); `TE_PROTO_FAST_LAUNCH=0` takes Triton's own path for every launch. The variable is read
 once, at the first launch; `set_fast_launch(True | False)` switches in Python, `set_fast_launch(None)`
-goes back to the variable and the Triton version (read again at the next launch). On an H100 host it cut the
-host time of a te:current Linear fwd+bwd at 2048^3 from 2.64 / 4.41 ms to 2.11 / 2.48 ms (two A/B
-pairs), and the bitwise kernel suites passed through it (benchmarks/results/h100-2026-11-23-s10).
+goes back to the variable and the Triton version (read again at the next launch). The bitwise
+kernel suites run through it; its effect on a Linear's host time was measured on an H100 host
+(benchmarks/results/2026-11-23-h100-b6df48f).
 
 Triton's `kernel[grid](...)` re-binds every argument, builds a string cache key from the
 specialization and options, checks globals, and -- because Triton 3.6's launch hooks are
 `HookChain` objects, never None -- builds launch metadata and calls the (usually empty) enter
-and exit hook chains on every launch. One FP8 current-scaling quantize (amax + cast launches)
-costs 105 us of host time on the H100 machine's CPU. `fast_launch` keeps the compiled kernel per
+and exit hook chains on every launch. `fast_launch` keeps the compiled kernel per
 *specialization class* of the call and calls the compiled launcher directly, without metadata
-or hooks while both chains are empty. (A first version tested `hook is None`, so it never took
-its fast path on the GPU: measured no change, 108 -> 105 us.)
+or hooks while both chains are empty (it tests the chains for emptiness: they are never None).
 
 The class mirrors what Triton specializes on, or is finer: a tensor's dtype and whether its
 pointer is 16-byte aligned; an int's width (32 or 64 bit), whether it equals 1 and whether it

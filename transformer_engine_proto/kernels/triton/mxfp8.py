@@ -30,13 +30,14 @@ from ._common import (INT32_LIMIT, abs_bits, as_kernel_input, flat_2d, float_bit
 BLOCK = 32
 
 CONFIG = {
-    # (MB, NB, num_warps) by (rowwise, columnwise): tile (MB*32) x (NB*32)
-    # rowwise + columnwise: (1, 2, 4) took 202 us against (2, 4, 8)'s 252 at 8192^2 bf16 (H100 sweep)
+    # (MB, NB, num_warps) by (rowwise, columnwise): tile (MB*32) x (NB*32); chosen by a sweep at
+    # 8192^2 bf16 on an H100 (benchmarks/bench_quantize.py --sweep)
     (True, True): dict(MB=1, NB=2, num_warps=4),
     (True, False): dict(MB=2, NB=4, num_warps=8),
     (False, True): dict(MB=2, NB=4, num_warps=8),
-    # with a columnwise usage: the quarters kernel, tile 32 x (NB*32) (False: `_mxfp8_kernel`).
-    # H100, 8192^2 bf16: rw+cw 137.5 us (NB 2 / 4 warps: 153; `_mxfp8_kernel`: 187), cw 89 (167)
+    # with a columnwise usage: the quarters kernel, tile 32 x (NB*32) (False: `_mxfp8_kernel`);
+    # on an H100 it is faster than `_mxfp8_kernel` and than NB 2 / 4 warps
+    # (benchmarks/results/2026-11-24-h100-96e8cd3)
     "quarters": dict(NB=4, num_warps=2),
 }
 
