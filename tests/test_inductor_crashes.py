@@ -4,6 +4,7 @@ FP8 blockwise 1x128 data with two or more tiles per row, quantized (or dequantiz
 columnwise from one tensor: inductor fused the rowwise loop, which indexed the tile scales by
 `col // 128`, with the loop over the transpose, and its CPU loop split asserted (torch 2.13,
 `CppScheduling.try_loop_split`: "AssertionError: ({y0: 96, y1: 2, y2: 128}, {y0: 256, y1: 0, ...})").
+The reference kernels now broadcast whole tiles over a (rows, cols/128, 128) view instead.
 """
 import copy
 
@@ -16,13 +17,6 @@ from transformer_engine_proto.kernels.reference.blockwise import fp8_blockwise_q
 
 from linear_cases import fresh_dynamo
 
-# strict: passes once kernels/reference/blockwise.py broadcasts whole 1x128 tiles over a
-# (rows, cols/128, 128) view (no `col // 128` index); then drop the marker
-NEEDS_TILE_VIEW = pytest.mark.xfail(strict=True, reason="inductor CPU loop split asserts on a `col // 128` "
-                                    "scale index fused with the transpose of the same tensor")
-
-
-@NEEDS_TILE_VIEW
 def test_blockwise_quantize_rowwise_and_columnwise_compiles():
     """The smallest case: one quantize of a graph input, both usages, 96 x 256."""
     fresh_dynamo()
@@ -61,7 +55,6 @@ def _compiled_matches_eager(make, shape, recipe):
         torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
 
 
-@NEEDS_TILE_VIEW
 @pytest.mark.parametrize("bias", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_layernorm_mlp_blockwise_compiles_and_matches_eager(bias):
     """The reported case: LayerNormMLP(256, 256) bf16, Float8BlockScaling, 96 tokens; backward
@@ -70,7 +63,6 @@ def test_layernorm_mlp_blockwise_compiles_and_matches_eager(bias):
                             (96, 256), R.Float8BlockScaling())
 
 
-@NEEDS_TILE_VIEW
 @pytest.mark.slow
 def test_transformer_layer_blockwise_compiles_and_matches_eager():
     """Its LayerNormMLP, in a TransformerLayer (48 x 2 tokens)."""

@@ -1,4 +1,4 @@
-"""One quantized copy of an input that several Linears read (issue 21).
+"""One quantized copy of an input that several Linears read.
 
 A Hugging Face Llama's q/k/v (and gate/up) projections are separate Linears reading one tensor.
 bf16 saves that tensor once for backward; without sharing each Linear op quantizes it again and

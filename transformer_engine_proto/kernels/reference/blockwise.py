@@ -43,9 +43,19 @@ def expand_tiles(s: torch.Tensor, rows: int, r: int, c: int) -> torch.Tensor:
     return full[:r, :c]
 
 
-def _cast_tiles(x2d, scale, rows, fp8_dtype) -> torch.Tensor:
+def _per_tile(fn, x2d: torch.Tensor, s: torch.Tensor, rows: int) -> torch.Tensor:
+    """fn(x, s) elementwise, with the per-tile values `s` (rt, ct) broadcast over the (r, c) `x2d`.
+    Whole 1x128 tiles run on a (r, c/128, 128) view: then no loop indexes `s` by `col // 128`,
+    a loop inductor's CPU codegen fails to split when it is fused with a loop over the transpose
+    (torch 2.13, `CppScheduling.try_loop_split`)."""
     r, c = x2d.shape
-    return scaled_cast(x2d, expand_tiles(scale, rows, r, c), fp8_dtype)
+    if rows == 1 and c % TILE == 0:
+        return fn(x2d.reshape(r, c // TILE, TILE), s[:, :, None]).reshape(r, c)
+    return fn(x2d, expand_tiles(s, rows, r, c))
+
+
+def _cast_tiles(x2d, scale, rows, fp8_dtype) -> torch.Tensor:
+    return _per_tile(lambda x, s: scaled_cast(x, s, fp8_dtype), x2d, scale, rows)
 
 
 def outer_dim_major(s: torch.Tensor) -> torch.Tensor:
@@ -91,5 +101,4 @@ def fp8_blockwise_quantize(x: torch.Tensor, fp8_dtype, block_scaling_dim: int, r
 def fp8_blockwise_dequantize(data2d: torch.Tensor, scale_inv: torch.Tensor, block_rows: int,
                              dtype: torch.dtype) -> torch.Tensor:
     """(R, C) fp8 data times its per-(block_rows x 128) tile scale_inv, cast to `dtype`."""
-    r, c = data2d.shape
-    return (data2d.float() * expand_tiles(scale_inv.float(), block_rows, r, c)).to(dtype)
+    return _per_tile(lambda x, s: (x.float() * s.float()).to(dtype), data2d, scale_inv, block_rows)
