@@ -153,3 +153,36 @@ def test_compiled_layer_follows_the_calling_threads_autocast():
         _run_threads(plain)
         assert torch.equal(compiled(x), want)
     assert torch.equal(seen["b"], ref)
+
+
+def test_shared_input_entries_are_per_thread():
+    """One thread's autocast exit clears only its own shared quantized inputs, and a scope opened
+    in one thread is not seen by another."""
+    import threading
+
+    from transformer_engine_proto.ops import shared_input
+
+    x = torch.randn(8, 8)
+    ready, done = threading.Event(), threading.Event()
+    seen = {}
+
+    def other():
+        with shared_input.scope():
+            shared_input.store(x, "k", [torch.ones(1)])
+        seen["stored"] = dict(shared_input._local.entries)
+        ready.set()
+        done.wait(10)
+        seen["after"] = len(shared_input._local.entries)
+        with shared_input.scope():
+            seen["hit"] = shared_input.lookup(x, "k")
+
+    t = threading.Thread(target=other)
+    t.start()
+    assert ready.wait(10)
+    assert shared_input.lookup(x, "k") is None  # no scope in this thread
+    shared_input.clear()  # this thread's autocast exit
+    done.set()
+    t.join(10)
+    assert len(seen["stored"]) == 1
+    assert seen["after"] == 1  # survived the main thread's clear
+    assert seen["hit"] is not None and torch.equal(seen["hit"][0], torch.ones(1))

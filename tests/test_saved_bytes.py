@@ -138,7 +138,7 @@ def test_shared_input_not_reused_after_in_place_write_or_autocast_exit():
     assert torch.equal(y, ref)
     with recipe_ctx(recipe):
         a(x)
-    assert not shared_input._entries  # autocast exit dropped them
+    assert not shared_input._local.entries  # autocast exit dropped them
 
 
 def test_shared_input_entry_dies_with_its_tensor():
@@ -146,9 +146,9 @@ def test_shared_input_entry_dies_with_its_tensor():
         m = te.Linear(IN, OUT)
         x = torch.randn(TOKENS, IN) * 1.0
         m(x)
-        assert shared_input._entries
+        assert shared_input._local.entries
         del x
-        assert not shared_input._entries
+        assert not shared_input._local.entries
 
 
 @pytest.mark.parametrize("rid", QUANTIZED_IDS)

@@ -25,6 +25,7 @@ write to one could not be detected: they are never shared.
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Callable, Dict, List, Optional
 
@@ -32,9 +33,19 @@ import torch
 
 __all__ = ["scope", "lookup", "store", "clear", "stats"]
 
-_entries: Dict[tuple, tuple] = {}
 stats = {"hits": 0, "stores": 0}  # counts, for tests and tools
-_scopes: List["_Scope"] = []
+
+
+class _ThreadLocal(threading.local):
+    """Scopes and entries are per thread, as autocast's state: one thread's forward (or trace)
+    never reads or clears another's."""
+
+    def __init__(self):
+        self.scopes: List["_Scope"] = []
+        self.entries: Dict[tuple, tuple] = {}
+
+
+_local = _ThreadLocal()
 
 
 class _Scope:
@@ -49,11 +60,11 @@ class _Scope:
         self.pending = []
 
     def __enter__(self) -> "_Scope":
-        _scopes.append(self)
+        _local.scopes.append(self)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        _scopes.pop()
+        _local.scopes.pop()
         if self.auto_commit and exc_type is None:
             self.commit()
 
@@ -85,20 +96,21 @@ def _key(src, owner, key):
 
 
 def _put(src, owner, key, buffers) -> None:
-    k = _key(src, owner, key)
-    ref = weakref.ref(src, lambda _r, k=k: _entries.pop(k, None))
-    _entries[k] = (ref, src._version, buffers)
+    k, entries = _key(src, owner, key), _local.entries
+    ref = weakref.ref(src, lambda _r, k=k, entries=entries: entries.pop(k, None))
+    entries[k] = (ref, src._version, buffers)
 
 
 def lookup(inp: torch.Tensor, key) -> Optional[list]:
     """The buffers stored for `inp` (as the body sees it) under `key`, or None."""
-    if not _scopes:
+    scopes = _local.scopes
+    if not scopes:
         return None
-    s = _scopes[-1]
+    s = scopes[-1]
     src = s.source(inp)
     if src is None:
         return None
-    hit = _entries.get(_key(src, s.owner, key))
+    hit = _local.entries.get(_key(src, s.owner, key))
     if hit is None or hit[0]() is not src or hit[1] != src._version:
         return None
     stats["hits"] += 1
@@ -107,13 +119,15 @@ def lookup(inp: torch.Tensor, key) -> Optional[list]:
 
 def store(inp: torch.Tensor, key, buffers) -> None:
     """Offer `buffers` (the quantized `inp` under `key`) to later calls in this scope's owner."""
-    if not _scopes:
+    scopes = _local.scopes
+    if not scopes:
         return
-    s = _scopes[-1]
+    s = scopes[-1]
     src = s.source(inp)
     if src is not None:
         s.pending.append((src, key, list(buffers)))
 
 
 def clear() -> None:
-    _entries.clear()
+    """Forget this thread's entries (autocast exit)."""
+    _local.entries.clear()
