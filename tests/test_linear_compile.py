@@ -1,5 +1,5 @@
-"""Linear under torch.compile(fullgraph=True): the same numbers as eager (bitwise with aot_eager),
-no graph breaks, no recompiles across steps; the weight cache, fused wgrad accumulation,
+"""Linear under torch.compile(fullgraph=True): the same numbers as eager (bitwise, with aot_eager and
+with inductor on CPU), no graph breaks, no recompiles across steps; the weight cache, fused wgrad accumulation,
 save_original_input, inference and a dynamic batch dimension."""
 import copy
 
@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from linear_cases import (QUANTIZED_IDS, RECIPE_IDS, RECIPES, fresh_dynamo, graph_breaks, recipe_ctx,
-                          unique_graphs)
+from linear_cases import (INDUCTOR_IN_CI, QUANTIZED_IDS, RECIPE_IDS, RECIPES, backend_params, fresh_dynamo,
+                          graph_breaks, recipe_ctx, unique_graphs)
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.autocast import autocast
 from transformer_engine_proto.module import Linear
@@ -19,7 +19,7 @@ DELAYED_BUFFERS = ("fp8_scale", "amax_history", "grad_fp8_scale", "grad_amax_his
                    "grad_amax_seen")
 
 
-def _compiled_twin(m, backend="aot_eager"):
+def _compiled_twin(m, backend):
     mc = copy.deepcopy(m)
     return mc, torch.compile(mc, fullgraph=True, backend=backend)
 
@@ -32,9 +32,12 @@ def _assert_equal(a, b, what):
     assert torch.equal(a, b), f"{what}: max abs diff {(a.float() - b.float()).abs().max().item()}"
 
 
-def _assert_same_state(m, mc, recipe, tag):
+def _assert_same_state(m, mc, recipe, tag, backend):
     _assert_equal(m.weight.grad, mc.weight.grad, f"{tag} weight grad")
-    if m.bias is not None:
+    if m.bias is not None and backend == "inductor" and m.bias.grad is not None:
+        # dbias is dy.float().sum(0): inductor's own reduction adds in another order than ATen's (2 ulp)
+        torch.testing.assert_close(mc.bias.grad, m.bias.grad, msg=f"{tag} bias grad")
+    elif m.bias is not None:
         _assert_equal(m.bias.grad, mc.bias.grad, f"{tag} bias grad")
     if isinstance(recipe, R.DelayedScaling):
         for name in DELAYED_BUFFERS:
@@ -55,9 +58,9 @@ def _step(m, cm, recipe, x, g, input_rg, tag, **kw):
     return ye
 
 
-# ---- hypothesis: shapes x dtype x recipe x bias x requires-grad, aot_eager bitwise -------------
+# ---- hypothesis: shapes x dtype x recipe x bias x requires-grad, bitwise -----------------------
 @st.composite
-def linear_cases(draw):
+def linear_cases(draw, rids=tuple(RECIPE_IDS)):
     tokens = draw(st.sampled_from([32, 64]))
     lead = (tokens,) if draw(st.booleans()) else (draw(st.integers(1, 2)), tokens)
     return dict(
@@ -65,7 +68,7 @@ def linear_cases(draw):
         in_features=draw(st.sampled_from([32, 64, 96, 128])),
         out_features=draw(st.sampled_from([32, 64, 96, 128])),
         dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
-        rid=draw(st.sampled_from(RECIPE_IDS)),
+        rid=draw(st.sampled_from(rids)),
         bias=draw(st.booleans()),
         input_rg=draw(st.booleans()),
         weight_rg=draw(st.booleans()),
@@ -73,58 +76,65 @@ def linear_cases(draw):
     )
 
 
-@settings(max_examples=12)
-@given(case=linear_cases())
-def test_compiled_matches_eager_bitwise(case):
+def _check_case(case, backend):
     recipe, dtype = RECIPES[case["rid"]], case["dtype"]
     fresh_dynamo()
     torch.manual_seed(case["seed"])
     m = Linear(case["in_features"], case["out_features"], bias=case["bias"], params_dtype=dtype)
     m.weight.requires_grad_(case["weight_rg"])
-    mc, cm = _compiled_twin(m)
+    mc, cm = _compiled_twin(m, backend)
     for step in range(2):
         x = torch.randn(*case["lead"], case["in_features"], dtype=dtype)
         g = torch.randn(*case["lead"], case["out_features"], dtype=dtype)
-        _step(m, cm, recipe, x, g, case["input_rg"], f"{case} step {step}")
-        _assert_same_state(m, mc, recipe, f"{case} step {step}")
+        _step(m, cm, recipe, x, g, case["input_rg"], f"{backend} {case} step {step}")
+        _assert_same_state(m, mc, recipe, f"{backend} {case} step {step}", backend)
     assert graph_breaks() == 0
     assert unique_graphs() == 1, f"recompiled across steps with the same shapes: {unique_graphs()} graphs"
 
 
-# ---- inductor ---------------------------------------------------------------------------------
-INDUCTOR_TOL = dict(rtol=1.3e-6, atol=1e-5)  # torch's float32 defaults; measured: bitwise (diff 0)
+@settings(max_examples=12)
+@given(case=linear_cases())
+def test_compiled_matches_eager_bitwise(case):
+    _check_case(case, "aot_eager")
 
 
-@pytest.mark.parametrize("rid", RECIPE_IDS)
+# inductor compiles each example's graph (seconds each on CPU, minutes for MXFP8 / NVFP4): CI draws
+# the CI recipes and high precision, the slow variant the others
+@settings(max_examples=4)
+@given(case=linear_cases(rids=("high_precision", *INDUCTOR_IN_CI)))
+def test_inductor_matches_eager_bitwise(case):
+    _check_case(case, "inductor")
+
+
+@pytest.mark.slow
+@settings(max_examples=4)
+@given(case=linear_cases(rids=tuple(r for r in RECIPE_IDS if r not in ("high_precision", *INDUCTOR_IN_CI))))
+def test_inductor_matches_eager_bitwise_other_recipes(case):
+    _check_case(case, "inductor")
+
+
+# ---- inductor, every recipe on one shape ------------------------------------------------------
+@pytest.mark.parametrize("rid", [pytest.param(r, marks=[pytest.mark.slow] if r in ("mxfp8", "nvfp4") else [])
+                                 for r in RECIPE_IDS])
 def test_inductor_matches_eager(rid):
+    """The fixed-shape check of every recipe (the CPU compile of the MXFP8 / NVFP4 reference
+    kernels takes minutes: slow)."""
     recipe = RECIPES[rid]
     fresh_dynamo()
     torch.manual_seed(0)
     m = Linear(64, 32)
-    mc, cm = _compiled_twin(m, backend="inductor")
-    worst = 0.0
+    backend = "inductor"
+    mc, cm = _compiled_twin(m, backend)
     for step in range(2):
-        x = torch.randn(2, 32, 64)
-        g = torch.randn(2, 32, 32)
-        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
-        with recipe_ctx(recipe):
-            ye, yc = m(xe), cm(xc)
-        ye.backward(g)
-        yc.backward(g)
-        pairs = [(ye, yc), (xe.grad, xc.grad), (m.weight.grad, mc.weight.grad), (m.bias.grad, mc.bias.grad)]
-        if isinstance(recipe, R.DelayedScaling):
-            pairs += [(getattr(m.gemm, n), getattr(mc.gemm, n)) for n in DELAYED_BUFFERS]
-        for e, c in pairs:
-            torch.testing.assert_close(c, e, **INDUCTOR_TOL)
-            worst = max(worst, (c - e).abs().max().item())
+        _step(m, cm, recipe, torch.randn(2, 32, 64), torch.randn(2, 32, 32), True, f"step {step}")
+        _assert_same_state(m, mc, recipe, f"step {step}", backend)
     assert graph_breaks() == 0
     assert unique_graphs() == 1
-    print(f"inductor vs eager [{rid}]: max abs diff {worst}")
 
 
 # ---- dynamic batch dimension ----------------------------------------------------------------------
-@pytest.mark.parametrize("rid", RECIPE_IDS)
-def test_dynamic_batch_compiles_once(rid):
+@pytest.mark.parametrize("backend, rid", backend_params(RECIPE_IDS))
+def test_dynamic_batch_compiles_once(backend, rid):
     """mark_dynamic on the batch dim: one frame, one graph for two batch sizes (bitwise to eager).
 
     Fails for every quantized recipe as of this writing: `Quantizer.alloc_tensors`
@@ -136,7 +146,7 @@ def test_dynamic_batch_compiles_once(rid):
     torch.manual_seed(0)
     m = Linear(64, 32)
     mc = copy.deepcopy(m)
-    cnt = CompileCounterWithBackend("aot_eager")
+    cnt = CompileCounterWithBackend(backend)
     cm = torch.compile(mc, fullgraph=True, backend=cnt)
     for batch in (2, 3):
         x = torch.randn(batch, 32, 64)
@@ -149,15 +159,15 @@ def test_dynamic_batch_compiles_once(rid):
         ye.backward(g)
         yc.backward(g)
         _assert_equal(xe.grad, xc.grad, f"batch {batch} input grad")
-        _assert_same_state(m, mc, recipe, f"batch {batch}")
+        _assert_same_state(m, mc, recipe, f"batch {batch}", backend)
     assert cnt.frame_count == 1, f"{cnt.frame_count} frames compiled for two batch sizes"
     assert unique_graphs() == 1
     assert graph_breaks() == 0
 
 
 # ---- weight cache (is_first_microbatch) ---------------------------------------------------------------
-@pytest.mark.parametrize("rid", QUANTIZED_IDS)
-def test_is_first_microbatch_matches_eager(rid):
+@pytest.mark.parametrize("backend, rid", backend_params(QUANTIZED_IDS))
+def test_is_first_microbatch_matches_eager(backend, rid):
     """True fills the quantized-weight cache, False reuses it (even if the weight changed since,
     as in TE); compiled == eager bitwise, one graph per flag value. The cache is allocated eagerly,
     so (as the library asks) one micro-batch runs eagerly on both modules before compiling."""
@@ -170,12 +180,12 @@ def test_is_first_microbatch_matches_eager(rid):
         x, g = torch.randn(32, 64), torch.randn(32, 32)
         for mod in (m, mc):  # eager warm-up micro-batch, identical on both
             mod(x.clone().requires_grad_(), is_first_microbatch=True).backward(g)
-    cm = torch.compile(mc, fullgraph=True, backend="aot_eager")
+    cm = torch.compile(mc, fullgraph=True, backend=backend)
     with autocast(recipe=recipe):
         for i, first in enumerate([True, False, False, True, False]):
             x, g = torch.randn(32, 64), torch.randn(32, 32)
             _step(m, cm, recipe, x, g, True, f"microbatch {i}", is_first_microbatch=first)
-            _assert_same_state(m, mc, recipe, f"microbatch {i}")
+            _assert_same_state(m, mc, recipe, f"microbatch {i}", backend)
             assert m.gemm._cache_names, "no weight cache allocated"
             for name in m.gemm._cache_names:
                 _assert_equal(getattr(m.gemm, name), getattr(mc.gemm, name), f"microbatch {i} {name}")
@@ -187,7 +197,8 @@ def test_is_first_microbatch_matches_eager(rid):
     assert unique_graphs() == 2  # is_first_microbatch True / False
 
 
-def test_deepcopied_module_is_prepared_by_autocast():
+@pytest.mark.parametrize("backend", backend_params())
+def test_deepcopied_module_is_prepared_by_autocast(backend):
     """A deepcopy (EMA/teacher copies, `copy.deepcopy(model)` before compiling) must be prepared on
     autocast entry like the original: here, DelayedScaling(amax_history_len=2000) must grow the
     copy's history buffers too.
@@ -201,28 +212,28 @@ def test_deepcopied_module_is_prepared_by_autocast():
     m = Linear(64, 32)
     mc = copy.deepcopy(m)
     recipe = R.DelayedScaling(amax_history_len=2000)
-    cm = torch.compile(mc, fullgraph=True, backend="aot_eager")
+    cm = torch.compile(mc, fullgraph=True, backend=backend)
     with autocast(recipe=recipe):
         assert m.gemm.amax_history.shape == (2000, 2)
         assert mc.gemm.amax_history.shape == (2000, 2), "deepcopy of a TE module was not prepared by autocast"
         for step in range(2):
             _step(m, cm, recipe, torch.randn(32, 64), torch.randn(32, 32), True, f"step {step}")
-            _assert_same_state(m, mc, recipe, f"step {step}")
+            _assert_same_state(m, mc, recipe, f"step {step}", backend)
 
 
 # ---- fused wgrad accumulation, save_original_input, inference -----------------------------------
-@pytest.mark.parametrize("rid", RECIPE_IDS)
-def test_fuse_wgrad_accumulation_matches_eager(rid):
+@pytest.mark.parametrize("backend, rid", backend_params(RECIPE_IDS))
+def test_fuse_wgrad_accumulation_matches_eager(backend, rid):
     recipe = RECIPES[rid]
     fresh_dynamo()
     torch.manual_seed(0)
     m = Linear(64, 32, fuse_wgrad_accumulation=True)
-    mc, cm = _compiled_twin(m)
+    mc, cm = _compiled_twin(m, backend)
     m.weight.main_grad = torch.zeros(32, 64, dtype=torch.float32)
     mc.weight.main_grad = torch.zeros(32, 64, dtype=torch.float32)
     for step in range(2):
         _step(m, cm, recipe, torch.randn(32, 64), torch.randn(32, 32), True, f"step {step}")
-        _assert_same_state(m, mc, recipe, f"step {step}")
+        _assert_same_state(m, mc, recipe, f"step {step}", backend)
         _assert_equal(m.weight.main_grad, mc.weight.main_grad, f"step {step} main_grad")
         assert m.weight.grad is None and mc.weight.grad is None  # accumulated into main_grad instead
     assert m.weight.main_grad.abs().sum() > 0
@@ -230,34 +241,34 @@ def test_fuse_wgrad_accumulation_matches_eager(rid):
     assert unique_graphs() == 1
 
 
-@pytest.mark.parametrize("rid", RECIPE_IDS)
-def test_save_original_input_matches_eager(rid):
+@pytest.mark.parametrize("backend, rid", backend_params(RECIPE_IDS))
+def test_save_original_input_matches_eager(backend, rid):
     recipe = RECIPES[rid]
     fresh_dynamo()
     torch.manual_seed(0)
     m = Linear(64, 32, save_original_input=True)
-    mc, cm = _compiled_twin(m)
+    mc, cm = _compiled_twin(m, backend)
     for step in range(2):
         _step(m, cm, recipe, torch.randn(2, 32, 64), torch.randn(2, 32, 32), True, f"step {step}")
-        _assert_same_state(m, mc, recipe, f"step {step}")
+        _assert_same_state(m, mc, recipe, f"step {step}", backend)
     assert graph_breaks() == 0
     assert unique_graphs() == 1
 
 
-@pytest.mark.parametrize("rid", RECIPE_IDS)
-def test_no_grad_inference_matches_eager(rid):
+@pytest.mark.parametrize("backend, rid", backend_params(RECIPE_IDS))
+def test_no_grad_inference_matches_eager(backend, rid):
     recipe = RECIPES[rid]
     fresh_dynamo()
     torch.manual_seed(0)
     m = Linear(64, 32)
-    mc, cm = _compiled_twin(m)
+    mc, cm = _compiled_twin(m, backend)
     for step in range(2):
         x = torch.randn(32, 64)
         with torch.no_grad(), recipe_ctx(recipe):
             ye, yc = m(x), cm(x)
         assert not yc.requires_grad
         _assert_equal(ye, yc, f"step {step} output")
-        _assert_same_state(m, mc, recipe, f"step {step}")
+        _assert_same_state(m, mc, recipe, f"step {step}", backend)
     assert graph_breaks() == 0
     assert unique_graphs() == 1
 
