@@ -1,6 +1,7 @@
 """Precision debug tools under torch.compile(fullgraph=True): no graph breaks, the same stats, dumps
 and numbers as eager, the fast path untouched, and one recompile per distinct routing decision."""
 import copy
+import math
 
 import nvdlfw_inspect.api as debug_api
 import pytest
@@ -11,6 +12,8 @@ import transformer_engine_proto as te
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.debug import last_logged_stats
 
+from compile_cases import ULPS, assert_matches_eager, compile_for
+from linear_cases import backend_params
 from test_debug_common import debug_session, max_stats_config
 from test_debug_features import CUSTOM_CONFIG, write_custom_features
 
@@ -64,12 +67,40 @@ def _run(model, cfg, tmp_path, name, steps, recipe, feature_dirs=()):
     return logs, outs
 
 
-def test_compiled_matches_eager_and_recompiles_once_per_decision(tmp_path):
+def _assert_logs_match(comp_logs, eager_logs, backend):
+    """Equal; under inductor the stats of tensors it computes a few float32 ulps apart (see
+    compile_cases) agree to 1e-5 relative, and dynamic_range (log2 of the largest over the smallest
+    nonzero magnitude, which is off by as much as the largest) to log2(1 + ULPS eps 2**range)."""
+    if backend != "inductor":
+        assert comp_logs == eager_logs
+        return
+    assert len(comp_logs) == len(eager_logs)
+    eps = ULPS[torch.float32] * torch.finfo(torch.float32).eps
+    for i, (c, e) in enumerate(zip(comp_logs, eager_logs)):
+        assert c.keys() == e.keys(), i
+        for k, v in e.items():
+            tol = math.log2(1 + eps * 2**v) if k.endswith("dynamic_range") else 1e-5 * abs(v)
+            assert abs(c[k] - v) <= tol, (i, k, c[k], v)
+
+
+def _mark_inductor(params, mark):
+    return [pytest.param(*p.values, id=p.id, marks=[*p.marks, mark]) if p.values[0] == "inductor" else p
+            for p in params]
+
+
+# the debug forward keeps its input (the operand of a high-precision wgrad: mlp.fc2's DisableFp8Gemm
+# here) in a side table the graph does not see, so inductor reuses that buffer for later values
+_SAVED_INPUT_REUSED = pytest.mark.xfail(strict=True, reason="inductor reuses the buffer of a debug GEMM's input "
+                                        "kept for a high-precision wgrad (debug_gemm.linear_fwd): wrong wgrad")
+
+
+@pytest.mark.parametrize("backend", _mark_inductor(backend_params(), _SAVED_INPUT_REUSED))
+def test_compiled_matches_eager_and_recompiles_once_per_decision(tmp_path, backend):
     _fresh()
     torch.manual_seed(1)
     m = Net()
     mc = copy.deepcopy(m)
-    cm = torch.compile(mc, fullgraph=True, backend="aot_eager")
+    cm = compile_for(mc, backend)
     recipe = R.Float8CurrentScaling()
     eager_logs, eager_outs = _run(m, WINDOWED, tmp_path, "eager", 8, recipe)
     comp_logs, comp_outs = _run(cm, WINDOWED, tmp_path, "compiled", 8, recipe)
@@ -77,11 +108,12 @@ def test_compiled_matches_eager_and_recompiles_once_per_decision(tmp_path):
     # fc1 switches fast -> debug -> fast -> debug -> fast: two distinct decisions, two graphs
     assert counters["stats"]["unique_graphs"] == 2
     assert [sorted(s) != [] for s in comp_logs] == [False, False, True, True, False, False, True, False]
-    assert eager_logs == comp_logs
-    for (ye, ge), (yc, gc) in zip(eager_outs, comp_outs):
-        assert torch.equal(ye, yc) and torch.equal(ge, gc)
-    for pe, pc in zip(m.parameters(), mc.parameters()):
-        assert torch.equal(pe.grad, pc.grad)
+    _assert_logs_match(comp_logs, eager_logs, backend)
+    for i, ((ye, ge), (yc, gc)) in enumerate(zip(eager_outs, comp_outs)):
+        assert_matches_eager(yc, ye, backend, f"step {i} output")
+        assert_matches_eager(gc, ge, backend, f"step {i} input grad")
+    for (name, pe), pc in zip(m.named_parameters(), mc.parameters()):
+        assert_matches_eager(pc.grad, pe.grad, backend, name)
 
 
 def _graph_code(model, x, recipe):
@@ -117,7 +149,8 @@ def test_fast_path_graph_is_unchanged(tmp_path):
     assert _graph_code(m, x, recipe) == plain  # session over
 
 
-def test_compiled_dumps_equal_eager(tmp_path):
+@pytest.mark.parametrize("backend", backend_params(ci=()))  # MXFP8: inductor compiles for minutes
+def test_compiled_dumps_equal_eager(tmp_path, backend):
     cfg = {"d": {"enabled": True, "layers": {"layer_name_regex_pattern": "^fc1$"},
                  "transformer_engine": {"DumpTensors": {"enabled": True, "tensors": ["activation", "gradient", "weight"],
                                                         "dump_quantized_internals": True, "freq": 2}}}}
@@ -125,7 +158,7 @@ def test_compiled_dumps_equal_eager(tmp_path):
     torch.manual_seed(3)
     m = Net()
     mc = copy.deepcopy(m)
-    cm = torch.compile(mc, fullgraph=True, backend="aot_eager")
+    cm = compile_for(mc, backend)
     recipe = R.MXFP8BlockScaling()
     _run(m, cfg, tmp_path, "eager", 3, recipe)
     _run(cm, cfg, tmp_path, "compiled", 3, recipe)
@@ -141,24 +174,25 @@ def test_compiled_dumps_equal_eager(tmp_path):
         dc = torch.load(pe.replace(os.sep + "eager" + os.sep, os.sep + "compiled" + os.sep), weights_only=True)
         assert de.keys() == dc.keys()
         for k in ("high_precision", "quantized"):
-            assert torch.equal(de[k], dc[k])
+            assert_matches_eager(dc[k], de[k], backend, f"{pe} {k}")
         for k, v in de["quantized_internals"].items():
             assert torch.equal(v.view(torch.uint8), dc["quantized_internals"][k].view(torch.uint8)) \
                 if isinstance(v, torch.Tensor) else v == dc["quantized_internals"][k]
 
 
-def test_compiled_custom_modify_feature(tmp_path):
+@pytest.mark.parametrize("backend", backend_params())
+def test_compiled_custom_modify_feature(tmp_path, backend):
     _fresh()
     torch.manual_seed(4)
     m = torch.nn.Sequential(te.Linear(32, 32, name="probe"), te.Linear(32, 32, name="scaled", bias=False))
     mc = copy.deepcopy(m)
-    cm = torch.compile(mc, fullgraph=True, backend="aot_eager")
+    cm = compile_for(mc, backend)
     dirs = [write_custom_features(tmp_path)]
     x = torch.randn(8, 32)
     with debug_session(tmp_path, CUSTOM_CONFIG, feature_dirs=dirs, name="c"):
         for _ in range(3):
             ye, yc = m(x), cm(x)
-            assert torch.equal(ye, yc)
+            assert_matches_eager(yc, ye, backend, "output")
             debug_api.step()
     assert torch.allclose(ye, m[0](x) @ (2 * m[1].weight).t())
     assert _graph_breaks() == 0
@@ -183,10 +217,11 @@ def test_inductor_stats_match_eager(tmp_path, recipe):
     assert eager_logs == comp_logs and len(eager_logs[0]) == 9
 
 
-def test_session_end_and_reinit_under_compile(tmp_path):
+@pytest.mark.parametrize("backend", backend_params())
+def test_session_end_and_reinit_under_compile(tmp_path, backend):
     _fresh()
     m = te.Linear(32, 32, name="fc1")
-    cm = torch.compile(copy.deepcopy(m), fullgraph=True, backend="aot_eager")
+    cm = compile_for(copy.deepcopy(m), backend)
     cfg = max_stats_config("fc1")
     x = torch.randn(4, 32)
     for i in range(2):
@@ -200,11 +235,12 @@ def test_session_end_and_reinit_under_compile(tmp_path):
     assert counters["stats"]["unique_graphs"] == 3
 
 
-def test_new_session_recomputes_compiled_decisions(tmp_path):
+@pytest.mark.parametrize("backend", backend_params())
+def test_new_session_recomputes_compiled_decisions(tmp_path, backend):
     """A layer on the fast path in one session picks up the next session's features at once."""
     _fresh()
     m = te.Linear(32, 32, name="fc1")
-    cm = torch.compile(copy.deepcopy(m), fullgraph=True, backend="aot_eager")
+    cm = compile_for(copy.deepcopy(m), backend)
     none = {"s": {"enabled": True, "layers": {"layer_types": ["other"]},
                   "transformer_engine": {"DisableFp8Layer": {"enabled": True}}}}
     stats = max_stats_config("fc1")
