@@ -162,7 +162,7 @@ class GroupedLinear(TransformerEngineBaseModule):
         (`_host_splits`) that the expert loop reads the sizes from. `refusal` (compiling only): why
         the loop cannot read sizes from data here; then a tensor is an error and a list stays
         dynamo's ints, checked while tracing."""
-        n, compiling = self.num_gemms, torch.compiler.is_compiling()
+        n, compiling = self.num_gemms, torch.compiler.is_dynamo_compiling()
         if isinstance(m_splits, torch.Tensor):
             if m_splits.dim() != 1 or m_splits.shape[0] != n or m_splits.dtype.is_floating_point \
                     or m_splits.dtype == torch.bool:
@@ -228,7 +228,7 @@ class GroupedLinear(TransformerEngineBaseModule):
         grouped = recipe is None and self.use_grouped_tensor is not False and grouped_mm_supported(
             inp.device, inp.dtype, self.in_features, self.out_features) and inp.dtype == self.weight0.dtype
         refusal = None
-        if torch.compiler.is_compiling() and not grouped:
+        if torch.compiler.is_dynamo_compiling() and not grouped:
             refusal = self._graph_sizes_refusal(inp.device, recipe is not None)
         splits, sizes = self._check_splits(m_splits, tokens, grouped, refusal)
         bias_in_gemm = self.use_bias and not self.return_bias

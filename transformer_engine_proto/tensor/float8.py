@@ -183,7 +183,7 @@ def _check_scale_value(scale: Optional[torch.Tensor]) -> None:
     Checked only where reading the value is free: a plain CPU tensor, outside torch.compile and
     outside any dispatch mode (fake / proxy tracing). A CUDA scale is not read, since that would
     sync the host on every construction (the ops build these in the step)."""
-    if (type(scale) is torch.Tensor and scale.device.type == "cpu" and not torch.compiler.is_compiling()
+    if (type(scale) is torch.Tensor and scale.device.type == "cpu" and not torch.compiler.is_dynamo_compiling()
             and torch._C._len_torch_dispatch_stack() == 0 and not (torch.isfinite(scale) & (scale > 0)).all()):
         raise ValueError(f"Float8Quantizer.scale must be finite and > 0 (it multiplies the input; its "
                          f"reciprocal is the dequantize scale), got {scale.item()}")
