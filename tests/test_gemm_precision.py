@@ -18,7 +18,7 @@ from transformer_engine_proto import recipe as R
 from transformer_engine_proto.precision import policy as P
 from transformer_engine_proto.precision.cost_model import CostTable, gemm_shapes
 
-from linear_cases import QUANTIZED_IDS, RECIPES, fresh_dynamo, graph_breaks
+from linear_cases import QUANTIZED_IDS, RECIPES, backend_params, fresh_dynamo, graph_breaks
 
 SUBSETS = [frozenset(c) for r in range(4) for c in itertools.combinations(("fprop", "dgrad", "wgrad"), r)]
 M, N, K = 48, 128, 256  # 48 tokens: MXFP8 / NVFP4 pad the wgrad operands' rows
@@ -158,7 +158,8 @@ def _choices(model):
     return [P.decisions()[g._debug_uid].high_precision for g in (m.gemm for m in model)]
 
 
-def test_policy_same_in_eager_compiled_and_another_process(tmp_path):
+@pytest.mark.parametrize("backend", backend_params())
+def test_policy_same_in_eager_compiled_and_another_process(tmp_path, backend):
     path = _synthetic_table(tmp_path / "t.json", fp8_speedup=4.0, fp8_overhead_ms=0.005)
     policy = te.GemmPolicy(table=path)
     recipe = R.Float8CurrentScaling()
@@ -175,7 +176,7 @@ def test_policy_same_in_eager_compiled_and_another_process(tmp_path):
 
     P.decisions().clear()
     fresh_dynamo()
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
     with te.autocast(recipe=recipe, gemm_policy=policy):
         compiled(x).sum().backward()
     assert graph_breaks() == 0
@@ -236,9 +237,9 @@ def test_gemm_policy_validates():
             pass
 
 
-@pytest.mark.parametrize("recipe_id", ["current", "delayed", "mxfp8"])
-def test_pinned_compiled_matches_eager(recipe_id):
-    """aot_eager runs the same op bodies: compiled == eager bitwise with GEMMs pinned to bf16."""
+@pytest.mark.parametrize("backend, recipe_id", backend_params(["current", "delayed", "mxfp8"]))
+def test_pinned_compiled_matches_eager(backend, recipe_id):
+    """Compiled == eager bitwise with GEMMs pinned to bf16."""
     recipe = RECIPES[recipe_id]
     x = torch.randn(M, K, dtype=torch.bfloat16)
     for hp in (frozenset({"fprop"}), frozenset({"dgrad", "wgrad"})):
@@ -246,7 +247,7 @@ def test_pinned_compiled_matches_eager(recipe_id):
         fresh_dynamo()
         m = _fresh(te.Linear)
         te.pin_gemm_precision(m, **{g: "bf16" for g in hp})
-        compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+        compiled = torch.compile(m, backend=backend, fullgraph=True)
         got = _run(compiled, x, recipe)
         assert graph_breaks() == 0
         for a, b in zip(got, eager):

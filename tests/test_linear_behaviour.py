@@ -24,7 +24,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from linear_cases import QUANTIZED_IDS, RECIPE_IDS, RECIPES, forget_modules, fresh_dynamo, recipe_ctx, unique_graphs
+from linear_cases import (QUANTIZED_IDS, RECIPE_IDS, RECIPES, backend_params, forget_modules, fresh_dynamo, recipe_ctx,
+                          unique_graphs)
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.autocast import FP8GlobalState, autocast, get_fp8_recipe, is_fp8_enabled
 from transformer_engine_proto.module import Linear
@@ -293,7 +294,8 @@ def test_amax_history_len_beyond_default_grows_buffers():
 
 
 # ---- recipe changes ---------------------------------------------------------------------------------
-def test_recipe_changed_mid_run_recompiles_not_wrong():
+@pytest.mark.parametrize("backend", backend_params(ci=()))  # MXFP8: inductor compiles for minutes
+def test_recipe_changed_mid_run_recompiles_not_wrong(backend):
     """Float8CurrentScaling -> MXFP8BlockScaling -> back, and two DelayedScaling recipes that differ
     only in fields: compiled == eager bitwise each step; a new recipe is a new graph, a recipe seen
     before reuses its graph."""
@@ -301,7 +303,7 @@ def test_recipe_changed_mid_run_recompiles_not_wrong():
     torch.manual_seed(0)
     m = Linear(64, 32)
     mc = copy.deepcopy(m)
-    cm = torch.compile(mc, fullgraph=True, backend="aot_eager")
+    cm = torch.compile(mc, fullgraph=True, backend=backend)
     d1 = R.DelayedScaling(amax_history_len=4)
     d2 = R.DelayedScaling(amax_history_len=4, amax_compute_algo="most_recent", margin=1)
     plan = [(R.Float8CurrentScaling(), 1), (R.MXFP8BlockScaling(), 2), (R.Float8CurrentScaling(), 2),

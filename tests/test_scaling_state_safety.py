@@ -1,11 +1,13 @@
 """Delayed scaling's state: an inf/NaN amax is skipped and counted (issue 17), and the scaling
 state stays fp32 whatever the model's dtype."""
+import copy
 import warnings
 
 import pytest
 import torch
 
 import transformer_engine_proto as te
+from linear_cases import backend_params
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.module import gemm_state
 
@@ -111,19 +113,26 @@ def test_one_warning_on_cuda_and_no_host_sync_at_autocast_entry(fresh_warning):
     assert model.gemm.nonfinite_amax_count.tolist() == [1, 0, 0]
 
 
-def test_nan_skipped_under_compile(fresh_warning):
+@pytest.mark.parametrize("backend", backend_params())
+def test_nan_skipped_under_compile(fresh_warning, backend):
+    """The compiled step skips and counts like eager: the same outputs, grads and scaling state."""
     torch.manual_seed(0)
     model = te.Linear(32, 32)
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
     x = torch.randn(8, 32)
     bad = x.clone()
     bad[1, 1] = float("nan")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for inp in (x, bad, x):
-            _step(compiled, inp)
+            torch.testing.assert_close(_step(compiled, inp), _step(eager, inp), rtol=0, atol=0, equal_nan=True)
     assert model.gemm.nonfinite_amax_count.tolist() == [1, 0, 0]
     assert torch.isfinite(model.gemm.amax_history).all()
+    for (name, a), b in zip(eager.named_buffers(), model.buffers()):
+        assert torch.equal(a, b), name
+    torch.testing.assert_close(model.weight.grad, eager.weight.grad, rtol=0, atol=0, equal_nan=True)
 
 
 def test_state_dict_has_the_counter_and_old_checkpoints_load():
