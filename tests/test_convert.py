@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 import transformer_engine_proto as te
+from compile_cases import assert_matches_eager
+from linear_cases import backend_params
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.module import convert as convert_mod
 
@@ -116,7 +118,8 @@ def test_llama_with_a_recipe_trains_close_to_high_precision():
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-def test_llama_compiles_fullgraph_and_matches_eager():
+@pytest.mark.parametrize("backend", backend_params())
+def test_llama_compiles_fullgraph_and_matches_eager(backend):
     from torch._dynamo.testing import CompileCounterWithBackend
 
     model = _convert_quiet(_llama(), convert_norms=True)
@@ -128,14 +131,14 @@ def test_llama_compiles_fullgraph_and_matches_eager():
     eager_grad = model.model.layers[0].mlp.down_proj.weight.grad.clone()
     model.zero_grad()
     torch._dynamo.reset()
-    counter = CompileCounterWithBackend("aot_eager")
+    counter = CompileCounterWithBackend(backend)
     compiled = torch.compile(model, fullgraph=True, backend=counter)
     with te.autocast(recipe=recipe):
         loss = compiled(input_ids=ids, labels=ids).loss
     loss.backward()
     assert counter.frame_count == 1  # fullgraph: one frame, no graph break
-    assert torch.equal(loss, eager)
-    assert torch.equal(model.model.layers[0].mlp.down_proj.weight.grad, eager_grad)
+    assert_matches_eager(loss, eager, backend, "loss")
+    assert_matches_eager(model.model.layers[0].mlp.down_proj.weight.grad, eager_grad, backend, "down_proj wgrad")
 
 
 def test_bf16_llama():

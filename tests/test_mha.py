@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import transformer_engine_proto as te
-from linear_cases import RECIPES, recipe_ctx
+from compile_cases import assert_matches_eager, compile_for
+from linear_cases import RECIPES, backend_params, recipe_ctx
 
 H, HEADS, GROUPS, S, B = 64, 4, 2, 8, 2
 D = H // HEADS
@@ -96,7 +97,8 @@ def test_mha_cross_attention_and_return_bias():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_mha_thd_equals_each_sequence_alone():
+@pytest.mark.parametrize("backend", backend_params())
+def test_mha_thd_equals_each_sequence_alone(backend):
     """Packed sequences with RoPE (positions restart per sequence) and a causal document mask give
     each sequence's own bshd result, and a new split of the same token count does not recompile."""
     kw = dict(num_gqa_groups=GROUPS, attention_dropout=0.0, input_layernorm=True, normalization="RMSNorm")
@@ -106,7 +108,7 @@ def test_mha_thd_equals_each_sequence_alone():
     freqs = te.RotaryPositionEmbedding(D)(16)
     counters.clear()
     torch._dynamo.reset()
-    cthd = torch.compile(thd, fullgraph=True, backend="aot_eager")
+    cthd = compile_for(thd, backend)
     for split in ([0, 3, 8, 12], [0, 7, 9, 12]):
         cu = torch.tensor(split, dtype=torch.int32)
         x = torch.randn(12, H)
@@ -143,18 +145,20 @@ def test_mha_every_recipe_trains_close_to_high_precision(rid):
     assert (errs[0] > 0) == (RECIPES[rid] is not None), errs  # the recipe reaches QKV / proj
 
 
-def test_mha_compiles_fullgraph_under_a_recipe():
+@pytest.mark.parametrize("backend", backend_params())
+def test_mha_compiles_fullgraph_under_a_recipe(backend):
     m = _init(te.MultiheadAttention(H, HEADS, num_gqa_groups=GROUPS, attention_dropout=0.0, input_layernorm=True,
                                     window_size=(4, 0)))
     x = torch.randn(S, B, H, requires_grad=True)
     freqs = te.RotaryPositionEmbedding(D)(S)
     counters.clear()
     torch._dynamo.reset()
-    cm = torch.compile(m, fullgraph=True, backend="aot_eager")
+    cm = compile_for(m, backend)
     with te.autocast(recipe=RECIPES["current"]):
         out, ref = cm(x, rotary_pos_emb=freqs), m(x, rotary_pos_emb=freqs)
     out.sum().backward()
-    assert torch.equal(out, ref) and sum(counters["graph_break"].values()) == 0
+    assert_matches_eager(out, ref, backend, "output")
+    assert sum(counters["graph_break"].values()) == 0
 
 
 # ---- TransformerLayer as a Llama block ----------------------------------------------------------

@@ -12,7 +12,7 @@ from transformer_engine_proto.constants import DType
 from transformer_engine_proto.quantization import FP8GlobalStateManager, QuantizerRole, RecipeState
 from transformer_engine_proto.tensor import QuantizedTensor
 
-from linear_cases import QUANTIZED_IDS, RECIPES, fresh_dynamo, graph_breaks
+from linear_cases import QUANTIZED_IDS, RECIPES, backend_params, fresh_dynamo, graph_breaks
 
 FP8_AVAILABLE, REASON = te.is_fp8_available(return_reason=True)
 
@@ -275,22 +275,27 @@ def test_quantized_model_init_names_the_layer_a_recipe_cannot_store():
             te.Linear(48, 40, name="linear_bad")
 
 
-@pytest.mark.parametrize("make", [
-    lambda: te.Float8CurrentScalingQuantizer(DType.kFloat8E4M3, rowwise=True, columnwise=False),
-    lambda: te.MXFP8Quantizer(DType.kFloat8E4M3),
-    lambda: te.Float8BlockQuantizer(DType.kFloat8E4M3, rowwise=True, columnwise=True, block_scaling_dim=1),
-    lambda: te.NVFP4Quantizer(with_2d_quantization=True),
-], ids=["current", "mxfp8", "block", "nvfp4"])
-def test_quantizers_built_inside_compiled_code(make):
+TE_QUANTIZERS = {
+    "current": lambda: te.Float8CurrentScalingQuantizer(DType.kFloat8E4M3, rowwise=True, columnwise=False),
+    "mxfp8": lambda: te.MXFP8Quantizer(DType.kFloat8E4M3),
+    "block": lambda: te.Float8BlockQuantizer(DType.kFloat8E4M3, rowwise=True, columnwise=True, block_scaling_dim=1),
+    "nvfp4": lambda: te.NVFP4Quantizer(with_2d_quantization=True),
+}
+
+
+# inductor: current scaling in CI (a quantize compiles in seconds), the other formats slow
+@pytest.mark.parametrize("backend, qid", backend_params(list(TE_QUANTIZERS), ci=("current",)))
+def test_quantizers_built_inside_compiled_code(backend, qid):
     """dynamo rebuilds a quantizer it saw constructed with the dataclass's positional order: the
     TE-constructor layer must not reinterpret those arguments."""
     fresh_dynamo()
+    make = TE_QUANTIZERS[qid]
     x = torch.randn(32, 128)
 
     def f(x):
         return make()(x).dequantize()
 
-    torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="aot_eager")(x), f(x), rtol=0, atol=0)
+    torch.testing.assert_close(torch.compile(f, fullgraph=True, backend=backend)(x), f(x), rtol=0, atol=0)
 
 
 def test_shared_recipe_quantizers_refuse_in_place_usage_changes():

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from linear_cases import backend_params
 from transformer_engine_proto.examples.train import RECIPES, Config, train
 
 # Measured on CPU (eager, 40 steps, this config), final loss vs high precision (4.337):
@@ -29,12 +30,14 @@ def test_recipe_trains_like_high_precision(name, baseline):
     assert rel < PARITY_BOUND, f"{name}: final loss {_final(losses):.4f} vs {_final(base_losses):.4f} ({rel:.1%})"
 
 
-def test_compiled_training_matches_eager_bitwise_with_aot_eager(monkeypatch):
-    """Three compiled steps (aot_eager) give exactly the eager losses."""
+@pytest.mark.parametrize("backend", backend_params())
+def test_compiled_training_matches_eager_bitwise(backend, monkeypatch):
+    """Three compiled steps give exactly the eager losses (inductor: the example's own compile)."""
     cfg = Config(hidden=64, ffn=128, heads=2, layers=1, seq=32, batch=4, steps=3)
     eager, _, _ = train("current", cfg, None, torch.device("cpu"), torch.float32, progress=False)
     real_compile = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda m, **kw: real_compile(m, fullgraph=True, backend="aot_eager"))
+    if backend == "aot_eager":
+        monkeypatch.setattr(torch, "compile", lambda m, **kw: real_compile(m, fullgraph=True, backend="aot_eager"))
     torch._dynamo.reset()
     compiled, _, _ = train("current", cfg, "default", torch.device("cpu"), torch.float32, progress=False)
     assert compiled == eager

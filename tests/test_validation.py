@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from linear_cases import backend_params
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.tensor import Float8CurrentScalingQuantizer, Float8Quantizer, MXFP8Quantizer, TensorProto
 
@@ -12,13 +13,15 @@ def test_float8_quantizer_rejects_a_scale_that_dequantizes_to_nan(value):
         Float8Quantizer(torch.tensor([value]), torch.zeros(1), torch.float8_e4m3fn)
 
 
-def test_float8_quantizer_scale_is_not_read_under_compile():
-    @torch.compile(fullgraph=True, backend="aot_eager")
+@pytest.mark.parametrize("backend", backend_params())
+def test_float8_quantizer_scale_is_not_read_under_compile(backend):
     def f(x, scale):
         return Float8Quantizer(scale, torch.zeros(1), torch.float8_e4m3fn)(x).dequantize()
 
-    x = torch.randn(4, 8)
-    assert torch.isfinite(f(x, torch.ones(1))).all()
+    torch._dynamo.reset()
+    x, scale = torch.randn(4, 8), torch.ones(1)
+    y = torch.compile(f, fullgraph=True, backend=backend)(x, scale)
+    assert torch.isfinite(y).all() and torch.equal(y, f(x, scale))
 
 
 @pytest.mark.parametrize("make, match", [
