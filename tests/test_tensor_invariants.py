@@ -154,9 +154,10 @@ def test_rejects_zero_dim_and_no_usage(case):
 
 @pytest.mark.parametrize("case", FORMAT_CASES, ids=repr)
 def test_nan_and_inf_inputs_documented_behaviour(case):
-    """NaN propagates to the dequantized output where it was; Inf saturates to the format's
-    largest value for its block, keeping its sign (no exception: checking would need a host
-    sync). Where the block scale saturates too (MXFP8: 448 * 2**127) that value is +-inf in fp32."""
+    """NaN propagates to the dequantized output where it was; inf stays non-finite (never a silent
+    finite value): +-inf where the format has it (E5M2, MXFP8), NaN where it has none (E4M3) or
+    for its whole block (NVFP4). The other blocks keep the precision of their finite values (no
+    exception: checking would need a host sync)."""
     x = torch.randn(128, 128)
     x[3, 5] = float("nan")
     y = case.make(True, False).quantize(x).dequantize()
@@ -165,8 +166,11 @@ def test_nan_and_inf_inputs_documented_behaviour(case):
     x[7, 9] = float("inf")
     x[8, 1] = float("-inf")
     y = case.make(True, False).quantize(x).dequantize()
-    assert not torch.isnan(y[7, 9]) and y[7, 9] > 0
-    assert not torch.isnan(y[8, 1]) and y[8, 1] < 0
+    assert torch.isnan(y[7, 9]) or y[7, 9] == float("inf")
+    assert torch.isnan(y[8, 1]) or y[8, 1] == float("-inf")
+    assert y[16:].isfinite().all()  # rows in other blocks (NVFP4 2D blocks are 16 x 16)
+    # within the coarsest grid step here (FP4 with stochastic rounding: a third of the block max)
+    assert (y[16:] - x[16:]).abs().max() <= 0.34 * x[16:].abs().max()
 
 
 @pytest.mark.parametrize("case", FORMAT_CASES, ids=lambda c: c.name)
