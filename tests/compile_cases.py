@@ -6,7 +6,8 @@ bit for bit as well, but not all of the high-precision glue between them: it red
 that the rounding to bfloat16 sometimes turns into one bf16 ulp. And in bfloat16 it keeps fused
 intermediates in float32 where eager rounds each op's result, one-ulp differences that quantization
 turns into whole FP8 steps: `compile_for` turns on inductor's emulate_precision_casts (round where
-eager rounds) so that those runs stay comparable.
+eager rounds) so that those runs stay comparable, and fallback_random (dropout draws from torch's
+generator as in eager, not from inductor's own).
 """
 import torch
 
@@ -16,8 +17,9 @@ ULPS = {torch.float32: 16, torch.bfloat16: 2}
 
 
 def compile_for(model, backend, **kw):
-    """torch.compile(fullgraph=True) with `backend`; inductor rounds bf16 where eager does."""
-    options = {"emulate_precision_casts": True} if backend == "inductor" else None
+    """torch.compile(fullgraph=True) with `backend`; inductor rounds bf16 and draws random numbers
+    as eager does."""
+    options = {"emulate_precision_casts": True, "fallback_random": True} if backend == "inductor" else None
     return torch.compile(model, fullgraph=True, backend=backend, options=options, **kw)
 
 

@@ -9,7 +9,8 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import transformer_engine_proto as te
-from linear_cases import RECIPE_IDS, RECIPES, fresh_dynamo, graph_breaks, recipe_ctx
+from compile_cases import assert_matches_eager, compile_for
+from linear_cases import RECIPE_IDS, RECIPES, backend_params, fresh_dynamo, graph_breaks, recipe_ctx
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.kernels.reference import float8 as ref_f8
 from transformer_engine_proto.kernels.reference import mxfp8 as ref_mx
@@ -73,8 +74,8 @@ def test_partial_block_equals_padding_by_hand(rid, grads, lead):
 
 
 @pytest.mark.parametrize("module", ["Linear", "LayerNormMLP"])
-@pytest.mark.parametrize("rid", ["mxfp8", "nvfp4"])
-def test_partial_block_under_compile_with_dynamic_batch(rid, module):
+@pytest.mark.parametrize("backend, rid", backend_params(["mxfp8", "nvfp4"]))
+def test_partial_block_under_compile_with_dynamic_batch(backend, rid, module):
     """fullgraph compile with a dynamic token count equals eager bitwise for token counts that are
     not multiples of the block (the Linear op's padding, and the fused norm + quantize's). One
     recompile at most: torch specializes a block count of 1 (7 tokens after 40 and 100)."""
@@ -84,7 +85,7 @@ def test_partial_block_under_compile_with_dynamic_batch(rid, module):
     m = te.Linear(64, 32) if module == "Linear" else te.LayerNormMLP(64, 96)
     n = 32 if module == "Linear" else 64
     mc = copy.deepcopy(m)
-    cnt = CompileCounterWithBackend("aot_eager")
+    cnt = CompileCounterWithBackend(backend)
     cm = torch.compile(mc, fullgraph=True, backend=cnt)
     for rows in (40, 100, 7):
         x, g = torch.randn(rows, 64), torch.randn(rows, n)
@@ -94,10 +95,10 @@ def test_partial_block_under_compile_with_dynamic_batch(rid, module):
         with recipe_ctx(recipe):
             yc = cm(xc)
         yc.backward(g)
-        _equal(yc, ye, f"{rows} output")
-        _equal(xc.grad, dxe, f"{rows} dgrad")
+        assert_matches_eager(yc, ye, backend, f"{rows} output")
+        assert_matches_eager(xc.grad, dxe, backend, f"{rows} dgrad")
         for (name, p), pc in zip(m.named_parameters(), mc.parameters()):
-            _equal(pc.grad, p.grad, f"{rows} {name} grad")
+            assert_matches_eager(pc.grad, p.grad, backend, f"{rows} {name} grad")
     assert graph_breaks() == 0
     assert cnt.frame_count <= 2, f"{cnt.frame_count} frames for three token counts"
 
@@ -130,8 +131,9 @@ MODULES = {  # (module, output features)
 }
 
 
+@pytest.mark.parametrize("backend", backend_params(ci=()))  # NVFP4: inductor compiles for minutes
 @pytest.mark.parametrize("name", list(MODULES))
-def test_modules_partial_block_compiled_equals_eager(name):
+def test_modules_partial_block_compiled_equals_eager(name, backend):
     """7 x 3 tokens through every GEMM of a module under NVFP4 (16-row blocks): compiled == eager."""
     recipe = RECIPES["nvfp4"]
     fresh_dynamo()
@@ -141,11 +143,11 @@ def test_modules_partial_block_compiled_equals_eager(name):
     mc = copy.deepcopy(m)
     x, g = torch.randn(7, 3, 64), torch.randn(7, 3, out_features)
     ye, dxe = _run(m, x, g, recipe, True)
-    yc, dxc = _run(torch.compile(mc, fullgraph=True, backend="aot_eager"), x, g, recipe, True)
-    _equal(yc, ye, "output")
-    _equal(dxc, dxe, "dgrad")
+    yc, dxc = _run(compile_for(mc, backend), x, g, recipe, True)
+    assert_matches_eager(yc, ye, backend, "output")
+    assert_matches_eager(dxc, dxe, backend, "dgrad")
     for (pn, p), pc in zip(m.named_parameters(), mc.parameters()):
-        _equal(pc.grad, p.grad, pn)
+        assert_matches_eager(pc.grad, p.grad, backend, pn)
     assert graph_breaks() == 0
 
 
