@@ -114,11 +114,10 @@ def test_inductor_matches_eager_bitwise_other_recipes(case):
 
 
 # ---- inductor, every recipe on one shape ------------------------------------------------------
-@pytest.mark.parametrize("rid", [pytest.param(r, marks=[pytest.mark.slow] if r in ("mxfp8", "nvfp4") else [])
-                                 for r in RECIPE_IDS])
+@pytest.mark.parametrize("rid", [pytest.param(r, marks=[] if r in ("high_precision", *INDUCTOR_IN_CI) else
+                                              [pytest.mark.slow]) for r in RECIPE_IDS])
 def test_inductor_matches_eager(rid):
-    """The fixed-shape check of every recipe (the CPU compile of the MXFP8 / NVFP4 reference
-    kernels takes minutes: slow)."""
+    """One fixed shape, every recipe (as the hypothesis tests: the CI recipes in CI, the rest slow)."""
     recipe = RECIPES[rid]
     fresh_dynamo()
     torch.manual_seed(0)
