@@ -1,6 +1,6 @@
-"""Linear under torch.compile(fullgraph=True): the same numbers as eager (bitwise, with aot_eager and
-with inductor on CPU), no graph breaks, no recompiles across steps; the weight cache, fused wgrad accumulation,
-save_original_input, inference and a dynamic batch dimension."""
+"""Linear under torch.compile(fullgraph=True): the same numbers as eager (bitwise with aot_eager, and
+with inductor on CPU but for dbias), no graph breaks, no recompiles across steps; the weight cache,
+fused wgrad accumulation, save_original_input, inference and a dynamic batch dimension."""
 import copy
 
 import pytest
