@@ -98,24 +98,29 @@ def test_compiled_matches_eager_bitwise(case):
     _check_case(case, "aot_eager")
 
 
-# inductor compiles each example's graph (seconds each on CPU, minutes for MXFP8 / NVFP4): CI draws
-# the CI recipes and high precision, the slow variant the others
-@settings(max_examples=4)
-@given(case=linear_cases(rids=("high_precision", *INDUCTOR_IN_CI)))
-def test_inductor_matches_eager_bitwise(case):
-    _check_case(case, "inductor")
+# inductor compiles each example's graph (seconds each on CPU, minutes for MXFP8 / NVFP4): two
+# examples a recipe, high precision and the CI recipes in CI, the others slow
+INDUCTOR_CI_IDS = ("high_precision", *INDUCTOR_IN_CI)
+
+
+@pytest.mark.parametrize("rid", INDUCTOR_CI_IDS)
+@settings(max_examples=2)
+@given(data=st.data())
+def test_inductor_matches_eager_bitwise(rid, data):
+    _check_case(data.draw(linear_cases(rids=(rid,))), "inductor")
 
 
 @pytest.mark.slow
-@settings(max_examples=4)
-@given(case=linear_cases(rids=tuple(r for r in RECIPE_IDS if r not in ("high_precision", *INDUCTOR_IN_CI))))
-def test_inductor_matches_eager_bitwise_other_recipes(case):
-    _check_case(case, "inductor")
+@pytest.mark.parametrize("rid", [r for r in RECIPE_IDS if r not in INDUCTOR_CI_IDS])
+@settings(max_examples=2)
+@given(data=st.data())
+def test_inductor_matches_eager_bitwise_other_recipes(rid, data):
+    _check_case(data.draw(linear_cases(rids=(rid,))), "inductor")
 
 
 # ---- inductor, every recipe on one shape ------------------------------------------------------
-@pytest.mark.parametrize("rid", [pytest.param(r, marks=[] if r in ("high_precision", *INDUCTOR_IN_CI) else
-                                              [pytest.mark.slow]) for r in RECIPE_IDS])
+@pytest.mark.parametrize("rid", [pytest.param(r, marks=[] if r in INDUCTOR_CI_IDS else [pytest.mark.slow])
+                                 for r in RECIPE_IDS])
 def test_inductor_matches_eager(rid):
     """One fixed shape, every recipe (as the hypothesis tests: the CI recipes in CI, the rest slow)."""
     recipe = RECIPES[rid]
