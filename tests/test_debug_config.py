@@ -1,6 +1,6 @@
 """Debug configs: a missing or empty file is an error naming it, before the first step; configs
 written as TE accepts them (one tensor name as a string, a disabled feature alone, the user's
-own features) pass (issues 15 and 17)."""
+own features) pass."""
 import os
 
 import nvdlfw_inspect.api as debug_api

@@ -1,4 +1,4 @@
-"""The main example as a newcomer meets it (issue 17): it says when it compiles and for how long,
+"""The main example as a newcomer meets it: it says when it compiles and for how long,
 writes plain lines to a log, leaves compilation out of ms/step, and checks --plot's dependency
 before training."""
 import math

@@ -1,4 +1,4 @@
-"""Per-GEMM precision (issue 20): pins and the GemmPolicy.
+"""Per-GEMM precision: pins and the GemmPolicy.
 
 A GEMM kept in high precision gives bitwise the bf16 path's result and a quantized one the
 recipe's; the policy's choice follows its cost table, never overrides a pin, is the same in

@@ -1,4 +1,4 @@
-"""The package's import graph follows docs/design.md's layer table (issue 18).
+"""The package's import graph follows docs/design.md's layer table.
 
 Imports are read with `ast` (module level and inside functions, nothing is imported), so a
 lazy `from ..x import y` counts like a top-level one. A "unit" is a top-level module or

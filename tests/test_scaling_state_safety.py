@@ -1,4 +1,4 @@
-"""Delayed scaling's state: an inf/NaN amax is skipped and counted (issue 17), and the scaling
+"""Delayed scaling's state: an inf/NaN amax is skipped and counted, and the scaling
 state stays fp32 whatever the model's dtype."""
 import copy
 import warnings

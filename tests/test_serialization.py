@@ -1,5 +1,5 @@
 """torch.save / torch.load (default weights_only=True) of quantized tensors, and state dicts that
-resume training exactly, for every recipe (issue 17)."""
+resume training exactly, for every recipe."""
 import io
 
 import pytest

@@ -1,4 +1,4 @@
-"""Any shape, any input (issue 17, shapes): token counts that are not a multiple of a recipe's
+"""Any shape, any input: token counts that are not a multiple of a recipe's
 block (zero-padded inside the ops, equal to padding by hand), empty batches (empty outputs, zero
 weight / bias grads), and library errors that keep their type and message under
 torch.compile(fullgraph=True)."""

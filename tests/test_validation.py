@@ -1,4 +1,4 @@
-"""Settings that would give a silent wrong answer are refused where they are made (issue 17)."""
+"""Settings that would give a silent wrong answer are refused where they are made."""
 import pytest
 import torch
 
