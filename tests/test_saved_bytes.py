@@ -1,4 +1,4 @@
-"""Issue 21: what a Linear keeps for backward, counted against its plan's TensorProtos.
+"""What a Linear keeps for backward, counted against its plan's TensorProtos.
 
 Every tensor saved for backward (torch.autograd.graph.saved_tensors_hooks) is counted once per
 storage; parameters are left out (saving one costs nothing). A layer must save exactly what its
