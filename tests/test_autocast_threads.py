@@ -105,18 +105,29 @@ def test_overlapping_blocks_exited_in_crossed_order_leave_autocast_off_everywher
 
 
 def test_autocast_entered_in_one_thread_while_another_compiles():
+    """The compiling thread waits inside its backend (mid-compile) until the other thread has
+    entered and left autocast twice, so the overlap does not depend on thread timing."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
     m_a, x_a = _layer(0)
     m_b, x_b = _layer(1)
     with te.autocast(recipe=recipe.Float8CurrentScaling()):
         want_a = m_a(x_a)
     with te.autocast(recipe=recipe.MXFP8BlockScaling()):
         want_b = m_b(x_b)
-    compiled = torch.compile(m_a, backend="aot_eager", fullgraph=True)
-    looping, compiled_done = threading.Event(), threading.Event()
+    two_blocks_done, compiled_done = threading.Event(), threading.Event()
     seen = {"b_blocks": 0}
 
+    def waiting_compiler(gm, _inputs):
+        seen["compiling"] = True
+        assert two_blocks_done.wait(WAIT), "the other thread never left its autocast block"
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=waiting_compiler, bw_compiler=make_boxed_func)
+    compiled = torch.compile(m_a, backend=backend, fullgraph=True)
+
     def compile_and_run():
-        assert looping.wait(WAIT)
         try:
             with te.autocast(recipe=recipe.Float8CurrentScaling()):
                 seen["a"] = compiled(x_a)
@@ -124,15 +135,16 @@ def test_autocast_entered_in_one_thread_while_another_compiles():
             compiled_done.set()
 
     def enter_and_exit():
-        looping.set()
         while not compiled_done.is_set():
             with te.autocast(recipe=recipe.MXFP8BlockScaling()):
                 assert torch.equal(m_b(x_b), want_b)
             assert te.is_fp8_enabled() is False
             seen["b_blocks"] += 1
+            if seen["b_blocks"] >= 2 and seen.get("compiling"):
+                two_blocks_done.set()
 
     _run_threads(compile_and_run, enter_and_exit)
-    assert seen["b_blocks"] > 1
+    assert seen["compiling"] and seen["b_blocks"] >= 2
     assert torch.equal(seen["a"], want_a)
 
 
