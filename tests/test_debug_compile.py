@@ -83,18 +83,7 @@ def _assert_logs_match(comp_logs, eager_logs, backend):
             assert abs(c[k] - v) <= tol, (i, k, c[k], v)
 
 
-def _mark_inductor(params, mark):
-    return [pytest.param(*p.values, id=p.id, marks=[*p.marks, mark]) if p.values[0] == "inductor" else p
-            for p in params]
-
-
-# the debug forward keeps its input (the operand of a high-precision wgrad: mlp.fc2's DisableFp8Gemm
-# here) in a side table the graph does not see, so inductor reuses that buffer for later values
-_SAVED_INPUT_REUSED = pytest.mark.xfail(strict=True, reason="inductor reuses the buffer of a debug GEMM's input "
-                                        "kept for a high-precision wgrad (debug_gemm.linear_fwd): wrong wgrad")
-
-
-@pytest.mark.parametrize("backend", _mark_inductor(backend_params(), _SAVED_INPUT_REUSED))
+@pytest.mark.parametrize("backend", backend_params())
 def test_compiled_matches_eager_and_recompiles_once_per_decision(tmp_path, backend):
     _fresh()
     torch.manual_seed(1)

@@ -163,6 +163,13 @@ def _fresh(t: torch.Tensor, inputs) -> torch.Tensor:
     return t
 
 
+def _kept(t, source: torch.Tensor):
+    """`t` safe to keep past the op: a copy where it is a plain tensor on `source`'s storage."""
+    if isinstance(t, QuantizedTensor):
+        return t
+    return _fresh(t, (source,))
+
+
 # ---- forward ----------------------------------------------------------------------------------------
 @torch.library.custom_op("te_proto_debug::linear_fwd", mutates_args=(), tags=_TAGS)
 def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -184,8 +191,11 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     i = next(_tokens)
     token = torch.tensor([i], dtype=torch.int64)
     if input_requires_grad or weight_requires_grad:
-        _SAVED[i] = {"x": _operand(xs["wgrad"], False) if weight_requires_grad else None,
-                     "w": _operand(ws["dgrad"], False) if input_requires_grad else None, "plan": calls.plan}
+        # the side table outlives the op: a high-precision operand that views an input is copied,
+        # since the compiled graph does not see this reference and may reuse the input's buffer
+        _SAVED[i] = {"x": _kept(_operand(xs["wgrad"], False), inp) if weight_requires_grad else None,
+                     "w": _kept(_operand(ws["dgrad"], False), weight) if input_requires_grad else None,
+                     "plan": calls.plan}
         weakref.finalize(token, _SAVED.pop, i, None)
     return _fresh(out, (inp, weight, bias)), amaxes, token
 
