@@ -70,7 +70,7 @@ def _stubbed(fn):
 def stubbed_device_work():
     """Every registered kernel and the te Linear GEMM replaced by stubs, restored on exit."""
     from transformer_engine_proto import kernels
-    from transformer_engine_proto.ops import linear as linear_ops
+    from transformer_engine_proto.custom_ops import linear as linear_ops
 
     kernels.kernel("amax")  # load the registry
     saved_kernels, saved_gemm = dict(kernels._KERNELS), linear_ops.gemm

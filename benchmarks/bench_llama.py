@@ -13,7 +13,7 @@ every step around the forward, as a training loop does. Compiled variants are
 fresh model after `torch._dynamo.reset()`; graph breaks are counted and reported. A te variant
 name may add `+policy` (`te.GemmPolicy()`; its choices are printed) and `+soi` (every Linear with
 `save_original_input=True`: the raw input saved, quantized in backward; `+soi-attn`: all but
-down_proj and lm_head; `+rc`: `ops.recompute_tags.set_recompute_saved_input(True)`). Every variant
+down_proj and lm_head; `+rc`: `custom_ops.recompute_tags.set_recompute_saved_input(True)`). Every variant
 runs in this process, so the ratios compare like with like.
 """
 from __future__ import annotations

@@ -172,7 +172,7 @@ def test_shared_input_entries_are_per_thread():
     in one thread is not seen by another."""
     import threading
 
-    from transformer_engine_proto.ops import shared_input
+    from transformer_engine_proto.custom_ops import shared_input
 
     x = torch.randn(8, 8)
     ready, done = threading.Event(), threading.Event()

@@ -9,7 +9,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import bench_host  # noqa: E402
 
 from transformer_engine_proto import kernels  # noqa: E402
-from transformer_engine_proto.ops import linear as linear_ops  # noqa: E402
+from transformer_engine_proto.custom_ops import linear as linear_ops  # noqa: E402
 
 
 def test_bench_host_times_variants_and_restores_the_kernels():

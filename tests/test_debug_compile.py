@@ -247,7 +247,7 @@ def test_debug_op_opcheck(rid):
     """Real and fake impls of the debug forward op agree (the token output makes runs differ by
     design, so the AOT-dispatch comparison is covered by the compile tests above instead)."""
     from transformer_engine_proto.debug.debug_gemm import linear_fwd
-    from transformer_engine_proto.ops.recipe_registry import recipe_key
+    from transformer_engine_proto.custom_ops.recipe_registry import recipe_key
 
     recipe = {"high_precision": None, "delayed": R.DelayedScaling(amax_history_len=4),
               "mxfp8": R.MXFP8BlockScaling()}[rid]

@@ -14,7 +14,7 @@ import transformer_engine_proto as te
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.debug import dump, inspect_dump
 from transformer_engine_proto.debug.quant_view import reconstruct
-from transformer_engine_proto.ops.recipe_registry import quantizers_from_key, recipe_key
+from transformer_engine_proto.custom_ops.recipe_registry import quantizers_from_key, recipe_key
 
 from test_debug_common import debug_session
 

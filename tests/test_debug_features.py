@@ -310,7 +310,7 @@ def test_fp8_stats_every_format(tmp_path, rid):
         debug_api.step()
         logged = last_logged_stats()
     # delayed scaling's first step quantizes with scale 1: everything above 448 overflows
-    from transformer_engine_proto.ops.recipe_registry import quantizers_from_key, recipe_key
+    from transformer_engine_proto.custom_ops.recipe_registry import quantizers_from_key, recipe_key
 
     q = quantizers_from_key(recipe_key(recipe)).input
     if rid == "delayed":

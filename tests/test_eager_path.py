@@ -1,4 +1,4 @@
-"""Eager calls on plain tensors run the op bodies through an autograd.Function (ops/eager_path.py);
+"""Eager calls on plain tensors run the op bodies through an autograd.Function (custom_ops/eager_path.py);
 the results must equal the custom-op path bit for bit, module state included."""
 import copy
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import transformer_engine_proto as te
-from transformer_engine_proto.ops import eager_path
+from transformer_engine_proto.custom_ops import eager_path
 from linear_cases import RECIPE_IDS, RECIPES, recipe_ctx
 
 

@@ -17,7 +17,7 @@ from transformer_engine_proto.debug import quant_view
 from transformer_engine_proto.distributed.fsdp import gather_format
 from transformer_engine_proto.distributed.sp_gather import HP, input_gather_format
 from transformer_engine_proto.gemm import gemm
-from transformer_engine_proto.ops.recipe_registry import recipe_key
+from transformer_engine_proto.custom_ops.recipe_registry import recipe_key
 from transformer_engine_proto.tensor import QuantizedTensor, Quantizer, QuantizedTensorStorage
 from transformer_engine_proto.tensor.format_api import GatherRule, UsageView
 from transformer_engine_proto.tensor.quantizer import BufferSpec, flat_2d

@@ -306,7 +306,7 @@ def test_fsdp_all_gather_moves_quantized_bytes(fsdp_results, rid):
 
 
 def test_fsdp_gather_format_table():
-    from transformer_engine_proto.ops.recipe_registry import recipe_key
+    from transformer_engine_proto.custom_ops.recipe_registry import recipe_key
 
     for rid, rec in RECIPES.items():
         assert F.gather_format(recipe_key(rec), (H, H), WORLD)[0] == EXPECTED_KIND[rid]

@@ -1,4 +1,4 @@
-"""Inductor sees through the library's ops (ops/inductor_lowering.py): a compiled training step
+"""Inductor sees through the library's ops (custom_ops/inductor_lowering.py): a compiled training step
 runs no library Python per Linear, and the opaque fallback still works."""
 import gc
 import os
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import transformer_engine_proto as te
-from transformer_engine_proto.ops import inductor_lowering
+from transformer_engine_proto.custom_ops import inductor_lowering
 from linear_cases import RECIPES, fresh_dynamo, recipe_ctx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))

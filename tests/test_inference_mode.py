@@ -8,7 +8,7 @@ import torch
 
 import transformer_engine_proto as te
 from transformer_engine_proto import recipe as R
-from transformer_engine_proto.ops import shared_input
+from transformer_engine_proto.custom_ops import shared_input
 
 from linear_cases import QUANTIZED_IDS, RECIPES
 
@@ -28,7 +28,7 @@ def _inference_tensors(m):
 @pytest.mark.parametrize("rid", QUANTIZED_IDS)
 def test_inference_mode_forward_matches_no_grad(rid, mid):
     """An input made inside inference_mode has no version counter: the shared quantized input
-    (ops/shared_input.py) must not key on it. The output equals a no_grad forward's."""
+    (custom_ops/shared_input.py) must not key on it. The output equals a no_grad forward's."""
     make, shape = MODULES[mid]
     torch.manual_seed(0)
     m = make()

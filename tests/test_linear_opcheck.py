@@ -20,8 +20,8 @@ import torch
 
 from linear_cases import QUANTIZED_IDS, RECIPE_IDS, RECIPES
 from transformer_engine_proto import recipe as R
-from transformer_engine_proto.ops import linear_ops as L
-from transformer_engine_proto.ops.recipe_registry import recipe_key
+from transformer_engine_proto.custom_ops import linear_ops as L
+from transformer_engine_proto.custom_ops.recipe_registry import recipe_key
 
 IN, OUT, TOKENS = 64, 32, 32  # divisible by every block: MXFP8 32, NVFP4 16 (1D and 2D)
 H = 16  # delayed-scaling history rows given to the ops
@@ -211,9 +211,9 @@ def test_opcheck_linear_bwd(fp8_harness, rid, kw):
 def test_norm_quantize_and_prequantized_linear_opcheck(fp8_harness, rid):
     """The fused norm + quantize op, and linear_fwd fed its buffers (`inp_quantized`)."""
     recipe = RECIPES[rid]
-    from transformer_engine_proto.ops.linear import linear_fwd
-    from transformer_engine_proto.ops.norm import norm_quantize_fwd
-    from transformer_engine_proto.ops.recipe_registry import recipe_key
+    from transformer_engine_proto.custom_ops.linear import linear_fwd
+    from transformer_engine_proto.custom_ops.norm import norm_quantize_fwd
+    from transformer_engine_proto.custom_ops.recipe_registry import recipe_key
 
     key = recipe_key(recipe)
     x = torch.randn(32, 64, requires_grad=True)

@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 import transformer_engine_proto as te
 from compile_cases import assert_matches_eager, compile_for
 from transformer_engine_proto import recipe as R
-from transformer_engine_proto.ops.norm import norm_fwd
+from transformer_engine_proto.custom_ops.norm import norm_fwd
 
 RECIPES = [None, R.DelayedScaling(amax_history_len=4), R.Float8CurrentScaling(), R.MXFP8BlockScaling(),
            R.Float8BlockScaling(), R.NVFP4BlockScaling(disable_stochastic_rounding=True)]

@@ -15,9 +15,9 @@ import torch
 from linear_cases import QUANTIZED_IDS, RECIPE_IDS, RECIPES, recipe_ctx
 
 import transformer_engine_proto as te
-from transformer_engine_proto.ops import linear as L
-from transformer_engine_proto.ops import shared_input
-from transformer_engine_proto.ops.recipe_registry import quantizers_from_key, recipe_key
+from transformer_engine_proto.custom_ops import linear as L
+from transformer_engine_proto.custom_ops import shared_input
+from transformer_engine_proto.custom_ops.recipe_registry import quantizers_from_key, recipe_key
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import saved_tensors  # noqa: E402
@@ -192,7 +192,7 @@ def test_compiled_qkv_saves_quantized_input_once():
 def test_recompute_saved_input_saves_no_quantized_activation(rid):
     """set_recompute_saved_input(True): under inductor a norm -> Linear saves neither the FP8 input
     nor the norm's output (both rebuilt in backward from the norm's input), with the same grads."""
-    from transformer_engine_proto.ops import recompute_tags
+    from transformer_engine_proto.custom_ops import recompute_tags
 
     def run(recompute):
         torch.manual_seed(0)  # fresh modules: delayed scaling's state starts equal

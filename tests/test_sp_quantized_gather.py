@@ -170,7 +170,7 @@ def test_misaligned_shards_fall_back(results):
 
 # ---- in process: the format decision and the op's fake impl --------------------------------------------
 def _key(recipe):
-    from transformer_engine_proto.ops.recipe_registry import recipe_key
+    from transformer_engine_proto.custom_ops.recipe_registry import recipe_key
 
     return recipe_key(recipe)
 
@@ -194,7 +194,7 @@ def test_gather_format_decisions():
 def test_op_opcheck_and_matches_quantize(one_rank_group, fp8_harness, rid):  # noqa: F811
     """With one rank the gathered buffers are the input quantizer's own; fake == real (opcheck)."""
     from transformer_engine_proto.distributed.sp_gather import sp_all_gather_quantized
-    from transformer_engine_proto.ops.recipe_registry import quantizers_from_key
+    from transformer_engine_proto.custom_ops.recipe_registry import quantizers_from_key
 
     key = _key(RECIPES[rid])
     x = torch.randn(2, 64, K, requires_grad=True)

@@ -299,7 +299,7 @@ def test_quantizers_built_inside_compiled_code(backend, qid):
 
 
 def test_shared_recipe_quantizers_refuse_in_place_usage_changes():
-    from transformer_engine_proto.ops.recipe_registry import quantizers_from_key, recipe_key
+    from transformer_engine_proto.custom_ops.recipe_registry import quantizers_from_key, recipe_key
 
     shared = quantizers_from_key(recipe_key(recipe.Float8CurrentScaling())).input
     with pytest.raises(TypeError, match="with_usage"):

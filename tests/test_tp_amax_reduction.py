@@ -113,7 +113,7 @@ def test_tp_modules_current_scaling_match_full(results, case, compiled):
 
 def test_other_recipes_keep_their_key():
     from transformer_engine_proto.distributed.amax_reduction import tp_amax_key
-    from transformer_engine_proto.ops.recipe_registry import quantizers_from_key, recipe_key
+    from transformer_engine_proto.custom_ops.recipe_registry import quantizers_from_key, recipe_key
 
     for rec in (R.DelayedScaling(), R.MXFP8BlockScaling(), None):
         assert tp_amax_key(recipe_key(rec), "g", ("weight",)) == recipe_key(rec)

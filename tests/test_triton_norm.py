@@ -9,7 +9,7 @@ one- or two-ulp differences show). The amax of the fused forward, and the fused 
 buffers, are compared BITWISE with the amax / quantize of the kernel's own y.
 
 Three parts:
-- CPU (always): argument checks, and the current-scaling helper of ops/norm.py equal to
+- CPU (always): argument checks, and the current-scaling helper of custom_ops/norm.py equal to
   `quantizer.quantize(y)` buffer for buffer;
 - `interp`: the Triton kernels under Triton's CPU interpreter on small shapes, skipped unless
   TRITON_INTERPRET=1 is set for the whole pytest process, e.g.
@@ -27,7 +27,7 @@ from transformer_engine_proto import recipe as R
 from transformer_engine_proto.kernels import kernel
 from transformer_engine_proto.kernels.reference import float8 as ref_f8
 from transformer_engine_proto.kernels.reference import norm as ref
-from transformer_engine_proto.ops import norm as ops_norm
+from transformer_engine_proto.custom_ops import norm as ops_norm
 from transformer_engine_proto.tensor import Float8CurrentScalingQuantizer
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -149,7 +149,7 @@ def check_fused_current(x, w, b, kind, zc, fp8_dtype, usage, margin=0, power_2=F
 
 
 def check_helper_buffers(x, w, b, kind, q):
-    """ops/norm.py's fused helper: the buffers `q.quantize(y)` holds, same names and order."""
+    """custom_ops/norm.py's fused helper: the buffers `q.quantize(y)` holds, same names and order."""
     y, mu, rs, bufs = ops_norm.norm_fp8_current(x, w, b, 1e-5, kind, False, q)
     want = q.quantize(y.reshape(-1, y.shape[-1])).get_buffers()
     assert len(bufs) == len(want)

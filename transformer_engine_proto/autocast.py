@@ -114,7 +114,7 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[_
     _recipe.require_recipe(recipe, "autocast")
     import torch
 
-    from .ops.recipe_registry import recipe_key
+    from .custom_ops.recipe_registry import recipe_key
     from .precision.policy import policy_key
 
     # is_dynamo_compiling, not is_compiling: the latter is process-wide, True in every thread while
@@ -134,7 +134,7 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[_
         yield
     finally:
         FP8GlobalState.state = saved
-        from .ops import shared_input
+        from .custom_ops import shared_input
 
         shared_input.clear()  # quantized inputs shared within the forward
 

@@ -24,8 +24,8 @@ from typing import Dict, List, Optional
 import torch
 
 from ..gemm import gemm
-from ..ops.linear import backward_tail, finish_backward
-from ..ops.recipe_registry import HIGH_PRECISION_KEY, high_precision_gemms, quantizers_from_key
+from ..custom_ops.linear import backward_tail, finish_backward
+from ..custom_ops.recipe_registry import HIGH_PRECISION_KEY, high_precision_gemms, quantizers_from_key
 from ..tensor import QuantizedTensor
 from . import state
 from .state import HIGH, MODIFY, QUANTIZE, TENSOR_GEMMS
@@ -263,7 +263,7 @@ def _setup_context(ctx, inputs, output):
     a = dict(zip(_FWD_ARGS, inputs))
     state_tensors = (a["grad_scale"], a["main_grad"])
     ctx.has = tuple(t is not None for t in state_tensors)
-    ctx.grad_amax_state = list(a["grad_amax_state"])  # written by backward: by reference (ops/linear.py)
+    ctx.grad_amax_state = list(a["grad_amax_state"])  # written by backward: by reference (custom_ops/linear.py)
     ctx.save_for_backward(output[2], *[t for t in state_tensors if t is not None])
     ctx.args = dict(layer_name=a["layer_name"], key=a["key"], in_shape=list(a["inp"].shape),
                     weight_shape=list(a["weight"].shape), weight_dtype=a["weight"].dtype,

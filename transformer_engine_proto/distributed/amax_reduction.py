@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .. import recipe as R
-from ..ops.recipe_registry import recipe_from_key, recipe_key
+from ..custom_ops.recipe_registry import recipe_from_key, recipe_key
 from ..tensor import Float8CurrentScalingQuantizer
 from ..tensor.recipe_quantizers import quantizers_for_recipe
 from . import tp as _tp

@@ -58,8 +58,8 @@ from torch.utils._pytree import tree_map, tree_map_only
 
 from .. import recipe as R
 from ..autocast import get_fp8_recipe_key
-from ..ops import linear as _linear_ops
-from ..ops.recipe_registry import HIGH_PRECISION_KEY, quantizers_from_key, recipe_from_key
+from ..custom_ops import linear as _linear_ops
+from ..custom_ops.recipe_registry import HIGH_PRECISION_KEY, quantizers_from_key, recipe_from_key
 from ..tensor import QuantizedTensor
 from ..tensor.quantized_tensor import handles
 from .gemm_owner import GemmOwner

@@ -50,7 +50,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..ops.recipe_registry import quantizers_from_key
+from ..custom_ops.recipe_registry import quantizers_from_key
 from ..tensor import (TensorProto)
 from . import tp as _tp
 from .gemm_owner import GemmOwner

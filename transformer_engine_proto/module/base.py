@@ -102,7 +102,7 @@ def _recipe_shape_error(key: str, weight_shapes) -> str:
 @functools.lru_cache(maxsize=1024)
 def _shape_error(key: str, weight_shapes) -> str:
     """`_recipe_shape_error`, once per recipe key and shapes (eager forwards ask every call)."""
-    from ..ops.recipe_registry import quantizers_from_key
+    from ..custom_ops.recipe_registry import quantizers_from_key
 
     q = quantizers_from_key(key)
     for shape in weight_shapes:

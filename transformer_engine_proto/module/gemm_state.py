@@ -24,9 +24,9 @@ from ..distributed import sp_gather as _sp_gather
 from ..distributed import tp as _tp
 from ..errors import raise_error
 from ..kernels.reference.common import true_div
-from ..ops import linear_ops
-from ..ops.saved_state import saved_state
-from ..ops.recipe_registry import HIGH_PRECISION_KEY, high_precision_gemms, quantizers_from_key, recipe_key
+from ..custom_ops import linear_ops
+from ..custom_ops.saved_state import saved_state
+from ..custom_ops.recipe_registry import HIGH_PRECISION_KEY, high_precision_gemms, quantizers_from_key, recipe_key
 from ..precision import policy as _policy
 from ..tensor import QuantizedTensor, TensorProto
 
@@ -95,7 +95,7 @@ class QuantizedGemm(nn.Module):
         self.register_buffer("grad_fp8_scale", torch.ones(1, device=device))
         self.register_buffer("grad_amax_history", torch.zeros(DEFAULT_HISTORY_LEN, 1, device=device))
         # backward's gradient amax waits here until the next forward folds it into the history
-        # (ops/linear.py record_grad_amax): [amax, generation], and the generation last folded
+        # (custom_ops/linear.py record_grad_amax): [amax, generation], and the generation last folded
         self.register_buffer("grad_amax_pending", torch.zeros(2, device=device))
         self.register_buffer("grad_amax_seen", torch.zeros(1, device=device))
         # inf/NaN amaxes skipped per role (input, weight, grad): counted in-graph, reported once by

@@ -8,7 +8,7 @@ from torch import nn
 
 from ..autocast import get_fp8_recipe_key
 from ..distributed import tp as _tp
-from ..ops.norm import NORMALIZATIONS, norm, norm_quantize
+from ..custom_ops.norm import NORMALIZATIONS, norm, norm_quantize
 from .base import TransformerEngineBaseModule
 
 __all__ = ["LayerNorm", "RMSNorm", "NormParams", "NormFusedModule", "init_norm_parameters"]

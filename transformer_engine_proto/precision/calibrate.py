@@ -16,7 +16,7 @@ import torch
 
 from .. import recipe as R
 from ..gemm import gemm
-from ..ops.recipe_registry import quantizers_from_key, recipe_key
+from ..custom_ops.recipe_registry import quantizers_from_key, recipe_key
 from .cost_model import BF16, CostTable
 
 __all__ = ["time_ms", "measure_gemm", "measure_quantize", "recipe_kind", "device_name", "GRID", "calibrate_grid"]

@@ -27,7 +27,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ..ops.recipe_registry import HIGH_PRECISION_KEY, base_key, recipe_from_key, with_high_precision_gemms
+from ..custom_ops.recipe_registry import HIGH_PRECISION_KEY, base_key, recipe_from_key, with_high_precision_gemms
 from ..tensor.recipe_quantizers import GEMMS
 from . import calibrate
 from .cost_model import BF16, CostTable, cache_path, gemm_shapes, shipped_table_path

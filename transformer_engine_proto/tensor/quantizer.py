@@ -152,7 +152,7 @@ class Quantizer:
 
     def row_block(self) -> int:
         """The multiple the rows (product of the leading dims) must be for this usage; 1: any.
-        The Linear op zero-pads a GEMM's tokens to it (`ops/row_padding.py`). A format capability:
+        The Linear op zero-pads a GEMM's tokens to it (`custom_ops/row_padding.py`). A format capability:
         each format declares it."""
         raise missing_capability(self, "row_block")
 
@@ -218,7 +218,7 @@ class Quantizer:
                             eps: float, kind: str, zero_centered_gamma: bool):
         """Optional: (y, mu, rsigma, buffers in `buffer_layout` order) of a LayerNorm / RMSNorm and
         this quantize of its (M, K) output in one fused kernel, or None (the default): the norm
-        runs, then `quantize` (`ops/norm.py`, `te_proto::norm_quantize_fwd`)."""
+        runs, then `quantize` (`custom_ops/norm.py`, `te_proto::norm_quantize_fwd`)."""
         return None
 
     def debug_recipe_name(self) -> str:

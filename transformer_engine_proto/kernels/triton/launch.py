@@ -23,7 +23,7 @@ while a Triton launch hook is installed (profilers) take Triton's own path.
 
 While torch traces the call (fake tensors: inductor inlining a library op, make_fx), the launch
 goes through `torch.library.wrap_triton`, so the kernel becomes a node of the graph that the
-generated code launches itself (see `ops/inductor_lowering.py`).
+generated code launches itself (see `custom_ops/inductor_lowering.py`).
 """
 from __future__ import annotations
 

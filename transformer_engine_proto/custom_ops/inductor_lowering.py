@@ -68,7 +68,7 @@ def _functional(body: Callable) -> Callable:
         raw = pytree.tree_leaves((args, kwargs))
         with FunctionalTensorMode():
             args, kwargs = pytree.tree_map(to_fun, (args, kwargs))
-            # Linears reading one traced tensor share its quantized copy (ops/shared_input.py)
+            # Linears reading one traced tensor share its quantized copy (custom_ops/shared_input.py)
             sources = {id(f): r for f, r in zip(pytree.tree_leaves((args, kwargs)), raw)
                        if isinstance(r, torch.Tensor)}
             with shared_input.scope(sources, owner, wrap=to_fun, unwrap=from_fun, commit=False) as shared:

@@ -8,9 +8,9 @@ tensor reuse the buffers: one quantize and one saved copy per format and usage. 
 recipes share (a delayed-scaling input is scaled by its own module's state).
 
 Sharing happens only inside a `scope`, which the two callers of the body open:
-- the eager path (`ops/eager_path.py`): the source is the tensor the op was called with; entries
+- the eager path (`custom_ops/eager_path.py`): the source is the tensor the op was called with; entries
   are the buffers themselves;
-- inductor's inlining (`ops/inductor_lowering.py`): the body traces on functional wrappers of the
+- inductor's inlining (`custom_ops/inductor_lowering.py`): the body traces on functional wrappers of the
   decomposition's arguments; the source is the traced tensor the wrapper came from, the entries
   are traced tensors of the same trace (keyed by the tracing mode too), so the second Linear's
   graph reads the first one's quantize: one node, one saved tensor, on every backend's kernels

@@ -128,7 +128,7 @@ class LinearPlan:
     @functools.cached_property
     def rows(self):
         """Rows of the quantized input and grad_output: `m` zero-padded to the recipe's row block
-        when wgrad runs (ops/row_padding.py)."""
+        when wgrad runs (custom_ops/row_padding.py)."""
         return gemm_rows(self.m, self.key, self.wgrad_q)
 
     @functools.cached_property
@@ -279,7 +279,7 @@ def make_plan(key, in_shape, weight_shape, *rest) -> LinearPlan:
 
 def _quantize_shared(plan: LinearPlan, inp: torch.Tensor, x2d: torch.Tensor) -> QuantizedTensorStorage:
     """The input quantized for this call, shared with the other Linears that read the same tensor
-    with the same quantizer and usage (ops/shared_input.py; stateless recipes only)."""
+    with the same quantizer and usage (custom_ops/shared_input.py; stateless recipes only)."""
     key = (base_key(plan.key), plan.input_quantizer())
     buffers = shared_input.lookup(inp, key)
     if buffers is not None:

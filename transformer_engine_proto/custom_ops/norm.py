@@ -91,7 +91,7 @@ def norm_quantize_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     """The norm plus its output quantized for the following GEMM (rowwise, and columnwise for
     wgrad): the buffers `te_proto::linear_fwd` takes as `inp_quantized`. One op, so a fused kernel
     can write both from one read of the input. With `columnwise` the rows are zero-padded to the
-    recipe's row block, as linear_fwd expects (ops/row_padding.py)."""
+    recipe's row block, as linear_fwd expects (custom_ops/row_padding.py)."""
     q = _input_quantizer(key, columnwise)
     with recomputed_in_backward(columnwise and recompute_saved_input()):  # saved columnwise: rebuilt instead
         fused = q.fused_norm_quantize(inp, weight, bias, eps, kind, zero_centered_gamma)  # the format's own kernel
