@@ -9,6 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from inputs import seeded_input
 from transformer_engine_proto.tensor import Float8BlockQuantizer, Float8BlockwiseQTensor, QuantizedTensor
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -128,18 +129,10 @@ def test_fp8_table_matches_torch_decode():
 
 # ---- numerics ------------------------------------------------------------------------------------
 def _make_input(shape, kind, seed, dtype):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=g)
-    if kind == "large":
-        x = x * 3e4
-    elif kind == "zeros":
-        x = torch.zeros(shape)
-    elif kind == "denormal":
-        x = x * 1e-39
-    elif kind == "mixed":
-        x = x * torch.exp2(torch.randint(-30, 30, shape, generator=g).float())
-    elif kind == "zero_rows":  # whole zero tiles next to normal ones
-        x.view(-1, shape[-1])[::3] = 0
+    if kind != "zero_rows":
+        return seeded_input(shape, kind, seed, dtype, mixed_exp=30)
+    x = seeded_input(shape, "normal", seed)
+    x.view(-1, shape[-1])[::3] = 0  # whole zero tiles next to normal ones
     return x.to(dtype)
 
 

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from inputs import KINDS, seeded_input
 from transformer_engine_proto.tensor import MXFP8Quantizer, MXFP8Tensor, QuantizedTensor, TensorProto
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -90,22 +91,10 @@ def test_reference_rounding_agrees_with_format_definition():
 
 
 # ---- property test vs the reference -----------------------------------------------------------
-KINDS = ["normal", "large", "tiny", "zeros", "denormal", "mixed"]
-
-
 def _draw_x(shape, kind, seed, dtype):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=g)
-    if kind == "large":
-        x = x * 3e30
-    elif kind == "tiny":
-        x = x * 1e-30
-    elif kind == "zeros":
-        x = torch.zeros(shape)
-    elif kind == "denormal":
-        x = x * 1e-41
-    elif kind == "mixed":
-        x = x * torch.exp2(torch.randint(-60, 60, shape, generator=g).float())
+    # E8M0 block scales span 2**-127 to 2**127: the kinds reach far past FP8's own range
+    x = seeded_input(shape, kind, seed, large=3e30, tiny=1e-30, denormal=1e-41, mixed_exp=60)
+    if kind == "mixed":
         x[..., : shape[-1] // 2] = 0.0  # whole zero blocks next to busy ones
     return x.to(dtype)
 

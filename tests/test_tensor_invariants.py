@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from format_cases import FORMAT_CASES
+from inputs import seeded_input
 from transformer_engine_proto.tensor import QuantizedTensor, TensorProto, to_tensor_proto
 
 USAGES = [(True, False), (False, True), (True, True)]
@@ -35,20 +36,6 @@ def valid_shapes(draw, case, rowwise, columnwise):
     return (1, m, k) if ndim == 3 else (m, k)
 
 
-def _inputs(shape, dtype, kind, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=g)
-    if kind == "large":
-        x = x * 1e4
-    elif kind == "zeros":
-        x = torch.zeros(shape)
-    elif kind == "denormal":
-        x = x * 1e-39
-    elif kind == "mixed":
-        x = x * torch.exp2(torch.randint(-20, 20, shape, generator=g).float())
-    return x.to(dtype)
-
-
 def _specs(bufs):
     return {k: (tuple(v.shape), tuple(v.stride()), v.dtype) for k, v in bufs.items()}
 
@@ -67,7 +54,7 @@ def cases_and_shapes(draw):
 def test_fake_layout_matches_real_quantize(args, seed):
     case, rowwise, columnwise, shape, dtype, kind = args
     q = case.make(rowwise, columnwise)
-    x = _inputs(shape, dtype, kind, seed)
+    x = seeded_input(shape, kind, seed, dtype, large=1e4)
     real = q.quantize(x)
     assert isinstance(real, QuantizedTensor)
     assert real.shape == x.shape and real.dtype == x.dtype
@@ -98,7 +85,7 @@ def test_fake_layout_matches_real_quantize(args, seed):
 def test_dequantize_error_bound(args, seed):
     case, rowwise, columnwise, shape, dtype, kind = args
     q = case.make(rowwise, columnwise)
-    x = _inputs(shape, dtype, kind, seed).float()
+    x = seeded_input(shape, kind, seed, dtype, large=1e4).float()
     y = q.quantize(x).dequantize()
     assert y.dtype == torch.float32 and y.shape == x.shape
     assert torch.isfinite(y).all()
