@@ -10,7 +10,7 @@ import transformer_engine_proto as te
 from compile_cases import assert_matches_eager, compile_for
 from linear_cases import RECIPE_IDS, RECIPES, backend_params, fresh_dynamo, graph_breaks, recipe_ctx
 from transformer_engine_proto import recompute as te_recompute
-from transformer_engine_proto.module.gemm_state import QuantizedGemm
+from transformer_engine_proto.module.quantized_gemm import QuantizedGemm
 
 STEPS = 3
 
@@ -84,8 +84,8 @@ def test_checkpoint_trains_like_the_plain_model(rid, mode, monkeypatch):
     recipe = RECIPES[rid]
     ref, ck = _pair(mode)
     updates, ops = [], []
-    real_update, real_forward = QuantizedGemm._update_delayed_scales, QuantizedGemm.forward
-    monkeypatch.setattr(QuantizedGemm, "_update_delayed_scales",
+    real_update, real_forward = QuantizedGemm.update_scales, QuantizedGemm.forward
+    monkeypatch.setattr(QuantizedGemm, "update_scales",
                         lambda self, r: updates.append(1) or real_update(self, r))
     monkeypatch.setattr(QuantizedGemm, "forward", lambda self, *a, **k: ops.append(1) or real_forward(self, *a, **k))
     r_ref = _train(ref, recipe)

@@ -196,7 +196,7 @@ def test_policy_off_by_default_and_keys_unchanged():
     x = torch.randn(M, K, dtype=torch.bfloat16)
     with te.autocast(recipe=R.Float8CurrentScaling()):
         from transformer_engine_proto.autocast import get_fp8_recipe_key
-        assert m.gemm.precision_key(get_fp8_recipe_key(), x, m.weight) == get_fp8_recipe_key()
+        assert m.gemm.op_key(get_fp8_recipe_key(), x, m.weight) == get_fp8_recipe_key()
 
 
 def test_no_measurement_in_multi_process_run(tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ import torch
 import transformer_engine_proto as te
 from linear_cases import backend_params
 from transformer_engine_proto import recipe as R
-from transformer_engine_proto.module import gemm_state
+from transformer_engine_proto.custom_ops import delayed_scaling
 
 RECIPE = R.DelayedScaling(amax_history_len=16)
 
@@ -28,7 +28,7 @@ def _rel_err(model, x, y):
 
 @pytest.fixture
 def fresh_warning(monkeypatch):
-    monkeypatch.setattr(gemm_state, "_nonfinite_warned", False, raising=False)
+    monkeypatch.setattr(delayed_scaling, "_nonfinite_warned", False)
 
 
 def test_nan_input_step_is_skipped_and_scales_follow_finite_amaxes(fresh_warning):

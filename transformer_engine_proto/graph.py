@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 
 from .autocast import autocast
-from .module.gemm_state import QuantizedGemm
+from .module.quantized_gemm import QuantizedGemm
 
 __all__ = ["make_graphed_callables"]
 

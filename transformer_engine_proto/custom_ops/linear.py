@@ -8,7 +8,7 @@ from the weight (a parameter, alive anyway), with the forward's scale under dela
 its bytes equal the forward's and no quantized copy of every weight is kept from forward to
 backward (with the weight cache, backward reads the cache). Both ops are functional: the forward
 returns the amaxes and the backward the gradient amax, and the autograd wrapper (`_backward`)
-writes the latter into the module's pending buffer (`record_grad_amax`) and accumulates `main_grad`.
+writes the latter into the module's pending buffer (delayed_scaling.record_grad_amax) and accumulates `main_grad`.
 """
 from __future__ import annotations
 
@@ -24,18 +24,18 @@ from ..gemm import gemm
 from ..tensor import TensorProto
 from ..tensor.storage import QuantizedTensorStorage
 from . import shared_input
+from .delayed_scaling import record_grad_amax
 from .eager_path import eager_function
 from .inductor_lowering import inline_in_inductor
 from .recipe_registry import base_key, quantizers_from_key
 from .recompute_tags import recompute_saved_input, recomputed_in_backward
 from .row_padding import gemm_rows, pad_rows, unpad_rows
 
-__all__ = ["linear", "LinearPlan", "CACHE_OFF", "CACHE_FILL", "CACHE_USE", "pack_flags", "unpack_flags",
-           "record_grad_amax", "fold_pending_grad_amax"]
+__all__ = ["linear", "LinearPlan", "CACHE_OFF", "CACHE_FILL", "CACHE_USE", "pack_flags", "unpack_flags"]
 
 CACHE_OFF, CACHE_FILL, CACHE_USE = 0, 1, 2  # weight quantization cache modes (is_first_microbatch)
 # Delayed scaling state: fp8_scales (2,) for input/weight, used in forward only; grad_scale (1,)
-# is saved for backward, which records the grad amax into `grad_amax_state` (see record_grad_amax).
+# is saved for backward, which records the grad amax into `grad_amax_state` (delayed_scaling.py).
 
 # linear_fwd takes its five flags as one int instead of five arguments: torch's custom-op autograd
 # wrapper re-reads the schema per argument (`fill_defaults`, quadratic in the argument count), a
@@ -446,29 +446,6 @@ def _linear_bwd_fake(grad_out, saved, inp, weight, weight_cache, fp8_scales, gra
     if plan.quantized and plan.delayed:
         grads.append(grad_out.new_empty((1,), dtype=torch.float32))
     return grads
-
-
-# ---- delayed scaling: the gradient amax crosses from backward to the next forward ------------
-def record_grad_amax(state: Sequence[torch.Tensor], amax: torch.Tensor) -> None:
-    """Backward's half of the handoff. `state` is (pending (2,): [amax, generation], written only
-    here; seen (1,): the generation the last forward folded, written only by
-    `fold_pending_grad_amax`). Each buffer has one writer, so no buffer is mutated by both the
-    forward and the backward graph (the default AOT partitioner, used by the `cudagraphs` backend,
-    rejects that). The first backward after a fold starts a new generation; later ones (a module
-    applied twice, micro-batches on the weight cache) take the max."""
-    pending, seen = state
-    fresh = pending[1:2] == seen
-    new_amax = torch.where(fresh, amax, torch.maximum(pending[0:1], amax))
-    new_gen = torch.where(fresh, 1.0 - seen, pending[1:2])
-    pending.copy_(torch.cat([new_amax, new_gen]))
-
-
-def fold_pending_grad_amax(history: torch.Tensor, state: Sequence[torch.Tensor]) -> None:
-    """Forward's half: move an amax recorded since the last fold into history slot 0."""
-    pending, seen = state
-    new = pending[1:2] != seen
-    history[0].copy_(torch.where(new, torch.maximum(history[0], pending[0:1]), history[0]))
-    seen.copy_(pending[1:2])
 
 
 # ---- autograd wiring ----------------------------------------------------------------------------

@@ -180,9 +180,9 @@ class FSDPWeight(torch.Tensor):
         delayed = isinstance(recipe, R.DelayedScaling) and gemm is not None
         if delayed and not in_backward:
             if recipe.reduce_amax:
-                _reduce_pending_amaxes(gemm, group)
+                gemm.reduce_pending_amaxes(lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group))
             if kind != HP:  # the module skips its update for a prequantized weight: do it here
-                gemm._update_delayed_scales(recipe)
+                gemm.update_scales(recipe)
         rows = -(-outer_size[0] // world)
         x = _pad_rows(self._tensor.to(dtype), rows)
         meta = (kind, key, tuple(outer_size))
@@ -299,16 +299,6 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     out = x.new_zeros((rows,) + tuple(x.shape[1:]))
     out[: x.shape[0]].copy_(x)
     return out
-
-
-def _reduce_pending_amaxes(gemm, group) -> None:
-    """All-reduce (max) a GEMM's not-yet-consumed delayed-scaling amaxes: the forward's (history
-    slot 0) and the gradient's (still pending, or already folded into slot 0)."""
-    buf = torch.cat([gemm.amax_history[0], gemm.grad_amax_pending[0:1], gemm.grad_amax_history[0]])
-    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
-    gemm.amax_history[0].copy_(buf[:2])
-    gemm.grad_amax_pending[0:1].copy_(buf[2:3])
-    gemm.grad_amax_history[0].copy_(buf[3:])
 
 
 # ---- the gathered weight inside the module -------------------------------------------------------------

@@ -36,7 +36,7 @@ from .. import kernels
 from ..autocast import get_fp8_recipe
 from ..errors import raise_error, shape_str
 from .base import TransformerEngineBaseModule
-from .gemm_state import QuantizedGemm
+from .quantized_gemm import QuantizedGemm
 from .linear import _init_weight
 
 __all__ = ["GroupedLinear", "grouped_mm_supported"]
@@ -107,7 +107,57 @@ def _at_least_one_row(x: torch.Tensor, m) -> torch.Tensor:
 class GroupedLinear(TransformerEngineBaseModule):
     """Drop-in for `transformer_engine.pytorch.GroupedLinear`: `num_gemms` experts, each
     y_i = x_i W_i^T + b_i on its own rows. Parameters `weight0..weight{n-1}` ([out, in]) and
-    `bias0..bias{n-1}` as TE names them. Arguments after `out_features` are keyword-only."""
+    `bias0..bias{n-1}` as TE names them. Arguments after `out_features` are keyword-only.
+
+    Parameters
+    ----------
+    num_gemms : int
+        Number of experts (GEMMs), each with its own weight and bias.
+    in_features : int
+        Size of the input's last dimension.
+    out_features : int
+        Size of the output's last dimension.
+    bias : bool, default = True
+        Learn a bias per expert, initialized to zero.
+    return_bias : bool, default = False
+        Leave the biases out of the output and return `(out, [bias0, ..., bias{n-1}])`.
+    params_dtype : torch.dtype, default = None
+        dtype of the parameters; None is `torch.get_default_dtype()`.
+    device : torch.device or str, default = None
+        Where the parameters are created; None is torch's default device (TE's default is "cuda").
+    init_method : Callable, default = None
+        Called as `init_method(weight)` on each expert's weight. None is `nn.Linear`'s
+        Kaiming-uniform init (TE's: a normal with std 0.023).
+    fuse_wgrad_accumulation : bool, default = False
+        Add each expert's weight gradient into its `main_grad` (an fp32 buffer the caller sets)
+        instead of producing `.grad`. Only the per-expert loop does: the high-precision
+        `torch._grouped_mm` path (see `use_grouped_tensor`) ignores it and produces `.grad`.
+    save_original_input : bool, default = False
+        Save each expert's high-precision input for backward instead of its quantized copy (the
+        per-expert loop).
+    name : str, default = None
+        The layer's name in the debug tools' configs; None gives `grouped_linear_<n>`.
+    sequence_parallel : bool, default = False
+        Only False: tensor parallelism is not supported (`NotImplementedError`), as TE leaves
+        the MoE communication to the token dispatcher.
+    tp_group : torch.distributed.ProcessGroup, default = None
+        Only None (`NotImplementedError` otherwise).
+    tp_size : int, default = 1
+        Only 1 (`NotImplementedError` otherwise).
+    parallel_mode : {None}, default = None
+        Only None (`NotImplementedError` otherwise).
+    get_rng_state_tracker : Callable, default = None
+        Only None (`NotImplementedError` otherwise).
+    rng_tracker_name : str, default = None
+        Only None (`NotImplementedError` otherwise).
+    delay_wgrad_compute : bool, default = False
+        Only False (`NotImplementedError` otherwise).
+    use_grouped_tensor : bool, default = None
+        High precision only: None or True run all experts in one `torch._grouped_mm` where it
+        applies (bf16 input and weights, CPU or CUDA compute capability 9.0+, feature rows that are
+        16-byte multiples); False always runs the per-expert loop. Recipes always loop.
+
+    Any other keyword (`ub_*`, ...) is a `TypeError`."""
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, *, bias: bool = True,
                  return_bias: bool = False, params_dtype: Optional[torch.dtype] = None, device=None,
@@ -219,6 +269,22 @@ class GroupedLinear(TransformerEngineBaseModule):
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, inp: torch.Tensor, m_splits: Union[Sequence[int], torch.Tensor],
                 is_first_microbatch: Optional[bool] = None):
+        """Each expert's rows times its weight; `out` [tokens, out_features], or
+        `(out, biases)` with `return_bias`.
+
+        Parameters
+        ----------
+        inp : torch.Tensor
+            [tokens, in_features], the tokens grouped by expert, float32, bfloat16 or float16.
+        m_splits : list of int or torch.Tensor
+            `num_gemms` row counts summing to `tokens` (empty experts allowed): a list (TE's API)
+            or a 1-D integer tensor (under torch.compile, with
+            `torch._dynamo.config.capture_scalar_outputs = True`, a new split then reuses the
+            graph). A wrong count or sum is a `ValueError` naming the layer.
+        is_first_microbatch : {None, True, False}, default = None
+            Weight caching over gradient-accumulation micro-batches, per expert, as in
+            `Linear.forward`.
+        """
         self._check_input(inp, self.in_features)
         if inp.dim() != 2:
             raise_error(ValueError, f"{self.name}: GroupedLinear takes a 2-D input [tokens, in_features], got shape "

@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from .gemm_state import QuantizedGemm
+from .quantized_gemm import QuantizedGemm
 from .quantized_params import quantize_new_weights
 from .linear import ParallelLinearMixin, init_parallel_linear
 from .normalization import NormFusedModule, NormParams
@@ -29,6 +29,54 @@ class LayerNormLinear(ParallelLinearMixin, NormFusedModule):
       * `parallel_mode="row"`: as TE, the input is the local shard of the last dim and the norm
         (over `in_features / tp_size`) runs on that shard; the output is all-reduced (or
         reduce-scattered along dim 0 with `sequence_parallel`) and the bias added once after.
+
+    With a stateless recipe (any but delayed scaling) the norm and the quantize of its output run
+    as one op, so the GEMM's input is not read again to be quantized.
+
+    Parameters
+    ----------
+    in_features : int
+        Size of the input's last dimension, which the norm normalizes (the full size).
+    out_features : int
+        Size of the output's last dimension (the full size).
+    eps : float, default = 1e-5
+        Added to the variance (mean square for RMSNorm) for numerical stability.
+    bias : bool, default = True
+        Learn an additive bias for the GEMM, initialized to zero.
+    normalization : {"LayerNorm", "RMSNorm"}, default = "LayerNorm"
+        The norm; RMSNorm has no bias (`layer_norm_bias` is None).
+    return_layernorm_output : bool, default = False
+        Also return the norm's output (last in the returned tuple), e.g. for a residual taken
+        after the norm.
+    zero_centered_gamma : bool, default = False
+        Initialize gamma to zero and scale by `1 + gamma` (TE's formulation).
+    params_dtype : torch.dtype, default = None
+        dtype of all parameters; None is `torch.get_default_dtype()`.
+    device : torch.device or str, default = None
+        Where the parameters are created; None is torch's default device (TE's default is "cuda").
+    init_method : Callable, default = None
+        Called as `init_method(weight)` on the GEMM weight. None is `nn.Linear`'s Kaiming-uniform
+        init (TE's: a normal with std 0.023). The norm starts at gamma = 1 (0 when zero-centered),
+        beta = 0.
+    fuse_wgrad_accumulation : bool, default = False
+        Add the weight gradient into `weight.main_grad` (an fp32 buffer the caller sets; forward
+        raises a RuntimeError without it) instead of producing `weight.grad`.
+    return_bias : bool, default = False
+        Leave the bias out of the output and return it after the output, so the caller can fuse
+        the add.
+    name : str, default = None
+        The layer's name in the debug tools' configs; None gives `layernorm_linear_<n>`.
+    tp_group : torch.distributed.ProcessGroup, default = None
+        The tensor-parallel group, as `Linear`'s.
+    tp_size : int, default = None
+        The tensor-parallel size; None is the size of `tp_group`, or 1 without one.
+    parallel_mode : {None, "column", "row"}, default = None
+        How the weight is split over `tp_group` (above); None: not split, no communication.
+    sequence_parallel : bool, default = False
+        Shard dim 0 of the input / output too (above).
+
+    TE's other keywords (`return_layernorm_output_gathered`, `parameters_split`, `ub_*`, ...) are
+    a `TypeError`.
     """
 
     def __init__(self, in_features: int, out_features: int, eps: float = 1e-5, bias: bool = True, *,
@@ -54,6 +102,17 @@ class LayerNormLinear(ParallelLinearMixin, NormFusedModule):
         quantize_new_weights(self)  # inside quantized_model_init: weights stored quantized
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        """norm(x) W^T + b; `out`, then the bias with `return_bias`, then the norm output with
+        `return_layernorm_output` (a tuple when more than `out`).
+
+        Parameters
+        ----------
+        inp : torch.Tensor
+            [..., in_features] (row parallel: `in_features / tp_size`; column parallel with
+            `sequence_parallel`: this rank's dim-0 shard), float32, bfloat16 or float16.
+        is_first_microbatch : {None, True, False}, default = None
+            Weight caching over gradient-accumulation micro-batches, as in `Linear.forward`.
+        """
         self._check_input(inp, self._local_in)
         group, row, bias = self._tp_plan()
         column = group if self.parallel_mode == "column" else None

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import tp as _tp
-from .gemm_state import QuantizedGemm
+from .quantized_gemm import QuantizedGemm
 from .quantized_params import quantize_new_weights
 from .linear import _init_weight
 from .normalization import NormFusedModule, NormParams
@@ -54,7 +54,62 @@ class LayerNormMLP(NormFusedModule):
     Gated activations (swiglu, geglu, reglu): the activation splits fc1's local output into two
     halves, so each rank's fc1 shard must hold the matching rank-th chunk of *each* half of the
     full fc1 weight, i.e. `cat([W[:ffn].chunk(tp)[r], W[ffn:].chunk(tp)[r]])` (and likewise the
-    bias), not a contiguous chunk of the full [2*ffn, hidden] weight (see `shard_fc1`)."""
+    bias), not a contiguous chunk of the full [2*ffn, hidden] weight (see `shard_fc1`).
+
+    Parameters `fc1_weight` [ffn * m, hidden] (m = 2 for gated activations), `fc1_bias`,
+    `fc2_weight` [hidden, ffn], `fc2_bias` as TE names them; the norm's are `norm.weight` /
+    `norm.bias`, also readable as TE's `layer_norm_weight` / `layer_norm_bias`.
+
+    Parameters
+    ----------
+    hidden_size : int
+        Size of the input's and output's last dimension.
+    ffn_hidden_size : int
+        The MLP's inner size (the full size; each rank holds `ffn_hidden_size / tp_size`).
+    eps : float, default = 1e-5
+        Added to the variance (mean square for RMSNorm) for numerical stability.
+    bias : bool, default = True
+        Learn fc1's and fc2's biases, initialized to zero.
+    normalization : {"LayerNorm", "RMSNorm"}, default = "LayerNorm"
+        The norm before fc1; RMSNorm has no bias.
+    activation : {"gelu", "relu", "silu", "swiglu", "geglu", "reglu"}, default = "gelu"
+        Applied to fc1's output; gelu is the tanh approximation, as TE's. The gated ones split
+        fc1's output in two halves and return act(first) * second. TE's other activations
+        (qgelu, srelu, ...) are a `ValueError`.
+    return_layernorm_output : bool, default = False
+        Also return the norm's output (last in the returned tuple).
+    zero_centered_gamma : bool, default = False
+        Initialize gamma to zero and scale by `1 + gamma` (TE's formulation).
+    params_dtype : torch.dtype, default = None
+        dtype of all parameters; None is `torch.get_default_dtype()`.
+    device : torch.device or str, default = None
+        Where the parameters are created; None is torch's default device (TE's default is "cuda").
+    init_method : Callable, default = None
+        Called as `init_method(weight)` on fc1's weight (and fc2's without
+        `output_layer_init_method`). None is `nn.Linear`'s Kaiming-uniform init (TE's: a normal
+        with std 0.023).
+    output_layer_init_method : Callable, default = None
+        Initializes fc2's weight; None uses `init_method`.
+    fuse_wgrad_accumulation : bool, default = False
+        Add each weight gradient into its `main_grad` (fp32 buffers the caller sets; forward raises
+        a RuntimeError without them) instead of producing `.grad`.
+    return_bias : bool, default = False
+        Leave fc2's bias out of the output and return it after the output, so the caller can fuse
+        the add (fc1's bias is always added).
+    name : str, default = None
+        The layer's name in the debug tools' configs; None gives `layernorm_mlp_<n>`.
+    tp_group : torch.distributed.ProcessGroup, default = None
+        The tensor-parallel group. None with `tp_size > 1` uses the default process group.
+    tp_size : int, default = None
+        The tensor-parallel size; None is the size of `tp_group`, or 1 without one.
+    set_parallel_mode : bool, default = None
+        Accepted for TE's signature: with more than one rank fc1 is always column parallel and fc2
+        row parallel. False with `tp_size > 1` is a `ValueError`.
+    sequence_parallel : bool, default = False
+        Shard dim 0 of the input and output too (above).
+
+    TE's other keywords (`activation_params`, `checkpoint`, `delay_wgrad_compute`, `ub_*`, ...)
+    are a `TypeError`."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5, bias: bool = True, *,
                  normalization: str = "LayerNorm", activation: str = "gelu",
@@ -115,6 +170,18 @@ class LayerNormMLP(NormFusedModule):
         return [(self.fc1, self._tp_group_name, "column"), (self.fc2, self._tp_group_name, "row")]
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        """fc2(act(fc1(norm(x)))); `out`, then fc2's bias with `return_bias`, then the norm output
+        with `return_layernorm_output` (a tuple when more than `out`).
+
+        Parameters
+        ----------
+        inp : torch.Tensor
+            [..., hidden_size] (with `sequence_parallel`: this rank's dim-0 shard), float32,
+            bfloat16 or float16.
+        is_first_microbatch : {None, True, False}, default = None
+            Weight caching over gradient-accumulation micro-batches, for both GEMMs, as in
+            `Linear.forward`.
+        """
         self._check_input(inp, self.hidden_size)
         group = self._tp_group_name if self.tp_size > 1 else None
         ln_out, fc1_in, ln_q, seq = self._norm_into_gemm(inp, self.fc1, self.fc1_weight, group)

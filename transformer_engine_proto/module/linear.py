@@ -9,7 +9,7 @@ from torch import nn
 
 from ..distributed import tp as _tp
 from .base import TransformerEngineBaseModule
-from .gemm_state import QuantizedGemm
+from .quantized_gemm import QuantizedGemm
 from .quantized_params import quantize_new_weights
 
 __all__ = ["Linear"]
@@ -69,7 +69,49 @@ class Linear(ParallelLinearMixin, TransformerEngineBaseModule):
     local shard of the input's last dim and all-reduces (sums) the output over `tp_group`, adding
     the bias once after the reduction. `sequence_parallel=True` additionally shards dim 0 of the
     column-parallel input (all-gathered) and of the row-parallel output (reduce-scattered).
-    `in_features` / `out_features` are the full sizes."""
+    `in_features` / `out_features` are the full sizes.
+
+    The GEMMs run in the format of the active `autocast` recipe, in the parameters' precision
+    outside one.
+
+    Parameters
+    ----------
+    in_features : int
+        Size of the input's last dimension (the full size under tensor parallelism).
+    out_features : int
+        Size of the output's last dimension (the full size).
+    bias : bool, default = True
+        Learn an additive bias, initialized to zero.
+    params_dtype : torch.dtype, default = None
+        dtype of the weight and bias; None is `torch.get_default_dtype()`.
+    device : torch.device or str, default = None
+        Where the parameters are created; None is torch's default device (TE's default is "cuda").
+    init_method : Callable, default = None
+        Called as `init_method(weight)`. None is `nn.Linear`'s Kaiming-uniform init (TE's: a
+        normal with std 0.023).
+    fuse_wgrad_accumulation : bool, default = False
+        Add the weight gradient into `weight.main_grad`, an fp32 buffer the caller sets (forward
+        raises a RuntimeError without it), instead of producing `weight.grad`. Not with FSDP2's
+        quantized all-gather (`enable_quantized_all_gather` raises).
+    save_original_input : bool, default = False
+        Save the high-precision input for backward instead of its quantized copy; backward
+        quantizes it again for wgrad.
+    return_bias : bool, default = False
+        Leave the bias out of the output and return `(out, bias)`, so the caller can fuse the add.
+    name : str, default = None
+        The layer's name in the debug tools' configs; None gives `linear_<n>`.
+    tp_group : torch.distributed.ProcessGroup, default = None
+        The tensor-parallel group. None with `tp_size > 1` uses the default process group, whose
+        size must then be `tp_size`.
+    tp_size : int, default = None
+        The tensor-parallel size; None is the size of `tp_group`, or 1 without one.
+    parallel_mode : {None, "column", "row"}, default = None
+        How the weight is split over `tp_group` (above); None: not split, no communication.
+    sequence_parallel : bool, default = False
+        Shard dim 0 of the input / output too (above); needs `parallel_mode` when `tp_size > 1`.
+
+    Other keywords of TE's (`parameters_split`, `ub_*`, `get_rng_state_tracker`, ...) are a
+    `TypeError`."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  params_dtype: Optional[torch.dtype] = None, device=None, init_method=None,
@@ -92,6 +134,20 @@ class Linear(ParallelLinearMixin, TransformerEngineBaseModule):
         quantize_new_weights(self)  # inside quantized_model_init: weights stored quantized
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        """y = x W^T + b; `out`, or `(out, bias)` with `return_bias`.
+
+        Parameters
+        ----------
+        inp : torch.Tensor
+            [..., in_features] (row parallel: this rank's `in_features / tp_size`), float32,
+            bfloat16 or float16.
+        is_first_microbatch : {None, True, False}, default = None
+            Weight caching over gradient-accumulation micro-batches: True quantizes the weight and
+            keeps the copy, False reuses it (the weight must not have changed since), None
+            quantizes on every call. Ignored without a recipe. Under torch.compile run one
+            micro-batch eagerly first (the cache is allocated eagerly); a `ValueError` with a
+            weight stored quantized (`quantized_model_init`, FSDP2 quantized all-gather).
+        """
         self._check_input(inp, self._local_in)
         group, row, bias = self._tp_plan()
         sequence_gather = None  # column + SP: the GEMM all-gathers the shard (quantized where it can)

@@ -9,7 +9,7 @@ from ..precision import calibrate
 from ..precision.cost_model import BF16, gemm_shapes
 from ..precision.policy import decisions, pins_key
 from ..tensor.recipe_quantizers import GEMMS
-from .gemm_state import QuantizedGemm
+from .quantized_gemm import QuantizedGemm
 
 __all__ = ["pin_gemm_precision", "precision_report"]
 

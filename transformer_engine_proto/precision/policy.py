@@ -7,7 +7,7 @@ the quantizes that choice needs (the input once with the usages its GEMMs read, 
 fprop and again for dgrad, the gradient once), and keeps the fastest; the recipe's format must win
 by `margin` over all-bf16. A GEMM in high precision runs the bf16 path's own GEMM.
 
-The choice is a trace-time constant (`op_key` is dynamo's `assume_constant_result`): no graph
+The choice is a trace-time constant (`key_with_policy_precision` is dynamo's `assume_constant_result`): no graph
 break, no recompile, CUDA-graph safe; it depends on shapes, the recipe, the cost table and the
 pins only, so eager and compiled runs, and two processes reading one table, choose alike. Pins
 (`pin_gemm_precision`) are never overridden; the debug features may disable more GEMMs.
@@ -32,7 +32,7 @@ from ..tensor.recipe_quantizers import GEMMS
 from . import calibrate
 from .cost_model import BF16, CostTable, cache_path, gemm_shapes, shipped_table_path
 
-__all__ = ["GemmPolicy", "Decision", "op_key", "policy_key", "policy_from_key", "decisions", "pins_key",
+__all__ = ["GemmPolicy", "Decision", "key_with_policy_precision", "policy_key", "policy_from_key", "decisions", "pins_key",
            "with_default_pins",
            "HIGH", "RECIPE", "cost_table"]
 
@@ -96,7 +96,7 @@ def policy_from_key(key: str) -> Optional[GemmPolicy]:
 
 
 def pins_key(pins: Dict[str, str]) -> str:
-    """A pin dict as the string `op_key` takes ("dgrad=high_precision,..."), validated."""
+    """A pin dict as the string `key_with_policy_precision` takes ("dgrad=high_precision,..."), validated."""
     out = []
     for gemm, value in pins.items():
         if gemm not in GEMMS:
@@ -248,7 +248,7 @@ def _cached_decision(policy: str, key: str, device: str, m: int, n: int, k: int,
 
 
 @torch._dynamo.assume_constant_result
-def op_key(key: str, policy: str, pins: str, uid: int, device: str, m: int, n: int, k: int,
+def key_with_policy_precision(key: str, policy: str, pins: str, uid: int, device: str, m: int, n: int, k: int,
            training: bool) -> str:
     """The Linear op's recipe key with the GEMMs this call keeps in high precision (a trace-time
     constant). Records the decision under the GEMM's `uid` for `precision_report`."""

@@ -1,0 +1,190 @@
+"""Delayed scaling, in one place: a GEMM's scaling state, its in-graph update, the gradient amax's
+way from backward to the next forward, its checkpoint form and its non-finite report.
+
+The state lives in buffers so torch.compile sees it as graph inputs it may mutate (no host sync).
+Columns of the forward buffers: input, weight. The gradient has its own buffers because backward
+reads its scale after forward has already recorded this step's amaxes. `DelayedScalingState` is a
+mixin of the module that owns one GEMM (`QuantizedGemm`), so the buffer names (and checkpoints)
+stay that module's.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Callable, List, Sequence
+
+import torch
+
+from .. import recipe as R
+from ..kernels.reference.common import FP8_MAX, true_div
+from .saved_state import saved_state
+
+__all__ = ["DelayedScalingState", "DEFAULT_HISTORY_LEN", "record_grad_amax", "fold_pending_grad_amax"]
+
+DEFAULT_HISTORY_LEN = 1024
+_NONFINITE_ROLES = ("input", "weight", "grad")
+_nonfinite_warned = False  # one warning per process (the counters keep counting)
+
+
+class DelayedScalingState:
+    """The delayed-scaling buffers and their updates, for an `nn.Module` that owns one GEMM."""
+
+    def _register_delayed_state(self, device) -> None:
+        self.register_buffer("fp8_scale", torch.ones(2, device=device))
+        self.register_buffer("amax_history", torch.zeros(DEFAULT_HISTORY_LEN, 2, device=device))
+        self.register_buffer("grad_fp8_scale", torch.ones(1, device=device))
+        self.register_buffer("grad_amax_history", torch.zeros(DEFAULT_HISTORY_LEN, 1, device=device))
+        # backward's gradient amax waits here until the next forward folds it into the history
+        # (`record_grad_amax`): [amax, generation], and the generation last folded
+        self.register_buffer("grad_amax_pending", torch.zeros(2, device=device))
+        self.register_buffer("grad_amax_seen", torch.zeros(1, device=device))
+        # inf/NaN amaxes skipped per role (input, weight, grad): counted in-graph, reported once by
+        # `poll_nonfinite` at autocast entry
+        self.register_buffer("nonfinite_amax_count", torch.zeros(3, dtype=torch.int64, device=device))
+        self._nonfinite_poll = None  # CUDA: (host copy, event) of a count copy in flight
+
+    def grad_amax_state(self) -> List[torch.Tensor]:
+        """The buffers backward writes the gradient amax into (`record_grad_amax`)."""
+        return [self.grad_amax_pending, self.grad_amax_seen]
+
+    # ---- eager: sizes -------------------------------------------------------------------------
+    def ensure_history_len(self, recipe: R.DelayedScaling) -> None:
+        """Grow the histories to the recipe's length (eager: a new buffer shape), keeping their amaxes."""
+        if recipe.amax_history_len > self.amax_history.shape[0]:
+            with torch.inference_mode(False):  # state, not an inference tensor: training updates it in place
+                self.amax_history = _longer(self.amax_history, recipe.amax_history_len)
+                self.grad_amax_history = _longer(self.grad_amax_history, recipe.amax_history_len)
+
+    def _adopt_checkpoint_history(self, state_dict, prefix: str) -> None:
+        """Before loading: a checkpoint without the non-finite counter loads with a zero count, and
+        one written with another history length sets this module's length."""
+        state_dict.setdefault(prefix + "nonfinite_amax_count", torch.zeros_like(self.nonfinite_amax_count))
+        for name in ("amax_history", "grad_amax_history"):
+            saved, mine = state_dict.get(prefix + name), getattr(self, name)
+            if isinstance(saved, torch.Tensor) and saved.dim() == 2 and saved.shape[1:] == mine.shape[1:] \
+                    and saved.shape[0] != mine.shape[0]:
+                with torch.inference_mode(False):
+                    setattr(self, name, mine.new_zeros(saved.shape))
+
+    # ---- in-graph: the step's update and amax records ------------------------------------------
+    def update_scales(self, recipe: R.DelayedScaling) -> None:
+        """Fold the pending gradient amax into its history, then new scales from both histories."""
+        fwd_max, bwd_max = FP8_MAX[recipe.fp8_format.fwd_dtype], FP8_MAX[recipe.fp8_format.bwd_dtype]
+        _update_from_history(self.fp8_scale, self.amax_history, recipe, fwd_max)
+        slot = self.grad_amax_history[0]
+        before = slot.clone()
+        fold_pending_grad_amax(self.grad_amax_history, self.grad_amax_state())
+        _keep_finite(slot, slot, before, self.nonfinite_amax_count[2:3])
+        _update_from_history(self.grad_fp8_scale, self.grad_amax_history, recipe, bwd_max)
+
+    def record_amax(self, amax: torch.Tensor, first: int = 0) -> None:
+        """History slot 0, columns first.. (0 input, 1 weight), takes the max with `amax`, except
+        where `amax` is inf/NaN: that one is counted instead (`_keep_finite`)."""
+        cols = slice(first, first + amax.shape[0])
+        slot = self.amax_history[0, cols]
+        _keep_finite(slot, torch.maximum(slot, amax), slot, self.nonfinite_amax_count[cols])
+
+    def reduce_pending_amaxes(self, all_reduce_max: Callable[[torch.Tensor], None]) -> None:
+        """Reduce (max, across ranks) the amaxes not yet consumed by an update: the forward's
+        (history slot 0) and the gradient's (still pending, or already folded into slot 0)."""
+        buf = torch.cat([self.amax_history[0], self.grad_amax_pending[0:1], self.grad_amax_history[0]])
+        all_reduce_max(buf)
+        self.amax_history[0].copy_(buf[:2])
+        self.grad_amax_pending[0:1].copy_(buf[2:3])
+        self.grad_amax_history[0].copy_(buf[3:])
+
+    # ---- eager: the non-finite report ----------------------------------------------------------
+    def poll_nonfinite(self, name: str) -> None:
+        """Warn once (per process) when delayed scaling has skipped an inf/NaN amax.
+
+        Called at autocast entry, in eager Python, never in the step itself. No host sync: on
+        CPU the counter is read directly (no device to wait for); on CUDA each call reads the
+        host copy started by an earlier call if its event has completed (`Event.query()` does
+        not block) and starts the next copy (`non_blocking` into pinned memory). The warning
+        comes one or two autocast entries after the step, which is enough to say the run has
+        seen a NaN/inf; `nonfinite_amax_count` (state dict) has the counts."""
+        global _nonfinite_warned
+        if _nonfinite_warned:
+            return
+        count = self.nonfinite_amax_count
+        if count.device.type == "cpu":
+            host = count
+        elif count.device.type != "cuda":
+            return  # meta / other devices: nothing to read without a sync
+        else:
+            host = None
+            if self._nonfinite_poll is not None and self._nonfinite_poll[1].query():
+                host, self._nonfinite_poll = self._nonfinite_poll[0], None
+            if self._nonfinite_poll is None:
+                copy = torch.empty(count.shape, dtype=count.dtype, device="cpu", pin_memory=True)
+                copy.copy_(count, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                self._nonfinite_poll = (copy, event)
+        if host is not None and any(host.tolist()):  # a host read of 3 ints, no tensor op
+            _nonfinite_warned = True
+            counts = ", ".join(f"{r} {int(n)}" for r, n in zip(_NONFINITE_ROLES, host.tolist()) if n)
+            warnings.warn(
+                f"{name}: delayed scaling skipped non-finite (inf/NaN) amaxes ({counts}); those steps "
+                f"are left out of the amax history, so the scales keep following the finite amaxes. "
+                f"Check the loss / inputs for overflow. Counts per GEMM are in the buffers "
+                f"`*.nonfinite_amax_count` (input, weight, grad); this warning is shown once.",
+                RuntimeWarning, stacklevel=5)
+
+
+# ---- the gradient amax crosses from backward to the next forward -----------------------------
+def record_grad_amax(state: Sequence[torch.Tensor], amax: torch.Tensor) -> None:
+    """Backward's half of the handoff. `state` is (pending (2,): [amax, generation], written only
+    here; seen (1,): the generation the last forward folded, written only by
+    `fold_pending_grad_amax`). Each buffer has one writer, so no buffer is mutated by both the
+    forward and the backward graph (the default AOT partitioner, used by the `cudagraphs` backend,
+    rejects that). The first backward after a fold starts a new generation; later ones (a module
+    applied twice, micro-batches on the weight cache) take the max."""
+    pending, seen = state
+    fresh = pending[1:2] == seen
+    new_amax = torch.where(fresh, amax, torch.maximum(pending[0:1], amax))
+    new_gen = torch.where(fresh, 1.0 - seen, pending[1:2])
+    pending.copy_(torch.cat([new_amax, new_gen]))
+
+
+def fold_pending_grad_amax(history: torch.Tensor, state: Sequence[torch.Tensor]) -> None:
+    """Forward's half: move an amax recorded since the last fold into history slot 0."""
+    pending, seen = state
+    new = pending[1:2] != seen
+    history[0].copy_(torch.where(new, torch.maximum(history[0], pending[0:1]), history[0]))
+    seen.copy_(pending[1:2])
+
+
+# ---- the rules -------------------------------------------------------------------------------
+def _update_from_history(scale, amax_history, recipe: R.DelayedScaling, fp8_max: float) -> None:
+    """TE's rule: scale from the max (or most recent) amax of the history, kept where that amax
+    is 0 or non-finite; then roll the history so slot 0 is free for this step's amax."""
+    history = amax_history[: recipe.amax_history_len]
+    amax = history.amax(0) if recipe.amax_compute_algo == "max" else history[0]
+    # the correctly rounded quotient, as TE; then the margin as an exact power-of-two product (the
+    # same bits as TE's division by 2**margin, and no fp32 division for inductor to approximate)
+    new = true_div(fp8_max, amax)
+    if recipe.margin:
+        new = new * (2.0 ** -recipe.margin)
+    # kept where amax <= 0, amax is inf/NaN or new is not finite; where amax is positive and
+    # finite, new lies in [0, inf], so `new < inf` is its finiteness test
+    ok = (amax > 0) & (amax < math.inf) & (new < math.inf)
+    scale.copy_(saved_state(torch.where(ok, new, scale)))  # backward reads this step's scale
+    history.copy_(torch.roll(history, -1, 0))
+    history[0].zero_()
+
+
+def _keep_finite(slot: torch.Tensor, new: torch.Tensor, fallback: torch.Tensor, count: torch.Tensor) -> None:
+    """slot = new where new is finite, else fallback, and count += 1 there. An inf/NaN amax never
+    enters the history: one would make `max` of the history non-finite, and the scale would stay
+    frozen (silently) until it rolled out, amax_history_len steps later. In-graph, no host sync."""
+    ok = new.abs() < math.inf  # isfinite in two elementwise ops: NaN and +-inf compare False
+    slot.copy_(torch.where(ok, new, fallback))
+    count.add_((~ok).to(count.dtype))
+
+
+def _longer(history: torch.Tensor, rows: int) -> torch.Tensor:
+    """`history` extended with zero rows to `rows` (the recorded amaxes kept)."""
+    out = history.new_zeros(rows, history.shape[1])
+    out[: history.shape[0]] = history
+    return out

@@ -1,0 +1,257 @@
+"""`QuantizedGemm`: the per-GEMM state a TE module keeps, and the call into the linear ops.
+
+State lives in buffers so torch.compile sees it as graph inputs it may mutate (no host sync): the
+delayed-scaling state (`custom_ops/delayed_scaling.py`) and the quantized weight cache for
+`is_first_microbatch`. Buffers whose shape depends on the recipe are allocated eagerly by
+`prepare_for_recipe`, which `autocast` calls on entry.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .. import recipe as R
+from ..autocast import (get_fp8_recipe, get_fp8_recipe_key, get_gemm_policy_key, in_activation_recompute_phase,
+                        in_training_autocast)
+from ..custom_ops import linear_ops, recipe_registry
+from ..custom_ops.delayed_scaling import DEFAULT_HISTORY_LEN, DelayedScalingState
+from ..custom_ops.recipe_registry import HIGH_PRECISION_KEY, high_precision_gemms, quantizers_from_key
+from ..debug import debug_gemm as _debug_gemm  # precision debug tools: the debug GEMM path
+from ..distributed import amax_reduction as _amax_reduction
+from ..distributed import fsdp as _fsdp
+from ..distributed import sp_gather as _sp_gather
+from ..distributed import tp as _tp
+from ..errors import raise_error
+from ..precision import policy as _policy
+from ..tensor import QuantizedTensor, TensorProto
+
+__all__ = ["QuantizedGemm", "DEFAULT_HISTORY_LEN"]
+
+
+class QuantizedGemm(DelayedScalingState, nn.Module):
+    """State and dispatch for one GEMM (input @ weight.T) of a module."""
+
+    def __init__(self, device=None):
+        super().__init__()
+        self._register_delayed_state(device)
+        self._cache_names = []
+        self._cache_for = None  # (recipe key, weight shape, dtype) the cache was allocated for
+        self.uses_weight_cache = False  # set by the first is_first_microbatch call (eager)
+        self._debug_uid = _debug_gemm.state.new_uid()  # precision debug tools: name registry key
+        # (TP group name, roles) whose current-scaling amax is all-reduced (distributed/amax_reduction.py)
+        self.tp_amax_reduction = None
+        # sequence parallel: all-gather this GEMM's input shard quantized where the recipe allows
+        # (distributed/sp_gather.py); False gathers in high precision
+        self.quantized_sp_gather = True
+        # GEMMs pinned to a precision (`pin_gemm_precision`), as the string the policy reads
+        self.pinned_precision = ""
+
+    def _apply(self, fn, recurse=True):
+        """`model.to(torch.bfloat16)` / `.half()` move these buffers but keep their dtypes: the
+        scaling state is float32 (a bf16 generation counter stops at 256) and the weight cache
+        is in the recipe's format."""
+        def same_dtype(t):
+            new = fn(t)
+            return new if new.dtype == t.dtype else t.to(device=new.device)
+
+        return super()._apply(same_dtype, recurse)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        self._adopt_checkpoint_history(state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def __getstate__(self):
+        # a copy in flight (a CUDA event) belongs to this process and this object: deepcopy and
+        # pickling start without one
+        state = self.__dict__.copy()
+        state["_nonfinite_poll"] = None
+        return state
+
+    # ---- the keys the Linear op gets ---------------------------------------------------------
+    def recipe_key(self, key: Optional[str] = None) -> str:
+        """The key of the active recipe (or of `key`) for this GEMM: derived when its TP amax
+        reduction is on (distributed/amax_reduction.py)."""
+        key = get_fp8_recipe_key() if key is None else key
+        if self.tp_amax_reduction is None:
+            return key
+        return _amax_reduction.tp_amax_key(key, *self.tp_amax_reduction)
+
+    def op_key(self, key: str, inp: torch.Tensor, weight: torch.Tensor) -> str:
+        """The Linear op's key: `key` with the GEMMs that the active GemmPolicy or this GEMM's pins
+        keep in high precision (a trace-time constant, precision/policy.py)."""
+        policy = get_gemm_policy_key()
+        if not (policy or self.pinned_precision) or key == HIGH_PRECISION_KEY:
+            return key
+        pins = self.pinned_precision
+        if isinstance(weight, QuantizedTensor):  # stored quantized: fprop and dgrad read it as it is
+            pins = _policy.with_default_pins(pins, fprop=_policy.RECIPE, dgrad=_policy.RECIPE)
+        return _policy.key_with_policy_precision(key, policy, pins, self._debug_uid, str(inp.device),
+                                                 inp.numel() // inp.shape[-1], weight.shape[0], weight.shape[1],
+                                                 torch.is_grad_enabled())
+
+    # ---- eager preparation ----------------------------------------------------------------
+    def prepare_for_recipe(self, recipe: R.Recipe, weight: torch.Tensor) -> None:
+        if isinstance(recipe, R.DelayedScaling):
+            self.ensure_history_len(recipe)
+        if self.uses_weight_cache:
+            try:
+                self._alloc_weight_cache(self.recipe_key(recipe_registry.recipe_key(recipe)), weight)
+            except ValueError:
+                pass  # a shape the recipe cannot quantize: forward raises the error, naming the module
+
+    def _alloc_weight_cache(self, key: str, weight: torch.Tensor) -> None:
+        want = (key, tuple(weight.shape), weight.dtype)
+        if self._cache_for == want:
+            return
+        for name in self._cache_names:
+            delattr(self, name)
+        self._cache_names = []
+        q = quantizers_from_key(key).weight
+        if q is not None:
+            proto = TensorProto(weight.shape, weight.dtype, q.with_usage(rowwise=True, columnwise=True),
+                                device=weight.device)
+            with torch.inference_mode(False):  # state, not inference tensors: training fills the cache
+                buffers = proto.create_buffers().values()
+            for i, buf in enumerate(buffers):
+                name = f"weight_cache_{i}"
+                self.register_buffer(name, buf, persistent=False)
+                self._cache_names.append(name)
+        self._cache_for = want
+
+    def wants_quantized_input(self, weight: torch.Tensor, save_original_input: bool = False,
+                              inp: Optional[torch.Tensor] = None):
+        """None, or the `columnwise` flag for a fused norm + quantize of this GEMM's input `inp`:
+        only stateless recipes (delayed scaling's input scale lives in this module's buffers), not
+        when the input's amax is TP-reduced (the fused op quantizes with the plain recipe), and not
+        when fprop runs in high precision (op_key)."""
+        recipe = get_fp8_recipe()
+        if recipe is None or isinstance(recipe, R.DelayedScaling):
+            return None
+        if self.tp_amax_reduction is not None and "input" in self.tp_amax_reduction[1]:
+            return None
+        wgrad = True
+        if inp is not None:
+            high = high_precision_gemms(self.op_key(self.recipe_key(), inp, weight))
+            if "fprop" in high:
+                return None
+            wgrad = "wgrad" not in high
+        return torch.is_grad_enabled() and weight.requires_grad and not save_original_input and wgrad
+
+    # ---- the call: named steps ----------------------------------------------------------------
+    def forward(self, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+                is_first_microbatch: Optional[bool] = None, save_original_input: bool = False,
+                fuse_wgrad_accumulation: bool = False, inp_quantized=(), sequence_gather=None) -> torch.Tensor:
+        """`inp_quantized`: the input's buffers from a fused norm + quantize (`wants_quantized_input`).
+        `sequence_gather`: (TP group name, tp size) when `inp` is a sequence-parallel dim-0 shard
+        to all-gather before the GEMM (column parallel + SP)."""
+        recipe = get_fp8_recipe()
+        key = self.recipe_key()
+        delayed = isinstance(recipe, R.DelayedScaling)
+        cache_mode, cache = self._weight_cache(recipe, key, weight, is_first_microbatch)
+        # te.checkpoint's recompute: the first forward's scales, no history update, no amax recorded
+        record = delayed and not in_activation_recompute_phase()
+        if record and cache_mode != linear_ops.CACHE_USE:
+            self._advance_scales(recipe, weight)
+        main_grad = _main_grad(weight, fuse_wgrad_accumulation)
+        linear, debugging = self._linear_path(recipe, weight)
+        sp_amax = None
+        if sequence_gather is not None:
+            inp, inp_quantized, sp_amax = self._gather_input(
+                inp, weight, key, delayed, sequence_gather, not debugging and not save_original_input)
+        op_key = self.op_key(key, inp, weight)
+        _check_stored_weight_precision(weight, op_key)
+        out, amaxes, new_cache = linear(
+            inp, weight, bias, key=op_key,
+            fp8_scales=self.fp8_scale if delayed else None,
+            grad_scale=self.grad_fp8_scale if delayed else None,
+            grad_amax_state=self.grad_amax_state() if delayed else (),
+            weight_cache=cache, main_grad=main_grad, cache_mode=cache_mode,
+            save_original_input=save_original_input, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+            **({"inp_quantized": inp_quantized} if inp_quantized and not debugging else {}),
+        )
+        if record:
+            self.record_amax(amaxes.detach())
+            if sp_amax is not None:  # the input was quantized before its gather: record its amax
+                self.record_amax(sp_amax.detach())
+        for buf, new in zip(cache, new_cache):
+            buf.copy_(new.detach())
+        return out
+
+    def _weight_cache(self, recipe, key: str, weight, is_first_microbatch):
+        """(cache mode, cache buffers) of this call. A weight FSDP2 gathered already quantized
+        (distributed/fsdp.py) enters as the cache: its delayed-scaling update and weight amax were
+        done in the pre-all-gather hook."""
+        if isinstance(weight, QuantizedTensor):
+            return linear_ops.CACHE_USE, _fsdp.gathered_weight_cache(type(self).__name__, weight, key,
+                                                                     is_first_microbatch)
+        if recipe is None or is_first_microbatch is None:
+            return linear_ops.CACHE_OFF, []
+        if self._cache_for != (key, tuple(weight.shape), weight.dtype):
+            if torch.compiler.is_dynamo_compiling():
+                raise RuntimeError(
+                    "is_first_microbatch needs the quantized-weight cache, allocated eagerly: run one "
+                    "micro-batch eagerly (or set `uses_weight_cache = True` on the module's "
+                    "QuantizedGemm before entering autocast) before compiling"
+                )
+            self.uses_weight_cache = True
+            self._alloc_weight_cache(key, weight)
+        cache = [getattr(self, n) for n in self._cache_names]
+        return (linear_ops.CACHE_FILL if is_first_microbatch else linear_ops.CACHE_USE), cache
+
+    def _advance_scales(self, recipe: R.DelayedScaling, weight) -> None:
+        """The delayed-scaling update of a step's first forward (not in an evaluation block, which
+        records its amaxes and moves no scale, as TE)."""
+        if recipe.amax_history_len > self.amax_history.shape[0]:
+            if torch.compiler.is_dynamo_compiling():
+                raise RuntimeError(
+                    f"amax_history_len={recipe.amax_history_len} exceeds the allocated history "
+                    f"({self.amax_history.shape[0]}); enter autocast outside torch.compile first"
+                )
+            self.prepare_for_recipe(recipe, weight)
+        if in_training_autocast():
+            self.update_scales(recipe)
+
+    def _linear_path(self, recipe, weight):
+        """(the Linear function, whether it is the precision debug tools' path): a layer with an
+        active debug feature takes the debug GEMM path."""
+        debug_linear = _debug_gemm.linear_for(self, recipe is not None)
+        if debug_linear is None:
+            return linear_ops.linear, False
+        if isinstance(weight, QuantizedTensor):
+            raise NotImplementedError("precision debug features do not support FSDP2 quantized all-gather weights")
+        return debug_linear, True
+
+    def _gather_input(self, inp, weight, key: str, delayed: bool, sequence_gather, quantized_ok: bool):
+        """(gathered input, its quantized buffers or (), all-reduced input amax for delayed scaling
+        or None): quantize the shard then gather the bytes where the recipe allows, else gather
+        in high precision (the Linear op quantizes the full tensor)."""
+        group, world = sequence_gather
+        layout = _sp_gather.HP
+        columnwise = torch.is_grad_enabled() and weight.requires_grad
+        if self.quantized_sp_gather and quantized_ok:
+            layout, _ = _sp_gather.input_gather_format(key, tuple(inp.shape), world, columnwise)
+        if layout == _sp_gather.HP:
+            return _tp.all_gather_first_dim(inp, group, world), (), None
+        scale = self.fp8_scale[0:1] if delayed else None
+        full, amax, buffers = _sp_gather.all_gather_quantized(inp, scale, group, world, key, layout, columnwise)
+        return full, buffers, (amax if delayed else None)
+
+
+def _main_grad(weight, fuse_wgrad_accumulation: bool):
+    """The fp32 buffer wgrad accumulates into, or None."""
+    if not (fuse_wgrad_accumulation and weight.requires_grad):
+        return None
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None:
+        raise RuntimeError("fuse_wgrad_accumulation=True needs weight.main_grad (an fp32 buffer) to be set")
+    return main_grad
+
+
+def _check_stored_weight_precision(weight, op_key: str) -> None:
+    if isinstance(weight, QuantizedTensor) and high_precision_gemms(op_key) & {"fprop", "dgrad"}:
+        raise_error(NotImplementedError,
+                    "fprop / dgrad pinned to bf16 (pin_gemm_precision) on a weight stored quantized "
+                    "(quantized_model_init or an FSDP2 quantized all-gather): the weight exists only "
+                    "quantized; unpin them for this layer")
