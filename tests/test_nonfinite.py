@@ -32,19 +32,42 @@ def _nonfinite_row(n):
     return x
 
 
+def _forward_with_inf_in_row_3(model, x, recipe):
+    """x[3, 5] = inf through a bias-free Linear under `recipe`: the output is non-finite exactly
+    where the fp32 reference's is (row 3). Returns the other rows' relative error."""
+    x[3, 5] = INF
+    with te.autocast(recipe=recipe):
+        y = model(x)
+    ref = x.float() @ model.weight.detach().float().T
+    assert torch.equal(torch.isfinite(y), torch.isfinite(ref)) and not torch.isfinite(y[3]).any()
+    clean = torch.arange(x.shape[0], device=x.device) != 3
+    return _rel_err(y[clean], ref[clean])
+
+
+def _backward_with_inf_in_grad(model, x, recipe):
+    """A grad output with an inf at [2, 7] back through a bias-free Linear under `recipe`: dgrad and
+    wgrad are non-finite exactly where the fp32 reference's are. Returns the reference's input and
+    weight (their .grad set)."""
+    with te.autocast(recipe=recipe):
+        y = model(x)
+    g = torch.randn_like(y)
+    g[2, 7] = INF
+    y.backward(g)
+    xr = x.detach().float().requires_grad_()
+    wr = model.weight.detach().float().requires_grad_()
+    (xr @ wr.T).backward(g.float())
+    assert torch.equal(torch.isfinite(x.grad), torch.isfinite(xr.grad))
+    assert torch.equal(torch.isfinite(model.weight.grad), torch.isfinite(wr.grad))
+    return xr, wr
+
+
 # ---- te.Linear ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_current_scaling_inf_in_one_row_keeps_the_other_rows_precision(dtype):
     torch.manual_seed(0)
     model = te.Linear(64, 32, bias=False, params_dtype=dtype)
     x = (torch.randn(16, 64) * 1e-2).to(dtype)
-    x[3, 5] = INF
-    with te.autocast(recipe=R.Float8CurrentScaling()):
-        y = model(x)
-    ref = x.float() @ model.weight.detach().float().T
-    clean = torch.arange(16) != 3
-    assert _rel_err(y[clean], ref[clean]) < 0.1  # scale 1 (an inf amax) gave 0.68
-    assert torch.equal(torch.isfinite(y), torch.isfinite(ref)) and not torch.isfinite(y[3]).any()
+    assert _forward_with_inf_in_row_3(model, x, R.Float8CurrentScaling()) < 0.1  # scale 1 (an inf amax) gave 0.68
 
 
 @pytest.mark.parametrize("recipe", [R.DelayedScaling(), R.Float8CurrentScaling()], ids=["delayed", "current"])
@@ -52,17 +75,8 @@ def test_inf_in_grad_output_reaches_dgrad_and_wgrad(recipe):
     torch.manual_seed(0)
     model = te.Linear(64, 32, bias=False)
     x = torch.randn(16, 64, requires_grad=True)
-    with te.autocast(recipe=recipe):
-        y = model(x)
-    g = torch.randn_like(y)
-    g[2, 7] = INF
-    y.backward(g)
-    xr = x.detach().clone().requires_grad_()
-    wr = model.weight.detach().clone().requires_grad_()
-    (xr @ wr.T).backward(g)
+    xr, wr = _backward_with_inf_in_grad(model, x, recipe)  # the bf16 path: 64 non-finite each
     assert not torch.isfinite(xr.grad[2]).any() and not torch.isfinite(wr.grad[7]).any()
-    assert torch.equal(torch.isfinite(x.grad), torch.isfinite(xr.grad))  # the bf16 path: 64 non-finite each
-    assert torch.equal(torch.isfinite(model.weight.grad), torch.isfinite(wr.grad))
     if isinstance(recipe, R.DelayedScaling):  # the recorded grad amax still shows the inf: counted
         with te.autocast(recipe=recipe):
             model(x)  # folds the pending grad amax into the history
@@ -244,24 +258,9 @@ def test_cuda_fused_norm_quantize_takes_the_finite_amax():
 def test_cuda_linear_keeps_nonfinite_outputs_and_clean_rows(recipe):
     torch.manual_seed(0)
     model = te.Linear(256, 128, bias=False, params_dtype=torch.bfloat16, device="cuda")
-    w = model.weight.detach().float()
     x = (torch.randn(256, 256, device="cuda") * 1e-2).to(torch.bfloat16)
-    x[3, 5] = INF
-    with te.autocast(recipe=recipe):
-        y = model(x)
-    ref = x.float() @ w.T
-    assert torch.equal(torch.isfinite(y), torch.isfinite(ref)) and not torch.isfinite(y[3]).any()
+    err = _forward_with_inf_in_row_3(model, x, recipe)
     if not isinstance(recipe, R.DelayedScaling):  # a delayed scale does not come from this tensor
-        clean = torch.arange(256, device="cuda") != 3
-        assert _rel_err(y[clean], ref[clean]) < (0.25 if isinstance(recipe, R.NVFP4BlockScaling) else 0.1)
+        assert err < (0.25 if isinstance(recipe, R.NVFP4BlockScaling) else 0.1)
     x = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    with te.autocast(recipe=recipe):
-        y = model(x)
-    g = torch.randn_like(y)
-    g[2, 7] = INF
-    y.backward(g)
-    xr = x.detach().float().requires_grad_()
-    wr = w.clone().requires_grad_()
-    (xr @ wr.T).backward(g.float())
-    assert torch.equal(torch.isfinite(x.grad), torch.isfinite(xr.grad))
-    assert torch.equal(torch.isfinite(model.weight.grad), torch.isfinite(wr.grad))
+    _backward_with_inf_in_grad(model, x, recipe)
