@@ -52,6 +52,27 @@ def _state(module_gemms):
             for g in module_gemms]
 
 
+def _compiled_equals_eager(rid, dtype, splits_list, as_arg):
+    """A GroupedLinear compiled with aot_eager and an eager twin, called with `as_arg(splits)` for
+    each entry of `splits_list`: forward, dgrad and an expert's wgrad bitwise equal, no graph
+    break. Returns the compiled module and its twin."""
+    recipe = RECIPES[rid]
+    g, _ = _pair(dtype=dtype)
+    ge, _ = _pair(dtype=dtype)
+    fresh_dynamo()
+    cg = torch.compile(g, fullgraph=True, backend="aot_eager")
+    torch.manual_seed(2)
+    for splits in splits_list:
+        x, dy = torch.randn(96, K, dtype=dtype), torch.randn(96, OUT, dtype=dtype)
+        with recipe_ctx(recipe):
+            y, dx = _step(lambda t: cg(t, as_arg(splits)), x, dy)
+            y_e, dx_e = _step(lambda t: ge(t, as_arg(splits)), x, dy)
+        assert torch.equal(y, y_e) and torch.equal(dx, dx_e)
+        assert torch.equal(g.weight1.grad, ge.weight1.grad)
+    assert graph_breaks() == 0
+    return g, ge
+
+
 @pytest.mark.parametrize("rid", RECIPE_IDS)
 @pytest.mark.parametrize("as_tensor", [False, True], ids=["list", "tensor"])
 def test_matches_loop_of_linear(rid, as_tensor):
@@ -152,20 +173,7 @@ def test_any_split_for_block_formats(rid, capture_scalars):
 def test_compiled_tensor_splits_one_graph_no_recompile(rid, dtype, capture_scalars):
     """Two (three) different splits of the same total through one compiled graph: no recompile,
     no graph break, and the same numbers as eager (aot_eager: bitwise)."""
-    recipe = RECIPES[rid]
-    g, _ = _pair(dtype=dtype)
-    ge, _ = _pair(dtype=dtype)
-    fresh_dynamo()
-    cg = torch.compile(g, fullgraph=True, backend="aot_eager")
-    torch.manual_seed(2)
-    for splits in SPLITS:
-        x, dy = torch.randn(96, K, dtype=dtype), torch.randn(96, OUT, dtype=dtype)
-        with recipe_ctx(recipe):
-            y, dx = _step(lambda t: cg(t, torch.tensor(splits)), x, dy)
-            y_e, dx_e = _step(lambda t: ge(t, torch.tensor(splits)), x, dy)
-        assert torch.equal(y, y_e) and torch.equal(dx, dx_e)
-        assert torch.equal(g.weight1.grad, ge.weight1.grad)
-    assert graph_breaks() == 0
+    g, ge = _compiled_equals_eager(rid, dtype, SPLITS, torch.tensor)
     assert unique_graphs() == 1
     for a, b in zip(_state(g.gemms), _state(ge.gemms)):
         assert torch.equal(a, b)
@@ -243,20 +251,7 @@ def test_compiled_list_splits_recompile_once(rid, dtype, capture_scalars):
     """TE's list of split sizes under compile: the first graph has the ints baked in, the first
     new split recompiles with them dynamic, and no later split recompiles. Forward and grads
     equal eager (aot_eager: bitwise)."""
-    recipe = RECIPES[rid]
-    g, _ = _pair(dtype=dtype)
-    ge, _ = _pair(dtype=dtype)
-    fresh_dynamo()
-    cg = torch.compile(g, fullgraph=True, backend="aot_eager")
-    torch.manual_seed(2)
-    for splits in SPLITS + [[10, 20, 66]]:
-        x, dy = torch.randn(96, K, dtype=dtype), torch.randn(96, OUT, dtype=dtype)
-        with recipe_ctx(recipe):
-            y, dx = _step(lambda t: cg(t, splits), x, dy)
-            y_e, dx_e = _step(lambda t: ge(t, splits), x, dy)
-        assert torch.equal(y, y_e) and torch.equal(dx, dx_e)
-        assert torch.equal(g.weight1.grad, ge.weight1.grad)
-    assert graph_breaks() == 0
+    _compiled_equals_eager(rid, dtype, SPLITS + [[10, 20, 66]], lambda splits: splits)
     assert unique_graphs() == 2
 
 
