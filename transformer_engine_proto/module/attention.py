@@ -111,7 +111,64 @@ class DotProductAttention(TransformerEngineBaseModule):
     or [t, h*d]. GQA / MQA: `num_gqa_groups` key/value heads. `attention_mask` follows TE: True
     means masked out; "padding*" takes [b, 1, 1, s] (a (q, kv) tuple for cross attention) or
     `cu_seqlens_q` / `cu_seqlens_kv`; "arbitrary" a mask broadcastable to [b, h, s_q, s_kv]; the
-    other mask types take no attention_mask: passing one is an error."""
+    other mask types take no attention_mask: passing one is an error.
+
+    Parameters
+    ----------
+    num_attention_heads : int
+        Number of query heads (all ranks together under tensor parallelism).
+    kv_channels : int or (int, int)
+        Head dim of queries and keys, and of values; one int for both.
+    num_gqa_groups : int, default = None
+        Number of key/value heads (GQA; 1 is MQA); None is `num_attention_heads`. Must divide
+        `num_attention_heads`.
+    attention_dropout : float, default = 0.0
+        Dropout on the attention probabilities, in training mode only, from torch's RNG.
+    qkv_format : {"sbhd", "bshd", "thd"}, default = "sbhd"
+        Layout of the inputs and output (above); forward can override it.
+    attn_mask_type : str, default = "causal"
+        One of "no_mask", "padding", "causal", "padding_causal", "causal_bottom_right",
+        "padding_causal_bottom_right", "arbitrary" (also spelled "causal_padding", or with commas
+        for underscores); forward can override it.
+    window_size : (int, int), default = None
+        Sliding window (left, right) in tokens, -1 meaning unbounded on that side; None and
+        (-1, -1) are no window; causal mask types force right = 0.
+    bottom_right_diagonal : bool, default = None
+        Align the causal diagonal and the window to the bottom-right corner of the score matrix
+        (True) or the top-left (False). None: top-left for "causal" / "padding_causal",
+        bottom-right for the other types.
+    sequence_parallel : bool, default = False
+        Recorded only: attention itself communicates nothing (the projections around it do).
+    tp_size : int, default = 1
+        Tensor-parallel size: each rank computes `num_attention_heads / tp_size` query heads and
+        `num_gqa_groups / tp_size` key/value heads.
+    get_rng_state_tracker : Callable, default = None
+        Only None (`NotImplementedError` otherwise): dropout uses torch's RNG.
+    tp_group : torch.distributed.ProcessGroup, default = None
+        Tensor-parallel group; its size replaces `tp_size`.
+    layer_number : int, default = None
+        Recorded only.
+    attention_type : {"self", "cross"}, default = "self"
+        Recorded only: the shapes of the inputs decide.
+    cp_group : torch.distributed.ProcessGroup, default = None
+        Context parallelism is not supported: only None (`NotImplementedError` otherwise).
+    cp_global_ranks : list of int, default = None
+        Only None (`NotImplementedError` otherwise).
+    cp_stream : torch.cuda.Stream, default = None
+        Only None (`NotImplementedError` otherwise).
+    cp_comm_type : str, default = "p2p"
+        Accepted and unused (no context parallelism).
+    softmax_scale : float, default = None
+        Scale of Q K^T; None is `1 / sqrt(head dim of q and k)`.
+    softmax_type : str, default = "vanilla"
+        Only "vanilla" (`NotImplementedError` otherwise).
+    return_max_logit : bool, default = False
+        Only False (`NotImplementedError` otherwise).
+    name : str, default = None
+        The layer's name in the debug tools' configs; None gives `dot_product_attention_<n>`.
+
+    Any other keyword is a `TypeError`. A recipe's `fp8_dpa` / `fp8_mha` do not apply here:
+    attention always runs in the inputs' precision."""
 
     def __init__(self, num_attention_heads: int, kv_channels: Union[int, Tuple[int, int]],
                  num_gqa_groups: Optional[int] = None, attention_dropout: float = 0.0, qkv_format: str = "sbhd",
@@ -250,9 +307,47 @@ class DotProductAttention(TransformerEngineBaseModule):
                 bottom_right_diagonal: Optional[bool] = None, checkpoint_core_attention: bool = False,
                 core_attention_bias_type: str = "no_bias", core_attention_bias=None, alibi_slopes=None,
                 fast_zero_fill: bool = True, inference_params=None, **unsupported) -> torch.Tensor:
-        """max_seqlen_q / max_seqlen_kv are accepted and not needed (no host sync either way).
+        """softmax(Q K^T * softmax_scale + mask) V, heads folded into the last dim of the output.
+
         Every check reads only types, shapes and dtypes (no host sync) and raises through
-        `raise_error`, so under torch.compile(fullgraph=True) too the user gets our type and message."""
+        `raise_error`, so under torch.compile(fullgraph=True) too the user gets our type and message.
+
+        Parameters
+        ----------
+        query_layer, key_layer, value_layer : torch.Tensor
+            In `qkv_format`: [s, b, h, d], [b, s, h, d] or [t, h, d]; one floating dtype.
+        attention_mask : torch.Tensor or (torch.Tensor, torch.Tensor), default = None
+            True = masked out. Padding types: bool [b, 1, 1, s], or a (q, kv) pair when s_q !=
+            s_kv; "arbitrary": bool, broadcastable to [b, h, s_q, s_kv]; other types: None.
+        qkv_format : str, default = None
+            Overrides the constructor's for this call.
+        cu_seqlens_q, cu_seqlens_kv : torch.Tensor, default = None
+            [b + 1] cumulative sequence lengths: needed for "thd", or instead of a padding mask.
+        cu_seqlens_q_padded, cu_seqlens_kv_padded : torch.Tensor, default = None
+            "thd" with padding between sequences: the cumulative lengths including the padding
+            (where each sequence starts).
+        max_seqlen_q, max_seqlen_kv : int, default = None
+            Accepted and not needed (no host sync either way).
+        attn_mask_type : str, default = None
+            Overrides the constructor's for this call.
+        window_size : (int, int), default = None
+            Overrides the constructor's for this call.
+        bottom_right_diagonal : bool, default = None
+            Overrides the constructor's for this call.
+        checkpoint_core_attention : bool, default = False
+            Recompute attention in backward instead of saving its intermediates
+            (`torch.utils.checkpoint`).
+        core_attention_bias_type : str, default = "no_bias"
+            Only "no_bias": attention bias is not supported (`NotImplementedError`).
+        core_attention_bias : torch.Tensor, default = None
+            Only None (`NotImplementedError` otherwise).
+        alibi_slopes : torch.Tensor, default = None
+            Only None: ALiBi is not supported (`NotImplementedError` otherwise).
+        fast_zero_fill : bool, default = True
+            Accepted; rows no key may attend are zeros either way.
+        inference_params : object, default = None
+            Only None: the KV cache is not supported (`NotImplementedError` otherwise).
+        """
         who = self._who()
         if unsupported:
             raise_error(TypeError, f"{who}: unsupported forward arguments {', '.join(sorted(unsupported))}")

@@ -38,7 +38,94 @@ class MultiheadAttention(TransformerEngineBaseModule):
 
     hidden_states: [s, b, hidden] ("sbhd"), [b, s, hidden] ("bshd") or [t, hidden] ("thd", with
     cu_seqlens_q / cu_seqlens_kv). `rotary_pos_emb`: frequencies [s, 1, 1, d] from
-    `RotaryPositionEmbedding(d)(max_seq_len)`, or a (query, key) pair of them."""
+    `RotaryPositionEmbedding(d)(max_seq_len)`, or a (query, key) pair of them.
+
+    Parameters
+    ----------
+    hidden_size : int
+        Size of the input's and output's last dimension.
+    num_attention_heads : int
+        Number of query heads (all ranks together).
+    kv_channels : int, default = None
+        Head dim (one for q, k and v); None is `hidden_size / num_attention_heads`.
+    attention_dropout : float, default = 0.1
+        Dropout on the attention probabilities, in training mode only (TE's default 0.1).
+    layernorm_epsilon : float, default = 1e-5
+        The input norm's eps (with `input_layernorm`).
+    init_method : Callable, default = None
+        Initializes the QKV (query, key/value) weights; None is `nn.Linear`'s Kaiming-uniform
+        init (TE's: a normal with std 0.023).
+    output_layer_init_method : Callable, default = None
+        Initializes the output projection's weight; None uses `init_method`.
+    layer_number : int, default = None
+        Recorded only.
+    attn_mask_type : str, default = "causal"
+        As `DotProductAttention`'s; forward can override it.
+    window_size : (int, int), default = None
+        Sliding window, as `DotProductAttention`'s.
+    bottom_right_diagonal : bool, default = None
+        Diagonal alignment, as `DotProductAttention`'s.
+    tp_group : torch.distributed.ProcessGroup, default = None
+        The tensor-parallel group (with `set_parallel_mode=True`).
+    tp_size : int, default = 1
+        The tensor-parallel size; a `tp_group`'s size replaces it.
+    num_gqa_groups : int, default = None
+        Number of key/value heads (GQA); None is `num_attention_heads`.
+    fuse_wgrad_accumulation : bool, default = False
+        Weight gradients into `main_grad`, as `Linear`'s, for every projection.
+    get_rng_state_tracker : Callable, default = None
+        Only None (`NotImplementedError` otherwise): dropout uses torch's RNG.
+    sequence_parallel : bool, default = False
+        Shard dim 0 of the input and output across the TP ranks (the sequence, in "sbhd").
+    params_dtype : torch.dtype, default = None
+        dtype of the parameters; None is `torch.get_default_dtype()`.
+    return_bias : bool, default = False
+        Leave the output projection's bias out and return it after the output.
+    return_layernorm_output : bool, default = False
+        With `input_layernorm`, also return the norm's output (last); ignored without it.
+    input_layernorm : bool, default = False
+        Normalize the input inside the QKV (self) or query (cross) projection, a `LayerNormLinear`.
+    attention_type : {"self", "cross"}, default = "self"
+        Cross attention takes keys and values from forward's `encoder_output` (submodules `query`
+        and `key_value` instead of `qkv`).
+    set_parallel_mode : bool, default = False
+        Column-parallel QKV and row-parallel output projection; required when the TP size is
+        above 1 (a `ValueError` otherwise).
+    fuse_qkv_params : bool, default = False
+        Accepted: the QKV weight is one parameter either way.
+    zero_centered_gamma : bool, default = False
+        The input norm's gamma is zero-centered (scaled by `1 + gamma`).
+    qkv_weight_interleaved : bool, default = True
+        Row layout of the fused QKV (and key/value) weight: grouped per KV head, or Q; K; V (above).
+    rotary_pos_interleaved : bool, default = False
+        RoPE rotates adjacent channel pairs (GPT-J) instead of the two halves (GPT-NeoX / Llama).
+    ub_overlap_ag, ub_overlap_rs, ub_overlap_rs_dgrad, ub_bulk_dgrad, ub_bulk_wgrad : bool, default = False
+        Userbuffers overlap is not supported: only False (`NotImplementedError` otherwise).
+    bias : bool, default = True
+        Learn the projections' biases, initialized to zero.
+    normalization : {"LayerNorm", "RMSNorm"}, default = "LayerNorm"
+        The input norm (with `input_layernorm`).
+    device : torch.device or str, default = None
+        Where the parameters are created; None is torch's default device (TE's default is "cuda").
+    qkv_format : {"sbhd", "bshd", "thd"}, default = "sbhd"
+        Layout of `hidden_states` (above).
+    name : str, default = None
+        The layer's name in the debug tools' configs (its projections are `<name>.qkv`, ...);
+        None gives `multihead_attention_<n>`.
+    qk_norm_type : str, default = None
+        Only None: normalizing Q and K is not supported (`NotImplementedError` otherwise).
+    qk_norm_eps : float, default = 1e-6
+        Accepted and unused (no Q/K norm).
+    qk_norm_before_rope : bool, default = False
+        Accepted and unused (no Q/K norm).
+    seq_length : int, default = None
+        Accepted and unused: shapes come from the input.
+    micro_batch_size : int, default = None
+        Accepted and unused: shapes come from the input.
+    softmax_type : str, default = "vanilla"
+        Only "vanilla" (`NotImplementedError` otherwise).
+
+    Any other keyword is a `TypeError`."""
 
     def __init__(self, hidden_size: int, num_attention_heads: int, kv_channels: Optional[int] = None,
                  attention_dropout: float = 0.1, layernorm_epsilon: float = 1e-5, init_method=None,
@@ -142,6 +229,39 @@ class MultiheadAttention(TransformerEngineBaseModule):
                 cu_seqlens_q_padded: Optional[torch.Tensor] = None, cu_seqlens_kv_padded: Optional[torch.Tensor] = None,
                 max_seqlen_q: Optional[int] = None, max_seqlen_kv: Optional[int] = None, fast_zero_fill: bool = True,
                 pad_between_seqs: Optional[bool] = None):
+        """Attention of `hidden_states` (to `encoder_output` for cross attention), projected back
+        to `hidden_size`; then the projection's bias with `return_bias` and the norm output with
+        `return_layernorm_output` (a tuple when more than `out`).
+
+        Parameters
+        ----------
+        hidden_states : torch.Tensor
+            [s, b, hidden], [b, s, hidden] or [t, hidden], per `qkv_format`.
+        attention_mask : torch.Tensor or (torch.Tensor, torch.Tensor), default = None
+            As `DotProductAttention.forward`'s (True = masked out).
+        encoder_output : torch.Tensor, default = None
+            Keys and values for cross attention (required there, an error for self attention).
+        attn_mask_type, window_size, bottom_right_diagonal : default = None
+            Override the constructor's for this call.
+        is_first_microbatch : {None, True, False}, default = None
+            Weight caching over gradient-accumulation micro-batches, as in `Linear.forward`.
+        checkpoint_core_attention : bool, default = False
+            Recompute attention (not the projections) in backward.
+        inference_params : object, default = None
+            Only None: the KV cache is not supported (`NotImplementedError` otherwise).
+        rotary_pos_emb : torch.Tensor or (torch.Tensor, torch.Tensor), default = None
+            RoPE frequencies [s, 1, 1, d] for queries and keys, or a (query, key) pair.
+        core_attention_bias_type, core_attention_bias, alibi_slopes : default = "no_bias", None, None
+            Attention bias / ALiBi are not supported (`NotImplementedError` otherwise).
+        cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded : torch.Tensor, default = None
+            Packed-sequence boundaries, as `DotProductAttention.forward`'s.
+        max_seqlen_q, max_seqlen_kv : int, default = None
+            Accepted and not needed.
+        fast_zero_fill : bool, default = True
+            Accepted; rows no key may attend are zeros either way.
+        pad_between_seqs : bool, default = None
+            True: RoPE positions come from the padded `cu_seqlens_*_padded`.
+        """
         who = f"MultiheadAttention {self.name}"
         self._check_input(hidden_states, self.hidden_size, "hidden_states")
         rank = 2 if self.qkv_format == "thd" else 3

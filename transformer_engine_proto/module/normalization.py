@@ -98,6 +98,13 @@ class _Norm(TransformerEngineBaseModule):
                              params_dtype or torch.get_default_dtype(), device)
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        """The norm over the last dimension, computed in float32, returned in the input's dtype.
+
+        Parameters
+        ----------
+        inp : torch.Tensor
+            [..., hidden_size], float32, bfloat16 or float16.
+        """
         self._check_input(inp, self.hidden_size)
         return norm(inp, self.weight, self.bias, self.eps, self.normalization, self.zero_centered_gamma)
 
@@ -106,8 +113,52 @@ class _Norm(TransformerEngineBaseModule):
 
 
 class LayerNorm(_Norm):
+    """Drop-in for `transformer_engine.pytorch.LayerNorm`: (x - mean) / sqrt(var + eps) * gamma
+    + beta over the last dimension, parameters `weight` (gamma) and `bias` (beta).
+
+    Parameters
+    ----------
+    hidden_size : int
+        Size of the normalized (last) dimension. TE's newer `normalized_shape` keyword (and a
+        tuple of dims) is not accepted.
+    eps : float, default = 1e-5
+        Added to the variance for numerical stability.
+    zero_centered_gamma : bool, default = False
+        Initialize gamma to zero and scale by `1 + gamma` (TE's formulation).
+    params_dtype : torch.dtype, default = None
+        dtype of the parameters; None is `torch.get_default_dtype()`.
+    device : torch.device or str, default = None
+        Where the parameters are created; None is torch's default device (TE's default is "cuda").
+    name : str, default = None
+        The layer's name in the debug tools' configs; None gives `layernorm_<n>`.
+
+    TE's `sequence_parallel` and `dtype` keywords are a `TypeError` (use `params_dtype`; mark
+    the parameters `sequence_parallel` yourself where a loop all-reduces their grads)."""
+
     _KIND = "LayerNorm"
 
 
 class RMSNorm(_Norm):
+    """Drop-in for `transformer_engine.pytorch.RMSNorm`: x / sqrt(mean(x^2) + eps) * gamma over the
+    last dimension, parameter `weight` (gamma; `bias` is None).
+
+    Parameters
+    ----------
+    hidden_size : int
+        Size of the normalized (last) dimension. TE's newer `normalized_shape` keyword (and a
+        tuple of dims) is not accepted.
+    eps : float, default = 1e-5
+        Added to the mean square for numerical stability.
+    zero_centered_gamma : bool, default = False
+        Initialize gamma to zero and scale by `1 + gamma` (TE's formulation).
+    params_dtype : torch.dtype, default = None
+        dtype of the parameters; None is `torch.get_default_dtype()`.
+    device : torch.device or str, default = None
+        Where the parameters are created; None is torch's default device (TE's default is "cuda").
+    name : str, default = None
+        The layer's name in the debug tools' configs; None gives `rmsnorm_<n>`.
+
+    TE's `sequence_parallel` and `dtype` keywords are a `TypeError` (use `params_dtype`; mark
+    the parameters `sequence_parallel` yourself where a loop all-reduces their grads)."""
+
     _KIND = "RMSNorm"

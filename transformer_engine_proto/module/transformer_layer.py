@@ -39,6 +39,76 @@ __all__ = ["TransformerLayer"]
 
 
 class TransformerLayer(TransformerEngineBaseModule):
+    """Drop-in for `transformer_engine.pytorch.TransformerLayer` as an encoder layer:
+    x + drop(attn(norm(x))), then + drop(mlp(norm(.))), pre-norm as TE's default (see the module
+    docstring for submodules and tensor parallelism). Arguments after `num_attention_heads` are
+    keyword-only. The fused QKV weight's rows are [Q; K; V], not interleaved per head group.
+
+    Parameters
+    ----------
+    hidden_size : int
+        Size of the input's and output's last dimension.
+    ffn_hidden_size : int
+        The MLP's inner size.
+    num_attention_heads : int
+        Number of query heads.
+    num_gqa_groups : int, default = None
+        Number of key/value heads (GQA); None is `num_attention_heads`.
+    layernorm_epsilon : float, default = 1e-5
+        eps of both norms.
+    hidden_dropout : float, default = 0.1
+        Dropout on the attention and MLP outputs before each residual add, in training mode only.
+    attention_dropout : float, default = 0.1
+        Dropout on the attention probabilities, in training mode only.
+    init_method : Callable, default = None
+        Initializes QKV and fc1 weights; None is `nn.Linear`'s Kaiming-uniform init (TE's: a
+        normal with std 0.023).
+    output_layer_init_method : Callable, default = None
+        Initializes the attention output projection and fc2; None uses `init_method`.
+    layer_number : int, default = None
+        Recorded only.
+    kv_channels : int, default = None
+        Head dim; None is `hidden_size / num_attention_heads`.
+    self_attn_mask_type : str, default = "causal"
+        As `DotProductAttention`'s `attn_mask_type`; forward can override it.
+    window_size : (int, int), default = None
+        Sliding window, as `DotProductAttention`'s.
+    bottom_right_diagonal : bool, default = None
+        Diagonal alignment, as `DotProductAttention`'s.
+    normalization : {"LayerNorm", "RMSNorm"}, default = "LayerNorm"
+        Both norms.
+    activation : str, default = "gelu"
+        The MLP's activation, as `LayerNormMLP`'s ("swiglu" for Llama).
+    bias : bool, default = True
+        Learn the GEMMs' biases.
+    attn_input_format : {"sbhd", "bshd", "thd"}, default = "sbhd"
+        Layout of `hidden_states`: [s, b, hidden], [b, s, hidden] or packed [t, hidden].
+    rotary_pos_interleaved : bool, default = False
+        RoPE rotates adjacent channel pairs instead of the two halves.
+    zero_centered_gamma : bool, default = False
+        Both norms' gammas are zero-centered (scaled by `1 + gamma`).
+    params_dtype : torch.dtype, default = None
+        dtype of the parameters; None is `torch.get_default_dtype()`.
+    device : torch.device or str, default = None
+        Where the parameters are created; None is torch's default device (TE's default is "cuda").
+    fuse_wgrad_accumulation : bool, default = False
+        Weight gradients into `main_grad`, as `Linear`'s, for every GEMM.
+    name : str, default = None
+        The layer's name in the debug tools' configs (submodules `<name>.self_attention`,
+        `<name>.mlp`); None gives `transformer_layer_<n>`.
+    tp_group : torch.distributed.ProcessGroup, default = None
+        The tensor-parallel group; None with `tp_size > 1` uses the default process group.
+    tp_size : int, default = None
+        The tensor-parallel size; None is the size of `tp_group`, or 1 without one.
+    sequence_parallel : bool, default = False
+        Shard dim 0 of the input and output across the TP ranks too.
+    layer_type : {"encoder"}, default = "encoder"
+        Only "encoder": "decoder" (a cross-attention block) is a `NotImplementedError`.
+
+    TE's other keywords (`apply_residual_connection_post_layernorm`, `output_layernorm`,
+    `drop_path_rate`, `set_parallel_mode`, `fuse_qkv_params`, `qkv_weight_interleaved`, `ub_*`,
+    ...) are a `TypeError`."""
+
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int, *,
                  num_gqa_groups: Optional[int] = None, layernorm_epsilon: float = 1e-5, hidden_dropout: float = 0.1,
                  attention_dropout: float = 0.1, init_method=None, output_layer_init_method=None,
@@ -106,6 +176,37 @@ class TransformerLayer(TransformerEngineBaseModule):
                 cu_seqlens_kv_padded: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
                 max_seqlen_kv: Optional[int] = None, bottom_right_diagonal: Optional[bool] = None,
                 fast_zero_fill: bool = True, pad_between_seqs: Optional[bool] = None) -> torch.Tensor:
+        """The layer's output, shaped as `hidden_states`.
+
+        Parameters
+        ----------
+        hidden_states : torch.Tensor
+            Per `attn_input_format`; with `sequence_parallel`, this rank's dim-0 shard.
+        attention_mask : torch.Tensor or (torch.Tensor, torch.Tensor), default = None
+            As `DotProductAttention.forward`'s (True = masked out).
+        self_attn_mask_type, window_size, bottom_right_diagonal : default = None
+            Override the constructor's for this call.
+        encoder_output, enc_dec_attn_mask : default = None
+            Only None: they need `layer_type="decoder"` (a `ValueError` otherwise).
+        is_first_microbatch : {None, True, False}, default = None
+            Weight caching over gradient-accumulation micro-batches, as in `Linear.forward`.
+        checkpoint_core_attention : bool, default = False
+            Recompute attention (not the GEMMs) in backward.
+        inference_params : object, default = None
+            Only None: the KV cache is not supported (`NotImplementedError` otherwise).
+        rotary_pos_emb : torch.Tensor or (torch.Tensor, torch.Tensor), default = None
+            RoPE frequencies [s, 1, 1, d] (`RotaryPositionEmbedding(d)(s)`), or a (query, key) pair.
+        core_attention_bias_type, core_attention_bias, alibi_slopes : default = "no_bias", None, None
+            Attention bias / ALiBi are not supported (`NotImplementedError` otherwise).
+        cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded : torch.Tensor, default = None
+            Packed-sequence boundaries, as `DotProductAttention.forward`'s.
+        max_seqlen_q, max_seqlen_kv : int, default = None
+            Accepted and not needed.
+        fast_zero_fill : bool, default = True
+            Accepted; rows no key may attend are zeros either way.
+        pad_between_seqs : bool, default = None
+            True: RoPE positions come from the padded `cu_seqlens_*_padded`.
+        """
         self._check_input(hidden_states, self.hidden_size, "hidden_states")
         rank = 2 if self.attn_input_format == "thd" else 3
         if hidden_states.dim() != rank:
