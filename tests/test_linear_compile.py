@@ -139,12 +139,10 @@ def test_inductor_matches_eager(rid):
 # ---- dynamic batch dimension ----------------------------------------------------------------------
 @pytest.mark.parametrize("backend, rid", backend_params(RECIPE_IDS))
 def test_dynamic_batch_compiles_once(backend, rid):
-    """mark_dynamic on the batch dim: one frame, one graph for two batch sizes (bitwise to eager).
-
-    Fails for every quantized recipe as of this writing: `Quantizer.alloc_tensors`
-    (tensor/quantizer.py) does `tuple(int(s) for s in shape)`, and the fake impl of linear_fwd
-    allocates the saved columnwise input (M = batch*32 rows) through it, so `int()` specializes
-    the symbolic batch size -> ConstraintViolationError."""
+    """mark_dynamic on the batch dim: one frame, one graph for two batch sizes, bitwise to eager.
+    For the quantized recipes the fake impl of linear_fwd allocates the saved quantized input
+    (batch*32 rows) through `Quantizer.alloc_tensors`, which must keep the batch size symbolic
+    (an `int()` of it would specialize it: ConstraintViolationError)."""
     recipe = RECIPES[rid]
     fresh_dynamo()
     torch.manual_seed(0)
@@ -203,14 +201,10 @@ def test_is_first_microbatch_matches_eager(backend, rid):
 
 @pytest.mark.parametrize("backend", backend_params())
 def test_deepcopied_module_is_prepared_by_autocast(backend):
-    """A deepcopy (EMA/teacher copies, `copy.deepcopy(model)` before compiling) must be prepared on
-    autocast entry like the original: here, DelayedScaling(amax_history_len=2000) must grow the
-    copy's history buffers too.
-
-    Fails as of this writing: TransformerEngineBaseModule registers itself with FP8GlobalState in
-    __init__ only, which deepcopy (and unpickling) skip, so autocast never prepares the copy, and
-    the compiled call raises 'amax_history_len=2000 exceeds the allocated history (1024)'.
-    (The same gap leaves a copy's quantized-weight cache unallocated for a new recipe.)"""
+    """A deepcopy (EMA/teacher copies, `copy.deepcopy(model)` before compiling) is prepared on
+    autocast entry like the original: DelayedScaling(amax_history_len=2000) grows the copy's
+    history buffers too. Deepcopy skips __init__, where a module registers with FP8GlobalState;
+    unregistered, the copy would keep its shorter history and its compiled call would raise."""
     fresh_dynamo()
     torch.manual_seed(0)
     m = Linear(64, 32)
