@@ -24,6 +24,14 @@ def _compiled_twin(m, backend):
     return mc, torch.compile(mc, fullgraph=True, backend=backend)
 
 
+def _linear_and_twin(backend, **kw):
+    """After a dynamo reset: Linear(64, 32, **kw) from seed 0, its deep copy and the compiled copy."""
+    fresh_dynamo()
+    torch.manual_seed(0)
+    m = Linear(64, 32, **kw)
+    return (m, *_compiled_twin(m, backend))
+
+
 def _assert_equal(a, b, what):
     if a is None or b is None:
         assert a is None and b is None, what
@@ -56,6 +64,14 @@ def _step(m, cm, recipe, x, g, input_rg, tag, **kw):
         yc.backward(g)
     _assert_equal(xe.grad, xc.grad, f"{tag} input grad")
     return ye
+
+
+def _two_steps(m, mc, cm, recipe, backend, lead):
+    """Two forward + backward steps on random inputs with leading dims `lead`: compiled == eager,
+    outputs, grads and recipe state."""
+    for step in range(2):
+        _step(m, cm, recipe, torch.randn(*lead, 64), torch.randn(*lead, 32), True, f"step {step}")
+        _assert_same_state(m, mc, recipe, f"step {step}", backend)
 
 
 # ---- hypothesis: shapes x dtype x recipe x bias x requires-grad, bitwise -----------------------
@@ -123,15 +139,8 @@ def test_inductor_matches_eager_bitwise_other_recipes(rid, data):
                                  for r in RECIPE_IDS])
 def test_inductor_matches_eager(rid):
     """One fixed shape, every recipe (as the hypothesis tests: the CI recipes in CI, the rest slow)."""
-    recipe = RECIPES[rid]
-    fresh_dynamo()
-    torch.manual_seed(0)
-    m = Linear(64, 32)
-    backend = "inductor"
-    mc, cm = _compiled_twin(m, backend)
-    for step in range(2):
-        _step(m, cm, recipe, torch.randn(2, 32, 64), torch.randn(2, 32, 32), True, f"step {step}")
-        _assert_same_state(m, mc, recipe, f"step {step}", backend)
+    m, mc, cm = _linear_and_twin("inductor")
+    _two_steps(m, mc, cm, RECIPES[rid], "inductor", (2, 32))
     assert graph_breaks() == 0
     assert unique_graphs() == 1
 
@@ -205,28 +214,19 @@ def test_deepcopied_module_is_prepared_by_autocast(backend):
     autocast entry like the original: DelayedScaling(amax_history_len=2000) grows the copy's
     history buffers too. Deepcopy skips __init__, where a module registers with FP8GlobalState;
     unregistered, the copy would keep its shorter history and its compiled call would raise."""
-    fresh_dynamo()
-    torch.manual_seed(0)
-    m = Linear(64, 32)
-    mc = copy.deepcopy(m)
+    m, mc, cm = _linear_and_twin(backend)
     recipe = R.DelayedScaling(amax_history_len=2000)
-    cm = torch.compile(mc, fullgraph=True, backend=backend)
     with autocast(recipe=recipe):
         assert m.gemm.amax_history.shape == (2000, 2)
         assert mc.gemm.amax_history.shape == (2000, 2), "deepcopy of a TE module was not prepared by autocast"
-        for step in range(2):
-            _step(m, cm, recipe, torch.randn(32, 64), torch.randn(32, 32), True, f"step {step}")
-            _assert_same_state(m, mc, recipe, f"step {step}", backend)
+        _two_steps(m, mc, cm, recipe, backend, (32,))
 
 
 # ---- fused wgrad accumulation, save_original_input, inference -----------------------------------
 @pytest.mark.parametrize("backend, rid", backend_params(RECIPE_IDS))
 def test_fuse_wgrad_accumulation_matches_eager(backend, rid):
     recipe = RECIPES[rid]
-    fresh_dynamo()
-    torch.manual_seed(0)
-    m = Linear(64, 32, fuse_wgrad_accumulation=True)
-    mc, cm = _compiled_twin(m, backend)
+    m, mc, cm = _linear_and_twin(backend, fuse_wgrad_accumulation=True)
     m.weight.main_grad = torch.zeros(32, 64, dtype=torch.float32)
     mc.weight.main_grad = torch.zeros(32, 64, dtype=torch.float32)
     for step in range(2):
@@ -241,14 +241,8 @@ def test_fuse_wgrad_accumulation_matches_eager(backend, rid):
 
 @pytest.mark.parametrize("backend, rid", backend_params(RECIPE_IDS))
 def test_save_original_input_matches_eager(backend, rid):
-    recipe = RECIPES[rid]
-    fresh_dynamo()
-    torch.manual_seed(0)
-    m = Linear(64, 32, save_original_input=True)
-    mc, cm = _compiled_twin(m, backend)
-    for step in range(2):
-        _step(m, cm, recipe, torch.randn(2, 32, 64), torch.randn(2, 32, 32), True, f"step {step}")
-        _assert_same_state(m, mc, recipe, f"step {step}", backend)
+    m, mc, cm = _linear_and_twin(backend, save_original_input=True)
+    _two_steps(m, mc, cm, RECIPES[rid], backend, (2, 32))
     assert graph_breaks() == 0
     assert unique_graphs() == 1
 
@@ -256,10 +250,7 @@ def test_save_original_input_matches_eager(backend, rid):
 @pytest.mark.parametrize("backend, rid", backend_params(RECIPE_IDS))
 def test_no_grad_inference_matches_eager(backend, rid):
     recipe = RECIPES[rid]
-    fresh_dynamo()
-    torch.manual_seed(0)
-    m = Linear(64, 32)
-    mc, cm = _compiled_twin(m, backend)
+    m, mc, cm = _linear_and_twin(backend)
     for step in range(2):
         x = torch.randn(32, 64)
         with torch.no_grad(), recipe_ctx(recipe):
