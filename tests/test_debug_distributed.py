@@ -46,15 +46,20 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
-def test_stats_reduced_across_ranks(tmp_path):
+def _run_two_ranks(worker, tmp_path):
+    """`worker(rank, 2, port, log_root, results)` on two spawned processes; {rank: its results}."""
     check_world(2)
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path), results), nprocs=2, join=True,
+        mp.start_processes(worker, args=(2, _free_port(), str(tmp_path), results), nprocs=2, join=True,
                            start_method="spawn")
-        results = dict(results)
+        return dict(results)
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
+def test_stats_reduced_across_ranks(tmp_path):
+    results = _run_two_ranks(_worker, tmp_path)
     x = torch.cat([results[0][0], results[1][0]]).double()
     for rank in (0, 1):
         _, w, logged = results[rank]
@@ -129,13 +134,7 @@ def _mxfp8_stats(w):
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed not available")
 def test_weight_stats_reduced_over_tp_group(tmp_path):
-    check_world(2)
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager:
-        results = manager.dict()
-        mp.start_processes(_tp_worker, args=(2, _free_port(), str(tmp_path), results), nprocs=2, join=True,
-                           start_method="spawn")
-        results = dict(results)
+    results = _run_two_ranks(_tp_worker, tmp_path)
     for rank in (0, 1):
         w_col, w_row, shard_col, shard_row, logged = results[rank]
         for layer, full, shard in (("col", w_col, shard_col), ("row", w_row, shard_row)):
