@@ -89,12 +89,12 @@ def fwd_args(recipe, *, bias, input_rg, weight_rg, cache_mode=L.CACHE_OFF, save_
     w = (torch.randn(OUT, IN, generator=g, dtype=dtype) * 0.1).requires_grad_(weight_rg)
     b = torch.randn(OUT, generator=g, dtype=dtype).requires_grad_() if bias else None
     fp8_scales, grad_scale, grad_amax_state = _delayed_state(recipe)
-    plan = L._plan(key, x, w, input_rg, weight_rg, cache_mode, save_original_input)
-    cache = _cache_buffers(recipe, plan, w, fp8_scales) if recipe is not None else []
     fuse = fuse_wgrad_accumulation and weight_rg
+    call = L.LinearCall(input_rg, weight_rg, bias, save_original_input, fuse, cache_mode)
+    plan = L._plan(key, x, w, call)
+    cache = _cache_buffers(recipe, plan, w, fp8_scales) if recipe is not None else []
     main_grad = torch.zeros(OUT, IN, dtype=torch.float32) if fuse else None
-    return (x, w, b, fp8_scales, grad_scale, grad_amax_state, cache, main_grad, key,
-            L.pack_flags(input_rg, weight_rg, cache_mode, save_original_input, fuse), [])
+    return (x, w, b, fp8_scales, grad_scale, grad_amax_state, cache, main_grad, key, call.flags, [])
 
 
 GRAD_COMBOS = list(itertools.product([False, True], repeat=3))  # (bias, input_rg, weight_rg)
@@ -173,17 +173,16 @@ def bwd_args(recipe, *, bias, input_rg, weight_rg, cache_mode=L.CACHE_OFF, save_
     a = fwd_args(recipe, bias=bias, input_rg=input_rg, weight_rg=weight_rg, cache_mode=cache_mode,
                  save_original_input=save_original_input, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
     (x, w, b, scales, grad_scale, _grad_amax_state, cache, main_grad, key, flags, _prequantized) = a
-    irg, wrg, mode, soi, fuse = L.unpack_flags(flags)
+    call = L.LinearCall.of(flags)
     with torch.no_grad():
         _, _, saved, _ = torch.ops.te_proto.linear_fwd(*a)
-    plan = L._plan(key, x, w, irg, wrg, mode, soi)
+    plan = L._plan(key, x, w, call)
     raw_inp = x.detach() if plan.saves_raw_input() else None
     raw_w = w.detach() if plan.saves_raw_weight() else None
-    used_cache = cache if mode == L.CACHE_USE and irg else []
+    used_cache = cache if call.cache_mode == L.CACHE_USE and call.input_requires_grad else []
     grad_out = torch.randn(TOKENS, OUT, generator=torch.Generator().manual_seed(1), dtype=x.dtype)
     return (grad_out, [s.detach() for s in saved], raw_inp, raw_w, used_cache, scales, grad_scale,
-            main_grad, key, list(x.shape), list(w.shape), w.dtype, irg, wrg,
-            bias, mode, soi, fuse)
+            main_grad, key, list(x.shape), list(w.shape), w.dtype, flags)
 
 
 BWD_CASES = [
@@ -221,13 +220,31 @@ def test_norm_quantize_and_prequantized_linear_opcheck(fp8_harness, rid):
     torch.library.opcheck(norm_quantize_fwd, (x, g, b, 1e-5, "LayerNorm", False, key, True))
     ln, _, _, bufs = norm_quantize_fwd(x.detach(), g.detach(), b.detach(), 1e-5, "LayerNorm", False, key, True)
     w = torch.randn(32, 64, requires_grad=True)
-    args = (ln.requires_grad_(), w, None, None, None, [], [], None, key, L.pack_flags(True, True, 0, False, False), bufs)
+    args = (ln.requires_grad_(), w, None, None, None, [], [], None, key, L.LinearCall(True, True).flags, bufs)
     torch.library.opcheck(linear_fwd, args)
 
 
 def test_flags_round_trip_and_bad_cache_mode():
-    for irg, wrg, mode, soi, fuse in itertools.product([False, True], [False, True], (0, 1, 2), [False, True],
-                                                       [False, True]):
-        assert L.unpack_flags(L.pack_flags(irg, wrg, mode, soi, fuse)) == (irg, wrg, mode, soi, fuse)
+    for bools in itertools.product([False, True], repeat=5):
+        for mode in (L.CACHE_OFF, L.CACHE_FILL, L.CACHE_USE):
+            call = L.LinearCall(*bools, mode)
+            assert L.LinearCall.of(call.flags) == call
     with pytest.raises(ValueError, match=r"cache_mode=3: expected CACHE_OFF, CACHE_FILL or CACHE_USE"):
-        L.pack_flags(True, True, 3, False, False)
+        L.LinearCall(True, True, cache_mode=3)
+
+
+@pytest.mark.parametrize("grad_on", [False, True])
+def test_call_flags_match_the_call_description(grad_on):
+    """`call_flags` (what `linear()` passes, integer work for dynamo) equals `LinearCall.flags`."""
+    from transformer_engine_proto.custom_ops.linear_call import call_flags
+
+    for irg, wrg, brg, soi, fuse in itertools.product([False, True], repeat=5):
+        x, w = torch.zeros(2, 4, requires_grad=irg), torch.zeros(3, 4, requires_grad=wrg)
+        b = torch.zeros(3, requires_grad=brg)
+        with torch.set_grad_enabled(grad_on):
+            flags = call_flags(x, w, b, L.CACHE_FILL, soi, fuse)
+        want = L.LinearCall(grad_on and irg, grad_on and wrg, grad_on and brg, soi, fuse and grad_on and wrg,
+                            L.CACHE_FILL)
+        assert L.LinearCall.of(flags) == want
+    with pytest.raises(ValueError, match=r"cache_mode=5"):
+        call_flags(x, w, None, 5)

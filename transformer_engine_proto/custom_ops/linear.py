@@ -27,37 +27,15 @@ from . import shared_input
 from .delayed_scaling import record_grad_amax
 from .eager_path import eager_function
 from .inductor_lowering import inline_in_inductor
+from .linear_call import CACHE_FILL, CACHE_OFF, CACHE_USE, LinearCall, call_flags
 from .recipe_registry import base_key, quantizers_from_key
 from .recompute_tags import recompute_saved_input, recomputed_in_backward
 from .row_padding import gemm_rows, pad_rows, unpad_rows
 
-__all__ = ["linear", "LinearPlan", "CACHE_OFF", "CACHE_FILL", "CACHE_USE", "pack_flags", "unpack_flags"]
+__all__ = ["linear", "LinearPlan", "LinearCall", "CACHE_OFF", "CACHE_FILL", "CACHE_USE"]
 
-CACHE_OFF, CACHE_FILL, CACHE_USE = 0, 1, 2  # weight quantization cache modes (is_first_microbatch)
 # Delayed scaling state: fp8_scales (2,) for input/weight, used in forward only; grad_scale (1,)
 # is saved for backward, which records the grad amax into `grad_amax_state` (delayed_scaling.py).
-
-# linear_fwd takes its five flags as one int instead of five arguments: torch's custom-op autograd
-# wrapper re-reads the schema per argument (`fill_defaults`, quadratic in the argument count), a
-# per-call host cost of eager code
-_INPUT_RG, _WEIGHT_RG, _SAVE_ORIGINAL_INPUT, _FUSE_WGRAD, _CACHE_SHIFT = 1, 2, 4, 8, 4
-
-
-def pack_flags(input_requires_grad: bool, weight_requires_grad: bool, cache_mode: int,
-               save_original_input: bool, fuse_wgrad_accumulation: bool) -> int:
-    """linear_fwd's `flags` argument."""
-    if cache_mode not in (CACHE_OFF, CACHE_FILL, CACHE_USE):
-        raise ValueError(f"linear: cache_mode={cache_mode!r}: expected CACHE_OFF, CACHE_FILL or CACHE_USE (0, 1, 2)")
-    return (_INPUT_RG * bool(input_requires_grad) | _WEIGHT_RG * bool(weight_requires_grad)
-            | _SAVE_ORIGINAL_INPUT * bool(save_original_input) | _FUSE_WGRAD * bool(fuse_wgrad_accumulation)
-            | cache_mode << _CACHE_SHIFT)
-
-
-def unpack_flags(flags: int):
-    """(input_requires_grad, weight_requires_grad, cache_mode, save_original_input,
-    fuse_wgrad_accumulation) from linear_fwd's `flags`."""
-    return (bool(flags & _INPUT_RG), bool(flags & _WEIGHT_RG), flags >> _CACHE_SHIFT,
-            bool(flags & _SAVE_ORIGINAL_INPUT), bool(flags & _FUSE_WGRAD))
 
 
 def _memo(method):
@@ -86,10 +64,7 @@ class LinearPlan:
     weight_shape: tuple
     act_dtype: torch.dtype
     weight_dtype: torch.dtype
-    input_requires_grad: bool
-    weight_requires_grad: bool
-    cache_mode: int
-    save_original_input: bool
+    call: LinearCall
     prequantized: bool = False  # the input arrives already quantized (a fused norm + quantize)
 
     @functools.cached_property
@@ -107,11 +82,11 @@ class LinearPlan:
 
     @functools.cached_property
     def dgrad_q(self) -> bool:
-        return self.quantizers.quantizes("dgrad") and self.input_requires_grad
+        return self.quantizers.quantizes("dgrad") and self.call.input_requires_grad
 
     @functools.cached_property
     def wgrad_q(self) -> bool:
-        return self.quantizers.quantizes("wgrad") and self.weight_requires_grad
+        return self.quantizers.quantizes("wgrad") and self.call.weight_requires_grad
 
     @functools.cached_property
     def delayed(self) -> bool:
@@ -143,7 +118,7 @@ class LinearPlan:
 
     @_memo
     def saved_input(self) -> Optional[TensorProto]:
-        if self.wgrad_q and not self.save_original_input:
+        if self.wgrad_q and not self.call.save_original_input:
             return self._proto("input", (self.rows, self.in_shape[-1]), self.act_dtype, False, True)
         return None
 
@@ -163,7 +138,7 @@ class LinearPlan:
     @_memo
     def cached_weight(self) -> Optional[TensorProto]:
         """Both usages, as stored in (or refreshed into) the module's weight cache."""
-        if self.quantized and self.cache_mode != CACHE_OFF:
+        if self.quantized and self.call.cache_mode != CACHE_OFF:
             return self._proto("weight", self.weight_shape, self.weight_dtype, True, True)
         return None
 
@@ -197,7 +172,7 @@ class LinearPlan:
     @_memo
     def weight_quantizer(self):
         """None when forward needs no quantized weight (fprop in high precision, no cache to fill)."""
-        fill = self.cache_mode == CACHE_FILL
+        fill = self.call.cache_mode == CACHE_FILL
         if not (self.fprop_q or fill):
             return None
         return self.quantizers.weight.with_usage(rowwise=True, columnwise=fill)
@@ -214,18 +189,18 @@ class LinearPlan:
         not (their GEMM in forward runs in high precision): forward records their amax with a
         plain reduction, so the scale history still follows them."""
         roles = ()
-        if self.wgrad_q and self.save_original_input and not self.fprop_q:
+        if self.wgrad_q and self.call.save_original_input and not self.fprop_q:
             roles += ("input",)
-        if self.dgrad_q and not self.fprop_q and self.cache_mode == CACHE_OFF:
+        if self.dgrad_q and not self.fprop_q and self.call.cache_mode == CACHE_OFF:
             roles += ("weight",)
         return roles
 
     # ---- what the autograd context keeps from the op's inputs (never op outputs) ----------
     def saves_raw_input(self) -> bool:
-        return self.weight_requires_grad and (not self.wgrad_q or self.save_original_input)
+        return self.call.weight_requires_grad and (not self.wgrad_q or self.call.save_original_input)
 
     def saves_raw_weight(self) -> bool:
-        return self.input_requires_grad and (not self.dgrad_q or self.cache_mode != CACHE_USE)
+        return self.call.input_requires_grad and (not self.dgrad_q or self.call.cache_mode != CACHE_USE)
 
 
 def _split(buffers: Sequence[torch.Tensor], protos: Sequence[TensorProto]):
@@ -257,11 +232,8 @@ def _bind_delayed(q, scales, slot: int):
     return q.with_scale_state(_scale_slot(scales, slot), amax), amax
 
 
-def _plan(key, inp, weight, input_requires_grad, weight_requires_grad, cache_mode, save_original_input,
-          prequantized=False):
-    return make_plan(key, tuple(inp.shape), tuple(weight.shape), inp.dtype, weight.dtype,
-                     input_requires_grad, weight_requires_grad, cache_mode, save_original_input,
-                     bool(prequantized))
+def _plan(key, inp, weight, call: LinearCall, prequantized=False):
+    return make_plan(key, tuple(inp.shape), tuple(weight.shape), inp.dtype, weight.dtype, call, bool(prequantized))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -298,9 +270,8 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
                main_grad: Optional[torch.Tensor], key: str, flags: int,
                inp_quantized: List[torch.Tensor]
                ) -> tuple[torch.Tensor, torch.Tensor, List[torch.Tensor], List[torch.Tensor]]:
-    input_requires_grad, weight_requires_grad, cache_mode, save_original_input, _ = unpack_flags(flags)
-    plan = _plan(key, inp, weight, input_requires_grad, weight_requires_grad, cache_mode, save_original_input,
-                 inp_quantized)
+    plan = _plan(key, inp, weight, LinearCall.of(flags), inp_quantized)
+    cache_mode = plan.call.cache_mode
     x2d = inp.reshape(-1, inp.shape[-1])
     out_shape = tuple(inp.shape[:-1]) + (weight.shape[0],)
     if not plan.quantized:
@@ -347,9 +318,8 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 @linear_fwd.register_fake
 def _linear_fwd_fake(inp, weight, bias, fp8_scales, grad_scale, grad_amax_state, weight_cache, main_grad, key,
                      flags, inp_quantized):
-    input_requires_grad, weight_requires_grad, cache_mode, save_original_input, _ = unpack_flags(flags)
-    plan = _plan(key, inp, weight, input_requires_grad, weight_requires_grad, cache_mode, save_original_input,
-                 inp_quantized)
+    plan = _plan(key, inp, weight, LinearCall.of(flags), inp_quantized)
+    cache_mode = plan.call.cache_mode
     out = inp.new_empty(tuple(inp.shape[:-1]) + (weight.shape[0],))
     amaxes = inp.new_empty(2 if plan.quantized and plan.delayed else 0, dtype=torch.float32)
     saved = []
@@ -368,15 +338,15 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
                weight: Optional[torch.Tensor], weight_cache: List[torch.Tensor],
                fp8_scales: Optional[torch.Tensor], grad_scale: Optional[torch.Tensor],
                main_grad: Optional[torch.Tensor], key: str, in_shape: List[int], weight_shape: List[int],
-               weight_dtype: torch.dtype, input_requires_grad: bool, weight_requires_grad: bool,
-               bias_requires_grad: bool, cache_mode: int, save_original_input: bool,
-               fuse_wgrad_accumulation: bool) -> List[torch.Tensor]:
+               weight_dtype: torch.dtype, flags: int) -> List[torch.Tensor]:
     """[dgrad] [wgrad (fp32 when it is accumulated into main_grad)] [dbias] [grad amax (delayed)]."""
-    plan = make_plan(key, tuple(in_shape), tuple(weight_shape), grad_out.dtype, weight_dtype,
-                     input_requires_grad, weight_requires_grad, cache_mode, save_original_input, False)
+    call = LinearCall.of(flags)
+    plan = make_plan(key, tuple(in_shape), tuple(weight_shape), grad_out.dtype, weight_dtype, call, False)
+    input_requires_grad, weight_requires_grad, cache_mode = (call.input_requires_grad, call.weight_requires_grad,
+                                                             call.cache_mode)
     dy = grad_out.reshape(-1, grad_out.shape[-1])
     saved_q = iter(_split(saved, plan.saved_protos()))
-    x = next(saved_q) if plan.saved_input() is not None else inp.reshape(-1, in_shape[-1]) if plan.weight_requires_grad else None
+    x = next(saved_q) if plan.saved_input() is not None else inp.reshape(-1, in_shape[-1]) if weight_requires_grad else None
     if not input_requires_grad:
         w = None
     elif cache_mode == CACHE_USE and plan.dgrad_q:
@@ -398,7 +368,7 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
         if plan.delayed:
             gq = gq.with_scale_state(grad_scale, grad_amax)
         dy_q = gq.quantize(pad_rows(dy, rows), internal=True)
-    if plan.wgrad_q and plan.save_original_input:  # kept in backward, as the weight's quantize
+    if plan.wgrad_q and call.save_original_input:  # kept in backward, as the weight's quantize
         iq = plan.quantizers.input.with_usage(rowwise=False, columnwise=True)
         with recomputed_in_backward():
             if plan.delayed:  # reuse the forward's scale; the amax was recorded in forward
@@ -412,9 +382,9 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
         grads.append(dgrad.view(tuple(in_shape)))
     if weight_requires_grad:
         a = (dy_q.only_usage(False) if dgrad_q else dy_q) if wgrad_q else dy
-        wgrad_dtype = torch.float32 if fuse_wgrad_accumulation else weight_dtype
+        wgrad_dtype = torch.float32 if call.fuse_wgrad_accumulation else weight_dtype
         grads.append(gemm(a, x, trans_a=True, out_dtype=wgrad_dtype))
-    return backward_tail(grads, dy, bias_requires_grad, weight_dtype, grad_amax if delayed else None)
+    return backward_tail(grads, dy, call.bias_requires_grad, weight_dtype, grad_amax if delayed else None)
 
 
 def backward_tail(grads: List[torch.Tensor], dy: torch.Tensor, bias_requires_grad: bool, weight_dtype: torch.dtype,
@@ -430,58 +400,58 @@ def backward_tail(grads: List[torch.Tensor], dy: torch.Tensor, bias_requires_gra
 
 @linear_bwd.register_fake
 def _linear_bwd_fake(grad_out, saved, inp, weight, weight_cache, fp8_scales, grad_scale, main_grad,
-                     key, in_shape, weight_shape, weight_dtype, input_requires_grad,
-                     weight_requires_grad, bias_requires_grad, cache_mode, save_original_input,
-                     fuse_wgrad_accumulation):
+                     key, in_shape, weight_shape, weight_dtype, flags):
+    call = LinearCall.of(flags)
+    plan = make_plan(key, tuple(in_shape), tuple(weight_shape), grad_out.dtype, weight_dtype, call, False)
+    return fake_backward_grads(grad_out, call, in_shape, weight_shape, weight_dtype, plan.quantized and plan.delayed)
+
+
+def fake_backward_grads(grad_out, call: LinearCall, in_shape, weight_shape, weight_dtype, delayed: bool):
+    """Empty tensors shaped as a Linear backward op's outputs (`backward_tail`'s order)."""
     grads = []
-    if input_requires_grad:
+    if call.input_requires_grad:
         grads.append(grad_out.new_empty(tuple(in_shape)))
-    if weight_requires_grad:
-        dtype = torch.float32 if fuse_wgrad_accumulation else weight_dtype
+    if call.weight_requires_grad:
+        dtype = torch.float32 if call.fuse_wgrad_accumulation else weight_dtype
         grads.append(grad_out.new_empty(tuple(weight_shape), dtype=dtype))
-    if bias_requires_grad:
+    if call.bias_requires_grad:
         grads.append(grad_out.new_empty((weight_shape[0],), dtype=weight_dtype))
-    plan = LinearPlan(key, tuple(in_shape), tuple(weight_shape), grad_out.dtype, weight_dtype,
-                      input_requires_grad, weight_requires_grad, cache_mode, save_original_input)
-    if plan.quantized and plan.delayed:
+    if delayed:
         grads.append(grad_out.new_empty((1,), dtype=torch.float32))
     return grads
 
 
 # ---- autograd wiring ----------------------------------------------------------------------------
-def finish_backward(args: dict, grads: Sequence[torch.Tensor], grad_amax_state, main_grad):
+def finish_backward(call: LinearCall, grads: Sequence[torch.Tensor], grad_amax_state, main_grad):
     """(dgrad, wgrad, dbias) from a Linear backward op's outputs ([dgrad] [wgrad] [dbias] [grad
-    amax], by `args`' flags): records the gradient amax (delayed scaling) and accumulates wgrad into
+    amax], by the call's flags): records the gradient amax (delayed scaling) and accumulates wgrad into
     `main_grad` (then returned as None), the two side effects both Linear paths share."""
     grads = iter(grads)
-    dgrad = next(grads) if args["input_requires_grad"] else None
-    wgrad = next(grads) if args["weight_requires_grad"] else None
-    dbias = next(grads) if args["bias_requires_grad"] else None
+    dgrad = next(grads) if call.input_requires_grad else None
+    wgrad = next(grads) if call.weight_requires_grad else None
+    dbias = next(grads) if call.bias_requires_grad else None
     if grad_amax_state:
         record_grad_amax(grad_amax_state, next(grads))
-    if args["fuse_wgrad_accumulation"] and wgrad is not None:
+    if call.fuse_wgrad_accumulation and wgrad is not None:
         main_grad.add_(wgrad)
         wgrad = None
     return dgrad, wgrad, dbias
 
 
 _FWD_ARGS = tuple(a.name for a in torch.ops.te_proto.linear_fwd.default._schema.arguments)
-_FLAG_NAMES = ("input_requires_grad", "weight_requires_grad", "cache_mode", "save_original_input",
-               "fuse_wgrad_accumulation")
 
 
 def _setup_context(ctx, inputs, output):
     a = dict(zip(_FWD_ARGS, inputs))
-    a.update(zip(_FLAG_NAMES, unpack_flags(a["flags"])))
+    call = LinearCall.of(a["flags"])
     _, _, saved, _ = output
-    plan = _plan(a["key"], a["inp"], a["weight"], a["input_requires_grad"], a["weight_requires_grad"],
-                 a["cache_mode"], a["save_original_input"], a["inp_quantized"])
+    plan = _plan(a["key"], a["inp"], a["weight"], call, a["inp_quantized"])
     if plan.prequantized and plan.saved_input() is not None:  # its columnwise buffers, by name
         named = dict(zip(plan.prequantized_input().inner_names(), a["inp_quantized"]))
         saved = [named[n] for n in plan.saved_input().inner_names()] + list(saved)
     raw_inp = a["inp"] if plan.saves_raw_input() else None
     raw_w = a["weight"] if plan.saves_raw_weight() else None
-    cache = list(a["weight_cache"]) if a["cache_mode"] == CACHE_USE and a["input_requires_grad"] else []
+    cache = list(a["weight_cache"]) if call.cache_mode == CACHE_USE and call.input_requires_grad else []
     ctx.n_saved, ctx.n_cache, ctx.n_cache_in = len(saved), len(cache), len(a["weight_cache"])
     ctx.n_prequantized = len(a["inp_quantized"])
     # Scales are snapshotted (the next call's delayed-scaling update rewrites them in place);
@@ -493,12 +463,9 @@ def _setup_context(ctx, inputs, output):
     ctx.grad_amax_state, ctx.main_grad = list(a["grad_amax_state"]), a["main_grad"]
     tensors = [t for t in state if t is not None]
     ctx.save_for_backward(*saved, *cache, *tensors)
+    ctx.call = call
     ctx.args = dict(key=a["key"], in_shape=list(a["inp"].shape), weight_shape=list(a["weight"].shape),
-                    weight_dtype=a["weight"].dtype, input_requires_grad=a["input_requires_grad"],
-                    weight_requires_grad=a["weight_requires_grad"],
-                    bias_requires_grad=a["bias"] is not None and a["bias"].requires_grad,
-                    cache_mode=a["cache_mode"], save_original_input=a["save_original_input"],
-                    fuse_wgrad_accumulation=a["fuse_wgrad_accumulation"])
+                    weight_dtype=a["weight"].dtype, flags=a["flags"])
 
 
 def _backward(ctx, grad_out, _grad_amaxes, _grad_saved, _grad_cache):
@@ -512,7 +479,7 @@ def _backward(ctx, grad_out, _grad_amaxes, _grad_saved, _grad_cache):
     backward_op = getattr(ctx, "backward_op", linear_bwd)
     grads = backward_op(grad_out.contiguous(), saved=saved, inp=raw_inp, weight=raw_w, weight_cache=cache,
                         fp8_scales=scales, grad_scale=grad_scale, main_grad=main_grad, **args)
-    dgrad, wgrad, dbias = finish_backward(args, grads, ctx.grad_amax_state, main_grad)
+    dgrad, wgrad, dbias = finish_backward(ctx.call, grads, ctx.grad_amax_state, main_grad)
     # one grad per linear_fwd argument, by name: None for the others (a list of Nones for a list)
     grads_by_name = dict(inp=dgrad, weight=wgrad, bias=dbias, grad_amax_state=[None] * len(ctx.grad_amax_state),
                          weight_cache=[None] * ctx.n_cache_in, inp_quantized=[None] * ctx.n_prequantized)
@@ -532,11 +499,7 @@ def linear(inp, weight, bias=None, *, key: str, fp8_scales=None, grad_scale=None
            main_grad=None, cache_mode: int = CACHE_OFF, save_original_input: bool = False,
            fuse_wgrad_accumulation: bool = False, inp_quantized=()):
     """y = inp @ weight.T + bias through the custom ops. Returns (y, amaxes, new_weight_cache)."""
-    grad_on = torch.is_grad_enabled()
-    input_requires_grad = grad_on and inp.requires_grad
-    weight_requires_grad = grad_on and weight.requires_grad
-    flags = pack_flags(input_requires_grad, weight_requires_grad, cache_mode, save_original_input,
-                       fuse_wgrad_accumulation and weight_requires_grad)
+    flags = call_flags(inp, weight, bias, cache_mode, save_original_input, fuse_wgrad_accumulation)
     args = (inp, weight, bias, fp8_scales, grad_scale, list(grad_amax_state), list(weight_cache), main_grad, key,
             flags, list(inp_quantized))
     out, amaxes, _, cache = _linear_fwd_call(*args)

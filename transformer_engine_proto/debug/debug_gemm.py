@@ -24,7 +24,8 @@ from typing import Dict, List, Optional
 import torch
 
 from ..gemm import gemm
-from ..custom_ops.linear import backward_tail, finish_backward
+from ..custom_ops.linear import backward_tail, fake_backward_grads, finish_backward
+from ..custom_ops.linear_call import LinearCall, call_flags
 from ..custom_ops.recipe_registry import HIGH_PRECISION_KEY, high_precision_gemms, quantizers_from_key
 from ..tensor import QuantizedTensor
 from . import state
@@ -175,8 +176,9 @@ def _kept(t, source: torch.Tensor):
 def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                fp8_scales: Optional[torch.Tensor], grad_scale: Optional[torch.Tensor],
                grad_amax_state: List[torch.Tensor], main_grad: Optional[torch.Tensor], layer_name: str, key: str,
-               input_requires_grad: bool, weight_requires_grad: bool, fuse_wgrad_accumulation: bool
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               flags: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    call = LinearCall.of(flags)
+    input_requires_grad, weight_requires_grad = call.input_requires_grad, call.weight_requires_grad
     calls = _Calls(layer_name, key)
     q = quantizers_from_key(key)
     delayed = _delayed(q.input)
@@ -201,8 +203,7 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
 
 @linear_fwd.register_fake
-def _linear_fwd_fake(inp, weight, bias, fp8_scales, grad_scale, grad_amax_state, main_grad, layer_name, key,
-                     input_requires_grad, weight_requires_grad, fuse_wgrad_accumulation):
+def _linear_fwd_fake(inp, weight, bias, fp8_scales, grad_scale, grad_amax_state, main_grad, layer_name, key, flags):
     delayed = _delayed(quantizers_from_key(key).input)
     return (inp.new_empty(tuple(inp.shape[:-1]) + (weight.shape[0],)),
             inp.new_empty(2 if delayed else 0, dtype=torch.float32), torch.empty(1, dtype=torch.int64, device="cpu"))
@@ -212,9 +213,10 @@ def _linear_fwd_fake(inp, weight, bias, fp8_scales, grad_scale, grad_amax_state,
 @torch.library.custom_op("te_proto_debug::linear_bwd", mutates_args=(), tags=_TAGS)
 def linear_bwd(grad_out: torch.Tensor, token: torch.Tensor, grad_scale: Optional[torch.Tensor], layer_name: str,
                key: str, in_shape: List[int], weight_shape: List[int], weight_dtype: torch.dtype,
-               input_requires_grad: bool, weight_requires_grad: bool, bias_requires_grad: bool,
-               fuse_wgrad_accumulation: bool) -> List[torch.Tensor]:
+               flags: int) -> List[torch.Tensor]:
     """[dgrad] [wgrad] [dbias] [grad amax (delayed scaling)]."""
+    call = LinearCall.of(flags)
+    input_requires_grad, weight_requires_grad = call.input_requires_grad, call.weight_requires_grad
     saved = _SAVED.get(int(token.reshape(-1)[0]))
     if saved is None and (input_requires_grad or weight_requires_grad):
         raise RuntimeError(f"{layer_name}: the debug GEMM path lost the operands saved by forward "
@@ -233,30 +235,20 @@ def linear_bwd(grad_out: torch.Tensor, token: torch.Tensor, grad_scale: Optional
             dgrad = gemm(_operand(gs["dgrad"], True), saved["w"], out_dtype=grad_out.dtype)
             grads.append(_fresh(calls.output_tensor("dgrad", dgrad).reshape(tuple(in_shape)), (grad_out,)))
         if weight_requires_grad:
-            wdtype = torch.float32 if fuse_wgrad_accumulation else weight_dtype
+            wdtype = torch.float32 if call.fuse_wgrad_accumulation else weight_dtype
             wgrad = gemm(_operand(gs["wgrad"], False), saved["x"], trans_a=True, out_dtype=wdtype)
             grads.append(_fresh(calls.output_tensor("wgrad", wgrad), (grad_out,)))
-    return backward_tail(grads, dy, bias_requires_grad, weight_dtype, grad_amax if delayed else None)
+    return backward_tail(grads, dy, call.bias_requires_grad, weight_dtype, grad_amax if delayed else None)
 
 
 @linear_bwd.register_fake
-def _linear_bwd_fake(grad_out, token, grad_scale, layer_name, key, in_shape, weight_shape, weight_dtype,
-                     input_requires_grad, weight_requires_grad, bias_requires_grad, fuse_wgrad_accumulation):
-    grads = []
-    if input_requires_grad:
-        grads.append(grad_out.new_empty(tuple(in_shape)))
-    if weight_requires_grad:
-        grads.append(grad_out.new_empty(tuple(weight_shape),
-                                        dtype=torch.float32 if fuse_wgrad_accumulation else weight_dtype))
-    if bias_requires_grad:
-        grads.append(grad_out.new_empty((weight_shape[0],), dtype=weight_dtype))
-    if _delayed(quantizers_from_key(key).input):
-        grads.append(grad_out.new_empty((1,), dtype=torch.float32))
-    return grads
+def _linear_bwd_fake(grad_out, token, grad_scale, layer_name, key, in_shape, weight_shape, weight_dtype, flags):
+    return fake_backward_grads(grad_out, LinearCall.of(flags), in_shape, weight_shape, weight_dtype,
+                               _delayed(quantizers_from_key(key).input))
 
 
 _FWD_ARGS = ("inp", "weight", "bias", "fp8_scales", "grad_scale", "grad_amax_state", "main_grad", "layer_name",
-             "key", "input_requires_grad", "weight_requires_grad", "fuse_wgrad_accumulation")
+             "key", "flags")
 
 
 def _setup_context(ctx, inputs, output):
@@ -265,11 +257,9 @@ def _setup_context(ctx, inputs, output):
     ctx.has = tuple(t is not None for t in state_tensors)
     ctx.grad_amax_state = list(a["grad_amax_state"])  # written by backward: by reference (custom_ops/linear.py)
     ctx.save_for_backward(output[2], *[t for t in state_tensors if t is not None])
+    ctx.call = LinearCall.of(a["flags"])
     ctx.args = dict(layer_name=a["layer_name"], key=a["key"], in_shape=list(a["inp"].shape),
-                    weight_shape=list(a["weight"].shape), weight_dtype=a["weight"].dtype,
-                    input_requires_grad=a["input_requires_grad"], weight_requires_grad=a["weight_requires_grad"],
-                    bias_requires_grad=a["bias"] is not None and a["bias"].requires_grad,
-                    fuse_wgrad_accumulation=a["fuse_wgrad_accumulation"])
+                    weight_shape=list(a["weight"].shape), weight_dtype=a["weight"].dtype, flags=a["flags"])
 
 
 def _backward(ctx, grad_out, _grad_amaxes, _grad_token):
@@ -278,7 +268,7 @@ def _backward(ctx, grad_out, _grad_amaxes, _grad_token):
     grad_scale, main_grad = (next(it) if h else None for h in ctx.has)
     args = ctx.args
     grads = linear_bwd(grad_out.contiguous(), token, grad_scale, **args)
-    dgrad, wgrad, dbias = finish_backward(args, grads, ctx.grad_amax_state, main_grad)
+    dgrad, wgrad, dbias = finish_backward(ctx.call, grads, ctx.grad_amax_state, main_grad)
     return (dgrad, wgrad, dbias, None, None, [None] * len(ctx.grad_amax_state)) + (None,) * (len(_FWD_ARGS) - 6)
 
 
@@ -288,12 +278,9 @@ linear_fwd.register_autograd(_backward, setup_context=_setup_context)
 def debug_linear(inp, weight, bias=None, *, layer_name: str, key: str, fp8_scales=None, grad_scale=None,
                  grad_amax_state=(), weight_cache=(), main_grad=None, cache_mode: int = 0,
                  save_original_input: bool = False, fuse_wgrad_accumulation: bool = False):
-    """`ops.linear.linear`'s signature and results (y, amaxes, new weight cache) on the debug path.
+    """`custom_ops.linear.linear`'s signature and results (y, amaxes, new weight cache) on the debug path.
     The quantized-weight cache is neither read nor filled: the weight is quantized every call."""
-    grad_on = torch.is_grad_enabled()
-    input_requires_grad = grad_on and inp.requires_grad
-    weight_requires_grad = grad_on and weight.requires_grad
+    flags = call_flags(inp, weight, bias, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
     out, amaxes, _ = linear_fwd(inp, weight, bias, fp8_scales, grad_scale, list(grad_amax_state), main_grad, layer_name,
-                                key, input_requires_grad, weight_requires_grad,
-                                fuse_wgrad_accumulation and weight_requires_grad)
+                                key, flags)
     return out, amaxes, []

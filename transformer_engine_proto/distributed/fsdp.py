@@ -367,7 +367,7 @@ def _linear_fwd_prequantized(func, args, kwargs):
     names = [a.name for a in func._schema.arguments]
     bound = dict(zip(names, args), **kwargs)
     others = [v for n, v in bound.items() if n != "weight"]
-    cache_mode = _linear_ops.unpack_flags(bound["flags"])[2]
+    cache_mode = _linear_ops.LinearCall.of(bound["flags"]).cache_mode
     if cache_mode != _linear_ops.CACHE_USE or any(isinstance(t, QuantizedTensor) for t in _leaves(others)):
         return NotImplemented
     bound["weight"] = _stand_in(bound["weight"])

@@ -1,0 +1,78 @@
+"""`LinearCall`: the flags of one Linear op call, by name, crossing the op boundary as one int.
+
+A custom op's schema carries tensors and plain values, and torch's custom-op autograd wrapper
+re-reads the schema per argument (`fill_defaults`, quadratic in the argument count: host time per
+eager call). So the Linear ops (and the debug tools' pair) take their flags as one `flags: int`,
+built by `LinearCall.flags` and read back by `LinearCall.of(flags)`. Adding a flag touches this
+file and the code that reads it, nothing in between.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["LinearCall", "call_flags", "CACHE_OFF", "CACHE_FILL", "CACHE_USE"]
+
+CACHE_OFF, CACHE_FILL, CACHE_USE = 0, 1, 2  # weight quantization cache modes (is_first_microbatch)
+_CACHE_MODES = (CACHE_OFF, CACHE_FILL, CACHE_USE)
+_BOOLS = ("input_requires_grad", "weight_requires_grad", "bias_requires_grad", "save_original_input",
+          "fuse_wgrad_accumulation")
+_CACHE_SHIFT = len(_BOOLS)
+
+
+@dataclass(frozen=True)
+class LinearCall:
+    """What a Linear call computes besides its tensors: which gradients, how the weight cache is
+    used, what is saved for backward."""
+
+    input_requires_grad: bool = False
+    weight_requires_grad: bool = False
+    bias_requires_grad: bool = False
+    save_original_input: bool = False  # save the high-precision input; backward quantizes it
+    fuse_wgrad_accumulation: bool = False  # wgrad is added into weight.main_grad (fp32)
+    cache_mode: int = CACHE_OFF
+
+    def __post_init__(self):
+        _check_cache_mode(self.cache_mode)
+
+    @functools.cached_property
+    def flags(self) -> int:
+        """The op's `flags` argument."""
+        bits = 0
+        for i, name in enumerate(_BOOLS):
+            bits |= bool(getattr(self, name)) << i
+        return bits | self.cache_mode << _CACHE_SHIFT
+
+    @staticmethod
+    def of(flags: int) -> "LinearCall":
+        """The call an op's `flags` argument describes."""
+        return _from_flags(flags)
+
+
+def call_flags(inp: torch.Tensor, weight: torch.Tensor, bias, cache_mode: int = CACHE_OFF,
+               save_original_input: bool = False, fuse_wgrad_accumulation: bool = False) -> int:
+    """The `flags` of a call on these tensors under the current grad mode: integer arithmetic
+    only, which dynamo folds to a constant (`LinearCall(...).flags` gives the same)."""
+    _check_cache_mode(cache_mode)
+    grad_on = torch.is_grad_enabled()
+    weight_rg = grad_on and weight.requires_grad
+    bools = (grad_on and inp.requires_grad, weight_rg, grad_on and bias is not None and bias.requires_grad,
+             save_original_input, fuse_wgrad_accumulation and weight_rg)
+    flags = cache_mode << _CACHE_SHIFT
+    for i, b in enumerate(bools):
+        flags |= bool(b) << i
+    return flags
+
+
+@functools.lru_cache(maxsize=None)
+def _from_flags(flags: int) -> LinearCall:
+    """One LinearCall per flag combination (a few dozen): eager calls build none per call."""
+    bools = [bool(flags >> i & 1) for i in range(len(_BOOLS))]
+    return LinearCall(*bools, flags >> _CACHE_SHIFT)
+
+
+def _check_cache_mode(mode) -> None:
+    if mode not in _CACHE_MODES:
+        raise ValueError(f"linear: cache_mode={mode!r}: expected CACHE_OFF, CACHE_FILL or CACHE_USE (0, 1, 2)")
