@@ -45,10 +45,6 @@ class LinearCall:
             bits |= bool(getattr(self, name)) << i
         return bits | self.cache_mode << _CACHE_SHIFT
 
-    @staticmethod
-    def of(flags: int) -> "LinearCall":
-        """The call an op's `flags` argument describes."""
-        return _from_flags(flags)
 
 
 def call_flags(inp: torch.Tensor, weight: torch.Tensor, bias, cache_mode: int = CACHE_OFF,
@@ -68,9 +64,13 @@ def call_flags(inp: torch.Tensor, weight: torch.Tensor, bias, cache_mode: int = 
 
 @functools.lru_cache(maxsize=None)
 def _from_flags(flags: int) -> LinearCall:
-    """One LinearCall per flag combination (a few dozen): eager calls build none per call."""
+    """The call an op's `flags` argument describes. Cached: one LinearCall per flag combination
+    (a few dozen), and a cache hit runs no Python (host time per eager call)."""
     bools = [bool(flags >> i & 1) for i in range(len(_BOOLS))]
     return LinearCall(*bools, flags >> _CACHE_SHIFT)
+
+
+LinearCall.of = staticmethod(_from_flags)
 
 
 def _check_cache_mode(mode) -> None:

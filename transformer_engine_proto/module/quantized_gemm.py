@@ -149,20 +149,27 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         recipe = get_fp8_recipe()
         key = self.recipe_key()
         delayed = isinstance(recipe, R.DelayedScaling)
-        cache_mode, cache = self._weight_cache(recipe, key, weight, is_first_microbatch)
+        cache_mode, cache = linear_ops.CACHE_OFF, []
+        if is_first_microbatch is not None or isinstance(weight, QuantizedTensor):
+            cache_mode, cache = self._weight_cache(recipe, key, weight, is_first_microbatch)
         # te.checkpoint's recompute: the first forward's scales, no history update, no amax recorded
         record = delayed and not in_activation_recompute_phase()
         if record and cache_mode != linear_ops.CACHE_USE:
             self._advance_scales(recipe, weight)
-        main_grad = _main_grad(weight, fuse_wgrad_accumulation)
-        linear, debugging = self._linear_path(recipe, weight)
+        main_grad = _main_grad(weight) if fuse_wgrad_accumulation and weight.requires_grad else None
+        # precision debug tools: a layer with an active debug feature takes the debug GEMM path
+        debug_linear = _debug_gemm.linear_for(self, recipe is not None)
+        debugging = debug_linear is not None
+        if debugging and isinstance(weight, QuantizedTensor):
+            raise NotImplementedError("precision debug features do not support FSDP2 quantized all-gather weights")
         sp_amax = None
         if sequence_gather is not None:
             inp, inp_quantized, sp_amax = self._gather_input(
                 inp, weight, key, delayed, sequence_gather, not debugging and not save_original_input)
         op_key = self.op_key(key, inp, weight)
-        _check_stored_weight_precision(weight, op_key)
-        out, amaxes, new_cache = linear(
+        if isinstance(weight, QuantizedTensor):
+            _check_stored_weight_precision(op_key)
+        out, amaxes, new_cache = (debug_linear or linear_ops.linear)(
             inp, weight, bias, key=op_key,
             fp8_scales=self.fp8_scale if delayed else None,
             grad_scale=self.grad_fp8_scale if delayed else None,
@@ -186,7 +193,7 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         if isinstance(weight, QuantizedTensor):
             return linear_ops.CACHE_USE, _fsdp.gathered_weight_cache(type(self).__name__, weight, key,
                                                                      is_first_microbatch)
-        if recipe is None or is_first_microbatch is None:
+        if recipe is None:
             return linear_ops.CACHE_OFF, []
         if self._cache_for != (key, tuple(weight.shape), weight.dtype):
             if torch.compiler.is_dynamo_compiling():
@@ -213,16 +220,6 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         if in_training_autocast():
             self.update_scales(recipe)
 
-    def _linear_path(self, recipe, weight):
-        """(the Linear function, whether it is the precision debug tools' path): a layer with an
-        active debug feature takes the debug GEMM path."""
-        debug_linear = _debug_gemm.linear_for(self, recipe is not None)
-        if debug_linear is None:
-            return linear_ops.linear, False
-        if isinstance(weight, QuantizedTensor):
-            raise NotImplementedError("precision debug features do not support FSDP2 quantized all-gather weights")
-        return debug_linear, True
-
     def _gather_input(self, inp, weight, key: str, delayed: bool, sequence_gather, quantized_ok: bool):
         """(gathered input, its quantized buffers or (), all-reduced input amax for delayed scaling
         or None): quantize the shard then gather the bytes where the recipe allows, else gather
@@ -239,18 +236,17 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         return full, buffers, (amax if delayed else None)
 
 
-def _main_grad(weight, fuse_wgrad_accumulation: bool):
-    """The fp32 buffer wgrad accumulates into, or None."""
-    if not (fuse_wgrad_accumulation and weight.requires_grad):
-        return None
+def _main_grad(weight):
+    """The fp32 buffer wgrad accumulates into (fuse_wgrad_accumulation)."""
     main_grad = getattr(weight, "main_grad", None)
     if main_grad is None:
         raise RuntimeError("fuse_wgrad_accumulation=True needs weight.main_grad (an fp32 buffer) to be set")
     return main_grad
 
 
-def _check_stored_weight_precision(weight, op_key: str) -> None:
-    if isinstance(weight, QuantizedTensor) and high_precision_gemms(op_key) & {"fprop", "dgrad"}:
+def _check_stored_weight_precision(op_key: str) -> None:
+    """A weight stored quantized has no high-precision copy for fprop / dgrad to read."""
+    if high_precision_gemms(op_key) & {"fprop", "dgrad"}:
         raise_error(NotImplementedError,
                     "fprop / dgrad pinned to bf16 (pin_gemm_precision) on a weight stored quantized "
                     "(quantized_model_init or an FSDP2 quantized all-gather): the weight exists only "
