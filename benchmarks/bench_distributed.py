@@ -46,10 +46,9 @@ for _p in (_HERE, os.path.dirname(_HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+import _common as C  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
-import _common as C  # noqa: E402
 
 ALL_RECIPES = ["delayed", "current", "mxfp8", "blockwise", "nvfp4"]
 SETUPS = ["fsdp", "tp"]
@@ -143,8 +142,10 @@ def build(setup, gather, recipe, args, device, dtype, rank, world):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        from transformer_engine_proto.distributed.fsdp import (enable_quantized_all_gather,
-                                                               precompute_fp8_scales_for_fsdp)
+        from transformer_engine_proto.distributed.fsdp import (
+            enable_quantized_all_gather,
+            precompute_fp8_scales_for_fsdp,
+        )
 
         model = _layers(args, device, dtype)
         quantized = gather == "quantized" and recipe is not None

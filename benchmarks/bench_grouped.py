@@ -23,10 +23,9 @@ for _p in (_HERE, os.path.dirname(_HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+import _common as C  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
-import _common as C  # noqa: E402
 
 DEFAULT_VARIANTS = ["bf16:loop", "bf16:grouped_mm", "te:current", "te-loop:current", "te:delayed", "te-loop:delayed",
                     "te:blockwise", "te:mxfp8"]

@@ -26,9 +26,8 @@ for _p in (_HERE, os.path.dirname(_HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import torch  # noqa: E402
-
 import _common as C  # noqa: E402
+import torch  # noqa: E402
 
 # M (tokens), K (in features), N (out features): the shapes of docs/design.md's reference table
 DEFAULT_SHAPES = "8192x8192x8192,4096x8192x16384,16384x4096x14336,2048x2048x2048,1024x2048x1024"

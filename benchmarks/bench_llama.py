@@ -28,9 +28,8 @@ for _p in (_HERE, os.path.dirname(_HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import torch  # noqa: E402
-
 import _common as C  # noqa: E402
+import torch  # noqa: E402
 
 DEFAULT_VARIANTS = ["bf16", "torchao:tensorwise", "te:current", "te:delayed", "te:blockwise", "te:mxfp8"]
 DEFAULT_MODES = ["eager", "default", "reduce-overhead"]

@@ -254,10 +254,13 @@ def main():
         log_lines.append(s)
 
     try:
-        from transformer_engine_proto.kernels.triton import blockwise as tbw, float8 as tf8, mxfp8 as tmx
+        from transformer_engine_proto.kernels.triton import blockwise as tbw
+        from transformer_engine_proto.kernels.triton import float8 as tf8
+        from transformer_engine_proto.kernels.triton import mxfp8 as tmx
         tri = {"f8": tf8, "bw": tbw, "mx": tmx}
         try:  # the NVFP4 and dequantize kernels
-            from transformer_engine_proto.kernels.triton import dequant as tdq, nvfp4 as tnv
+            from transformer_engine_proto.kernels.triton import dequant as tdq
+            from transformer_engine_proto.kernels.triton import nvfp4 as tnv
             tri.update(dq=tdq, nv=tnv)
         except ImportError as e:
             log(f"no NVFP4 / dequantize Triton kernels ({e})")

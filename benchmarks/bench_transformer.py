@@ -28,9 +28,8 @@ for _p in (_HERE, os.path.dirname(_HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import torch  # noqa: E402
-
 import _common as C  # noqa: E402
+import torch  # noqa: E402
 
 DEFAULT_RECIPES = ["none", "delayed", "current", "blockwise", "mxfp8"]
 ALL_RECIPES = DEFAULT_RECIPES + ["nvfp4"]

@@ -22,9 +22,8 @@ for _p in (_HERE, os.path.dirname(_HERE)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import torch  # noqa: E402
-
 import _common as C  # noqa: E402
+import torch  # noqa: E402
 from bench_linear import build, parse_shapes  # noqa: E402
 
 

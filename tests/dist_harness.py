@@ -21,7 +21,6 @@ from torch._dynamo.utils import counters
 
 import transformer_engine_proto as te
 
-
 BACKEND = os.environ.get("TE_PROTO_DIST_BACKEND", "gloo")
 if BACKEND not in ("gloo", "nccl"):
     raise ValueError(f"TE_PROTO_DIST_BACKEND={BACKEND!r}: expected 'gloo' (CPU) or 'nccl' (one GPU per rank)")

@@ -1,8 +1,8 @@
 """FP8 blockwise cases for the format-generic tests: 1x128 tiles (activations/gradients) and
 128x128 tiles (weights). Partial edge tiles are allowed, so no shape multiples are required."""
 import torch
-
 from format_cases import FormatCase
+
 from transformer_engine_proto.tensor import Float8BlockQuantizer
 
 

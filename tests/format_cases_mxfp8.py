@@ -6,8 +6,8 @@ nearest, so |error| <= half an ulp <= |x| * 2**-(mantissa bits + 1): 1/16 for E4
 is below that bound too.
 """
 import torch
-
 from format_cases import FormatCase
+
 from transformer_engine_proto.tensor import MXFP8Quantizer
 
 

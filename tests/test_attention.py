@@ -2,12 +2,11 @@
 type, format, GQA, windows, packed "thd"), torch.compile fullgraph with 0 graph breaks, and errors."""
 import pytest
 import torch
+from attention_ref import ref_allowed, ref_attention
 from torch._dynamo.utils import counters
 
 import transformer_engine_proto as te
 from transformer_engine_proto.module.rope import apply_rotary_pos_emb
-
-from attention_ref import ref_allowed, ref_attention
 
 MASKS = ["no_mask", "causal", "causal_bottom_right", "padding", "padding_causal", "padding_causal_bottom_right"]
 WINDOWS = [None, (2, 0), (3, 1)]

@@ -8,8 +8,8 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-
 from inputs import seeded_input
+
 from transformer_engine_proto.tensor import Float8BlockQuantizer, Float8BlockwiseQTensor, QuantizedTensor
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

@@ -5,10 +5,10 @@ import copy
 
 import pytest
 import torch
-
-import transformer_engine_proto as te
 from compile_cases import assert_matches_eager, compile_for
 from linear_cases import RECIPE_IDS, RECIPES, backend_params, fresh_dynamo, graph_breaks, recipe_ctx
+
+import transformer_engine_proto as te
 from transformer_engine_proto import recompute as te_recompute
 from transformer_engine_proto.module.quantized_gemm import QuantizedGemm
 

@@ -6,11 +6,11 @@ import warnings
 
 import pytest
 import torch
+from compile_cases import assert_matches_eager
+from linear_cases import backend_params
 from torch import nn
 
 import transformer_engine_proto as te
-from compile_cases import assert_matches_eager
-from linear_cases import backend_params
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.module import convert as convert_mod
 

@@ -6,16 +6,15 @@ import math
 import nvdlfw_inspect.api as debug_api
 import pytest
 import torch
+from compile_cases import ULPS, assert_matches_eager, compile_for
+from linear_cases import backend_params
+from test_debug_common import debug_session, max_stats_config
+from test_debug_features import CUSTOM_CONFIG, write_custom_features
 from torch._dynamo.utils import counters
 
 import transformer_engine_proto as te
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.debug import last_logged_stats
-
-from compile_cases import ULPS, assert_matches_eager, compile_for
-from linear_cases import backend_params
-from test_debug_common import debug_session, max_stats_config
-from test_debug_features import CUSTOM_CONFIG, write_custom_features
 
 
 def _fresh():

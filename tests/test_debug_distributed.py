@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from dist_harness import check_world, generator, init_worker, to_cpu
 
 CFG = {"s": {"enabled": True, "layers": {"layer_types": ["lin"]},

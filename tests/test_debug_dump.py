@@ -9,14 +9,13 @@ import sys
 import nvdlfw_inspect.api as debug_api
 import pytest
 import torch
+from test_debug_common import debug_session
 
 import transformer_engine_proto as te
 from transformer_engine_proto import recipe as R
+from transformer_engine_proto.custom_ops.recipe_registry import quantizers_from_key, recipe_key
 from transformer_engine_proto.debug import dump, inspect_dump
 from transformer_engine_proto.debug.quant_view import reconstruct
-from transformer_engine_proto.custom_ops.recipe_registry import quantizers_from_key, recipe_key
-
-from test_debug_common import debug_session
 
 RECIPES = {"delayed": R.DelayedScaling(), "current": R.Float8CurrentScaling(), "mxfp8": R.MXFP8BlockScaling(),
            "block": R.Float8BlockScaling(), "nvfp4": R.NVFP4BlockScaling(disable_stochastic_rounding=True)}

@@ -5,6 +5,7 @@ import os
 import nvdlfw_inspect.api as debug_api
 import pytest
 import torch
+from test_debug_common import assert_close, debug_session, direct_stats, main_log, max_stats_config, stat_lines
 
 import transformer_engine_proto as te
 from transformer_engine_proto import recipe as R
@@ -12,8 +13,6 @@ from transformer_engine_proto.debug import last_logged_stats, state
 from transformer_engine_proto.debug.config_check import DebugConfigError, validate_config
 from transformer_engine_proto.gemm import emulated_gemm
 from transformer_engine_proto.tensor import Float8CurrentScalingQuantizer, Float8Quantizer, MXFP8Quantizer
-
-from test_debug_common import assert_close, debug_session, direct_stats, main_log, max_stats_config, stat_lines
 
 
 def _train(model, x, steps, recipe=None, micro_batches=1):

@@ -11,8 +11,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from linear_cases import fresh_dynamo, graph_breaks
+
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.autocast import autocast
 from transformer_engine_proto.module import Linear

@@ -4,10 +4,10 @@ import copy
 
 import pytest
 import torch
+from linear_cases import RECIPE_IDS, RECIPES, recipe_ctx
 
 import transformer_engine_proto as te
 from transformer_engine_proto.custom_ops import eager_path
-from linear_cases import RECIPE_IDS, RECIPES, recipe_ctx
 
 
 def _run(model, recipe, x, dy, use_eager_path: bool, monkeypatch):

@@ -64,8 +64,9 @@ def test_compare_plot_panel_is_the_difference_to_the_baseline():
 
 def test_numpy_is_a_dependency():
     """torch warns `Failed to initialize NumPy` at import when numpy is missing."""
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     deps = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
     assert "numpy" in deps

@@ -13,12 +13,12 @@ import torch
 
 import transformer_engine_proto as te
 from transformer_engine_proto import recipe as R
+from transformer_engine_proto.custom_ops.recipe_registry import recipe_key
 from transformer_engine_proto.debug import quant_view
 from transformer_engine_proto.distributed.fsdp import gather_format
 from transformer_engine_proto.distributed.sp_gather import HP, input_gather_format
 from transformer_engine_proto.gemm import gemm
-from transformer_engine_proto.custom_ops.recipe_registry import recipe_key
-from transformer_engine_proto.tensor import QuantizedTensor, Quantizer, QuantizedTensorStorage
+from transformer_engine_proto.tensor import QuantizedTensor, QuantizedTensorStorage, Quantizer
 from transformer_engine_proto.tensor.format_api import GatherRule, UsageView
 from transformer_engine_proto.tensor.quantizer import BufferSpec, flat_2d
 
@@ -214,8 +214,13 @@ def test_optional_capabilities_default_to_none():
 
 
 def test_the_shipped_formats_declare_every_capability():
-    from transformer_engine_proto.tensor import (Float8BlockQuantizer, Float8CurrentScalingQuantizer,
-                                                 Float8Quantizer, MXFP8Quantizer, NVFP4Quantizer)
+    from transformer_engine_proto.tensor import (
+        Float8BlockQuantizer,
+        Float8CurrentScalingQuantizer,
+        Float8Quantizer,
+        MXFP8Quantizer,
+        NVFP4Quantizer,
+    )
 
     x = torch.randn(128, 128)
     for q in (Float8Quantizer(torch.ones(1), torch.zeros(1)), Float8CurrentScalingQuantizer(), MXFP8Quantizer(),

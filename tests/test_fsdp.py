@@ -25,16 +25,17 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
+from dist_harness import device_type, generator, init_worker, spawn_and_collect
 from torch import nn
 
 import transformer_engine_proto as te
-from dist_harness import device_type, generator, init_worker, spawn_and_collect
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.distributed import fsdp as F
 
 WORLD = 2
 H, FFN, HEADS, SEQ, BATCH = 256, 512, 4, 32, 2  # every weight's shard is a multiple of 128 rows
 from linear_cases import RECIPES  # noqa: E402  (NVFP4 without stochastic rounding: runs must agree)
+
 # out_features of a Linear whose FSDP shard cannot be gathered quantized (uneven or misaligned
 # rows): per-tensor FP8 still gathers quantized (zero-padded shard), block formats fall back
 ODD_OUT = {"high_precision": 97, "delayed": 97, "current": 97, "mxfp8": 96, "block": 96, "nvfp4": 48}

@@ -12,13 +12,12 @@ import sys
 
 import pytest
 import torch
+from linear_cases import QUANTIZED_IDS, RECIPES, backend_params, fresh_dynamo, graph_breaks
 
 import transformer_engine_proto as te
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.precision import policy as P
 from transformer_engine_proto.precision.cost_model import CostTable, gemm_shapes
-
-from linear_cases import QUANTIZED_IDS, RECIPES, backend_params, fresh_dynamo, graph_breaks
 
 SUBSETS = [frozenset(c) for r in range(4) for c in itertools.combinations(("fprop", "dgrad", "wgrad"), r)]
 M, N, K = 48, 128, 256  # 48 tokens: MXFP8 / NVFP4 pad the wgrad operands' rows

@@ -5,9 +5,9 @@ import copy
 
 import pytest
 import torch
+from linear_cases import RECIPE_IDS, RECIPES
 
 import transformer_engine_proto as te
-from linear_cases import RECIPE_IDS, RECIPES
 
 STEPS = 6
 

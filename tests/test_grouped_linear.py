@@ -5,9 +5,9 @@ import copy
 
 import pytest
 import torch
+from linear_cases import RECIPE_IDS, RECIPES, fresh_dynamo, graph_breaks, recipe_ctx, unique_graphs
 
 import transformer_engine_proto as te
-from linear_cases import RECIPE_IDS, RECIPES, fresh_dynamo, graph_breaks, recipe_ctx, unique_graphs
 from transformer_engine_proto.module.grouped_linear import grouped_mm_supported
 
 N, K, OUT = 3, 32, 64

@@ -10,12 +10,12 @@ import copy
 
 import pytest
 import torch
+from linear_cases import fresh_dynamo
 
 import transformer_engine_proto as te
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.kernels.reference.blockwise import fp8_blockwise_quantize
 
-from linear_cases import fresh_dynamo
 
 def test_blockwise_quantize_rowwise_and_columnwise_compiles():
     """The smallest case: one quantize of a graph input, both usages, 96 x 256."""

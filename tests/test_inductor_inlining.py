@@ -6,10 +6,10 @@ import sys
 
 import pytest
 import torch
+from linear_cases import RECIPES, fresh_dynamo, recipe_ctx
 
 import transformer_engine_proto as te
 from transformer_engine_proto.custom_ops import inductor_lowering
-from linear_cases import RECIPES, fresh_dynamo, recipe_ctx
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from bench_host import library_calls  # noqa: E402

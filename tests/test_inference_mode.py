@@ -5,12 +5,11 @@ import copy
 
 import pytest
 import torch
+from linear_cases import QUANTIZED_IDS, RECIPES
 
 import transformer_engine_proto as te
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.custom_ops import shared_input
-
-from linear_cases import QUANTIZED_IDS, RECIPES
 
 MODULES = {
     "Linear": (lambda: te.Linear(64, 64), (32, 64)),

@@ -23,9 +23,17 @@ import gc
 import pytest
 import torch
 import torch.nn.functional as F
+from linear_cases import (
+    QUANTIZED_IDS,
+    RECIPE_IDS,
+    RECIPES,
+    backend_params,
+    forget_modules,
+    fresh_dynamo,
+    recipe_ctx,
+    unique_graphs,
+)
 
-from linear_cases import (QUANTIZED_IDS, RECIPE_IDS, RECIPES, backend_params, forget_modules, fresh_dynamo, recipe_ctx,
-                          unique_graphs)
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.autocast import FP8GlobalState, autocast, get_fp8_recipe, is_fp8_enabled
 from transformer_engine_proto.module import Linear

@@ -7,10 +7,19 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from linear_cases import (
+    INDUCTOR_IN_CI,
+    QUANTIZED_IDS,
+    RECIPE_IDS,
+    RECIPES,
+    backend_params,
+    fresh_dynamo,
+    graph_breaks,
+    recipe_ctx,
+    unique_graphs,
+)
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from linear_cases import (INDUCTOR_IN_CI, QUANTIZED_IDS, RECIPE_IDS, RECIPES, backend_params, fresh_dynamo,
-                          graph_breaks, recipe_ctx, unique_graphs)
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.autocast import autocast
 from transformer_engine_proto.module import Linear

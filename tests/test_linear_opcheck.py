@@ -17,8 +17,8 @@ import itertools
 
 import pytest
 import torch
-
 from linear_cases import QUANTIZED_IDS, RECIPE_IDS, RECIPES
+
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.custom_ops import linear_ops as L
 from transformer_engine_proto.custom_ops.recipe_registry import recipe_key

@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from compile_cases import assert_matches_eager, compile_for
+from linear_cases import RECIPES, backend_params, recipe_ctx
 from torch._dynamo.utils import counters
 
 import transformer_engine_proto as te
-from compile_cases import assert_matches_eager, compile_for
-from linear_cases import RECIPES, backend_params, recipe_ctx
 
 H, HEADS, GROUPS, S, B = 64, 4, 2, 8, 2
 D = H // HEADS

@@ -4,12 +4,12 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from compile_cases import assert_matches_eager, compile_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
 import transformer_engine_proto as te
-from compile_cases import assert_matches_eager, compile_for
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.custom_ops.norm import norm_fwd
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-
 from inputs import KINDS, seeded_input
+
 from transformer_engine_proto.tensor import MXFP8Quantizer, MXFP8Tensor, QuantizedTensor, TensorProto
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

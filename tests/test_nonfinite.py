@@ -10,8 +10,13 @@ import torch
 import transformer_engine_proto as te
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.kernels import kernel
-from transformer_engine_proto.tensor import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
-                                             MXFP8Quantizer, NVFP4Quantizer)
+from transformer_engine_proto.tensor import (
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    Float8Quantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 INF, NAN = float("inf"), float("nan")
@@ -201,8 +206,12 @@ def _same_bits(out, ref, what):
 
 @pytest.mark.cuda
 def test_cuda_triton_quantize_equals_reference_on_nonfinite_inputs():
-    from transformer_engine_proto.kernels.reference import blockwise as ref_bw, float8 as ref_f8, nvfp4 as ref_fp4
-    from transformer_engine_proto.kernels.triton import blockwise as tri_bw, float8 as tri_f8, nvfp4 as tri_fp4
+    from transformer_engine_proto.kernels.reference import blockwise as ref_bw
+    from transformer_engine_proto.kernels.reference import float8 as ref_f8
+    from transformer_engine_proto.kernels.reference import nvfp4 as ref_fp4
+    from transformer_engine_proto.kernels.triton import blockwise as tri_bw
+    from transformer_engine_proto.kernels.triton import float8 as tri_f8
+    from transformer_engine_proto.kernels.triton import nvfp4 as tri_fp4
 
     usages = ((True, True), (True, False), (False, True))
     for dtype in (torch.bfloat16, torch.float32):

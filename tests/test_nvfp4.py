@@ -9,8 +9,8 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-
 from inputs import seeded_input
+
 from transformer_engine_proto.kernels import kernel
 from transformer_engine_proto.kernels.reference.nvfp4 import pack_fp4, rht_matrix, unpack_fp4
 from transformer_engine_proto.tensor import NVFP4Quantizer, NVFP4Tensor, QuantizedTensor

@@ -3,8 +3,8 @@ import warnings
 
 import pytest
 import torch
-
 from format_cases import FORMAT_CASES
+
 from transformer_engine_proto.tensor import QuantizedTensor
 from transformer_engine_proto.tensor import quantized_tensor as qt_module
 

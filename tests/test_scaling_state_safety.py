@@ -5,9 +5,9 @@ import warnings
 
 import pytest
 import torch
+from linear_cases import backend_params
 
 import transformer_engine_proto as te
-from linear_cases import backend_params
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.custom_ops import delayed_scaling
 

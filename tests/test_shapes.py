@@ -6,19 +6,24 @@ import copy
 
 import pytest
 import torch
+from compile_cases import assert_matches_eager, compile_for
+from linear_cases import RECIPE_IDS, RECIPES, backend_params, fresh_dynamo, graph_breaks, recipe_ctx
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import transformer_engine_proto as te
-from compile_cases import assert_matches_eager, compile_for
-from linear_cases import RECIPE_IDS, RECIPES, backend_params, fresh_dynamo, graph_breaks, recipe_ctx
 from transformer_engine_proto import recipe as R
+from transformer_engine_proto.kernels.reference import blockwise as ref_bw
 from transformer_engine_proto.kernels.reference import float8 as ref_f8
 from transformer_engine_proto.kernels.reference import mxfp8 as ref_mx
 from transformer_engine_proto.kernels.reference import norm as ref_norm
 from transformer_engine_proto.kernels.reference import nvfp4 as ref_nv
-from transformer_engine_proto.kernels.reference import blockwise as ref_bw
-from transformer_engine_proto.tensor import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer,
-                                             MXFP8Quantizer, NVFP4Quantizer)
+from transformer_engine_proto.tensor import (
+    Float8BlockQuantizer,
+    Float8CurrentScalingQuantizer,
+    Float8Quantizer,
+    MXFP8Quantizer,
+    NVFP4Quantizer,
+)
 
 # the recipes whose columnwise blocks run along the tokens (padded), plus 128-row tiles (Float8Block
 # takes a partial tile natively) and NVFP4 with stochastic rounding (seeded: same draws both ways)

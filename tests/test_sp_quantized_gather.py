@@ -14,13 +14,16 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
-
-import transformer_engine_proto as te
 from dist_harness import compile_fresh, generator, init_worker, one_rank_group, spawn_and_collect  # noqa: F401  (fixture)
 from test_linear_opcheck import fp8_harness  # noqa: F401  (opcheck on 1-byte float outputs)
+
+import transformer_engine_proto as te
 from transformer_engine_proto import recipe as R
-from transformer_engine_proto.distributed.sp_gather import (HP, input_gather_format,
-                                                            set_quantized_sequence_parallel_gather)
+from transformer_engine_proto.distributed.sp_gather import (
+    HP,
+    input_gather_format,
+    set_quantized_sequence_parallel_gather,
+)
 
 WORLD = 2
 M_LOCAL, K, OUT, FFN, HEADS = 128, 128, 128, 256, 4  # 128 rows per shard: aligned for every block format
@@ -193,8 +196,8 @@ def test_gather_format_decisions():
 @pytest.mark.parametrize("rid", ["delayed", "current", "mxfp8", "blockwise", "nvfp4"])
 def test_op_opcheck_and_matches_quantize(one_rank_group, fp8_harness, rid):  # noqa: F811
     """With one rank the gathered buffers are the input quantizer's own; fake == real (opcheck)."""
-    from transformer_engine_proto.distributed.sp_gather import sp_all_gather_quantized
     from transformer_engine_proto.custom_ops.recipe_registry import quantizers_from_key
+    from transformer_engine_proto.distributed.sp_gather import sp_all_gather_quantized
 
     key = _key(RECIPES[rid])
     x = torch.randn(2, 64, K, requires_grad=True)

@@ -5,14 +5,13 @@ import io
 
 import pytest
 import torch
+from linear_cases import QUANTIZED_IDS, RECIPES, backend_params, fresh_dynamo, graph_breaks
 
 import transformer_engine_proto as te
 from transformer_engine_proto import recipe
 from transformer_engine_proto.constants import DType
 from transformer_engine_proto.quantization import FP8GlobalStateManager, QuantizerRole, RecipeState
 from transformer_engine_proto.tensor import QuantizedTensor
-
-from linear_cases import QUANTIZED_IDS, RECIPES, backend_params, fresh_dynamo, graph_breaks
 
 FP8_AVAILABLE, REASON = te.is_fp8_available(return_reason=True)
 

@@ -2,9 +2,9 @@
 the same values as eager; TensorProto.create_tensor traces too."""
 import pytest
 import torch
+from format_cases import FORMAT_CASES
 from torch._dynamo.utils import counters
 
-from format_cases import FORMAT_CASES
 from transformer_engine_proto.tensor import QuantizedTensor, TensorProto
 
 BACKENDS = ["aot_eager", "inductor"]

@@ -2,11 +2,11 @@
 TensorProto matches, dequantize error bounds, and bad shapes/dtypes raise clear errors."""
 import pytest
 import torch
+from format_cases import FORMAT_CASES
 from hypothesis import given
 from hypothesis import strategies as st
-
-from format_cases import FORMAT_CASES
 from inputs import seeded_input
+
 from transformer_engine_proto.tensor import QuantizedTensor, TensorProto, to_tensor_proto
 
 USAGES = [(True, False), (False, True), (True, True)]

@@ -16,9 +16,9 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
+from dist_harness import ON_GPU, compile_fresh, generator, init_worker, one_rank_group, spawn_and_collect  # noqa: F401  (fixture)
 
 import transformer_engine_proto as te
-from dist_harness import ON_GPU, compile_fresh, generator, init_worker, one_rank_group, spawn_and_collect  # noqa: F401  (fixture)
 from transformer_engine_proto import recipe as R
 
 WORLD, TOKENS, IN, OUT = 2, 32, 64, 64

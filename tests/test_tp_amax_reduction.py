@@ -6,12 +6,12 @@ tensor's amax, so only fp32 summation order differs. One spawn of 2 processes (g
 Linear modes and the TP modules of test_tensor_parallel, eager and compiled (aot_eager, fullgraph).
 """
 import pytest
+import test_tensor_parallel as TPT
 import torch
 import torch.distributed as dist
-
-import test_tensor_parallel as TPT
-import transformer_engine_proto as te
 from dist_harness import ON_GPU, compile_fresh, init_worker, spawn_and_collect
+
+import transformer_engine_proto as te
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.distributed.amax_reduction import enable_tp_amax_reduction
 
@@ -112,8 +112,8 @@ def test_tp_modules_current_scaling_match_full(results, case, compiled):
 
 
 def test_other_recipes_keep_their_key():
-    from transformer_engine_proto.distributed.amax_reduction import tp_amax_key
     from transformer_engine_proto.custom_ops.recipe_registry import quantizers_from_key, recipe_key
+    from transformer_engine_proto.distributed.amax_reduction import tp_amax_key
 
     for rec in (R.DelayedScaling(), R.MXFP8BlockScaling(), None):
         assert tp_amax_key(recipe_key(rec), "g", ("weight",)) == recipe_key(rec)

@@ -1,8 +1,8 @@
 """The example's model trained with each recipe reaches a loss close to high precision."""
 import pytest
 import torch
-
 from linear_cases import backend_params
+
 from transformer_engine_proto.examples.train import RECIPES, Config, train
 
 # Measured on CPU (eager, 40 steps, this config), final loss vs high precision (4.337):

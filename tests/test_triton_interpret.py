@@ -17,8 +17,14 @@ if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
     pytest.skip("set TRITON_INTERPRET=1 to run the Triton kernels on CPU", allow_module_level=True)
 pytest.importorskip("triton")
 
-from test_triton_kernels import (ALT_CONFIGS, assert_bitwise, block_exponent_walk,  # noqa: E402
-                                 check_scale_helpers, make_input, run_alt_config)
+from test_triton_kernels import (  # noqa: E402
+    ALT_CONFIGS,
+    assert_bitwise,
+    block_exponent_walk,
+    check_scale_helpers,
+    make_input,
+    run_alt_config,
+)
 
 from transformer_engine_proto.kernels.reference import blockwise as ref_bw  # noqa: E402
 from transformer_engine_proto.kernels.reference import float8 as ref_f8  # noqa: E402

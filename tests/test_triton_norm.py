@@ -24,10 +24,10 @@ import torch
 import transformer_engine_proto as te
 from transformer_engine_proto import kernels as K
 from transformer_engine_proto import recipe as R
+from transformer_engine_proto.custom_ops import norm as ops_norm
 from transformer_engine_proto.kernels import kernel
 from transformer_engine_proto.kernels.reference import float8 as ref_f8
 from transformer_engine_proto.kernels.reference import norm as ref
-from transformer_engine_proto.custom_ops import norm as ops_norm
 from transformer_engine_proto.tensor import Float8CurrentScalingQuantizer
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -18,12 +18,12 @@ triton = pytest.importorskip("triton")
 from test_triton_kernels import make_input  # noqa: E402
 
 from transformer_engine_proto.kernels import kernel, set_backend  # noqa: E402
-from transformer_engine_proto.kernels.triton._common import set_soft_cast  # noqa: E402
 from transformer_engine_proto.kernels.reference import mxfp8 as ref_mx  # noqa: E402
 from transformer_engine_proto.kernels.reference import nvfp4 as ref_fp4  # noqa: E402
 from transformer_engine_proto.kernels.reference import nvfp4_to as ref_fp4_to  # noqa: E402
 from transformer_engine_proto.kernels.triton import dequant as tri_dq  # noqa: E402
 from transformer_engine_proto.kernels.triton import nvfp4 as tri_fp4  # noqa: E402
+from transformer_engine_proto.kernels.triton._common import set_soft_cast  # noqa: E402
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 interp = pytest.mark.skipif(not INTERPRETING, reason="set TRITON_INTERPRET=1 to run Triton on CPU")

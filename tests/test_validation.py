@@ -1,8 +1,8 @@
 """Settings that would give a silent wrong answer are refused where they are made."""
 import pytest
 import torch
-
 from linear_cases import backend_params
+
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.tensor import Float8CurrentScalingQuantizer, Float8Quantizer, MXFP8Quantizer, TensorProto
 

@@ -7,25 +7,56 @@ TE code ports by changing one import: `import transformer_engine_proto as te` gi
 recompute), `te.make_graphed_callables` (CUDA graphs); `te.convert_model(model)` swaps any model's
 `nn.Linear` (and norms) for them in place.
 """
-from . import recipe  # noqa: F401
-from . import constants, quantization  # noqa: F401
+from . import (  # noqa: F401
+                           constants,
+                           quantization,
+                           recipe,  # noqa: F401
+)
 from .autocast import autocast, fp8_autocast, get_fp8_recipe, is_fp8_enabled  # noqa: F401
-from .capabilities import (get_device_compute_capability, is_bf16_available, is_fp8_available,  # noqa: F401
-                           is_fp8_block_scaling_available, is_mxfp8_available, is_nvfp4_available)
-from .module import (ConversionWarning, GroupedLinear, LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm,  # noqa: F401
-                     TransformerLayer, convert_model)
-from .module import (DotProductAttention, MultiheadAttention, RotaryPositionEmbedding,  # noqa: F401
-                     apply_rotary_pos_emb)
-from .tensor import QuantizedTensor, TensorProto, to_tensor_proto  # noqa: F401
+from .capabilities import (  # noqa: F401
+                           get_device_compute_capability,
+                           is_bf16_available,
+                           is_fp8_available,
+                           is_fp8_block_scaling_available,
+                           is_mxfp8_available,
+                           is_nvfp4_available,
+)
 from .constants import DType  # noqa: F401
-from .recompute import checkpoint  # noqa: F401
 from .graph import make_graphed_callables  # noqa: F401
-from .precision.policy import GemmPolicy  # noqa: F401
+from .module import (  # noqa: F401  # noqa: F401
+                           ConversionWarning,
+                           DotProductAttention,
+                           GroupedLinear,
+                           LayerNorm,
+                           LayerNormLinear,
+                           LayerNormMLP,
+                           Linear,
+                           MultiheadAttention,
+                           RMSNorm,
+                           RotaryPositionEmbedding,
+                           TransformerLayer,
+                           apply_rotary_pos_emb,
+                           convert_model,
+)
 from .module.precision_report import pin_gemm_precision, precision_report  # noqa: F401
+from .precision.policy import GemmPolicy  # noqa: F401
 from .quantization import fp8_model_init, get_default_recipe, quantized_model_init  # noqa: F401
-from .tensor import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Quantizer, MXFP8Quantizer,  # noqa: F401
-                     NVFP4Quantizer, Quantizer)
-from .tensor import Float8BlockwiseQTensor, Float8Tensor, MXFP8Tensor, NVFP4Tensor  # noqa: F401
+from .recompute import checkpoint  # noqa: F401
+from .tensor import (  # noqa: F401  # noqa: F401  # noqa: F401
+                           Float8BlockQuantizer,
+                           Float8BlockwiseQTensor,
+                           Float8CurrentScalingQuantizer,
+                           Float8Quantizer,
+                           Float8Tensor,
+                           MXFP8Quantizer,
+                           MXFP8Tensor,
+                           NVFP4Quantizer,
+                           NVFP4Tensor,
+                           QuantizedTensor,
+                           Quantizer,
+                           TensorProto,
+                           to_tensor_proto,
+)
 
 __version__ = "0.1.0"
 

@@ -15,8 +15,7 @@ import torch
 from . import autocast as _autocast
 from . import recipe as R
 from .autocast import autocast, fp8_autocast  # noqa: F401  (TE's module path for them)
-from .capabilities import (is_fp8_available, is_fp8_block_scaling_available, is_mxfp8_available,  # noqa: F401
-                           is_nvfp4_available)
+from .capabilities import is_fp8_available, is_fp8_block_scaling_available, is_mxfp8_available, is_nvfp4_available  # noqa: F401
 from .recipe import QuantizerRole
 
 __all__ = ["FP8GlobalStateManager", "RecipeState", "QuantizerRole", "quantized_model_init", "fp8_model_init",

@@ -15,8 +15,8 @@ import torch
 from ..kernels import kernel
 from ..kernels.reference.norm import NORMALIZATIONS
 from .eager_path import eager_function
-from .recompute_tags import recompute_saved_input, recomputed_in_backward
 from .inductor_lowering import inline_in_inductor
+from .recompute_tags import recompute_saved_input, recomputed_in_backward
 from .row_padding import gemm_rows, pad_rows
 
 __all__ = ["norm", "NORMALIZATIONS"]

@@ -23,10 +23,10 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..gemm import gemm
 from ..custom_ops.linear import backward_tail, fake_backward_grads, finish_backward
 from ..custom_ops.linear_call import LinearCall, call_flags
 from ..custom_ops.recipe_registry import HIGH_PRECISION_KEY, high_precision_gemms, quantizers_from_key
+from ..gemm import gemm
 from ..tensor import QuantizedTensor
 from . import state
 from .state import HIGH, MODIFY, QUANTIZE, TENSOR_GEMMS

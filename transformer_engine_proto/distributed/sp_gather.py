@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from ..custom_ops.recipe_registry import quantizers_from_key
-from ..tensor import (TensorProto)
+from ..tensor import TensorProto
 from . import tp as _tp
 from .gemm_owner import GemmOwner
 

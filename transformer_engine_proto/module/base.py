@@ -12,8 +12,8 @@ from ..autocast import FP8GlobalState, get_fp8_recipe, get_fp8_recipe_key
 from ..debug import state as _debug_state  # precision debug tools: GEMM routing by layer name
 from ..distributed import tp as _tp
 from ..distributed.gemm_owner import GemmOwner
-from ..recipe import DelayedScaling
 from ..errors import raise_error, shape_str
+from ..recipe import DelayedScaling
 from ..tensor.quantizer import HIGH_PRECISION_DTYPES
 
 __all__ = ["TransformerEngineBaseModule"]

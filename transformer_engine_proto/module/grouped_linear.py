@@ -36,8 +36,8 @@ from .. import kernels
 from ..autocast import get_fp8_recipe
 from ..errors import raise_error, shape_str
 from .base import TransformerEngineBaseModule
-from .quantized_gemm import QuantizedGemm
 from .linear import _init_weight
+from .quantized_gemm import QuantizedGemm
 
 __all__ = ["GroupedLinear", "grouped_mm_supported"]
 

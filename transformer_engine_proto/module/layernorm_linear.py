@@ -5,10 +5,10 @@ from typing import Optional
 
 import torch
 
-from .quantized_gemm import QuantizedGemm
-from .quantized_params import quantize_new_weights
 from .linear import ParallelLinearMixin, init_parallel_linear
 from .normalization import NormFusedModule, NormParams
+from .quantized_gemm import QuantizedGemm
+from .quantized_params import quantize_new_weights
 
 __all__ = ["LayerNormLinear"]
 

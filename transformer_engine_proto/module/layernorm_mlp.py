@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import tp as _tp
-from .quantized_gemm import QuantizedGemm
-from .quantized_params import quantize_new_weights
 from .linear import _init_weight
 from .normalization import NormFusedModule, NormParams
+from .quantized_gemm import QuantizedGemm
+from .quantized_params import quantize_new_weights
 
 __all__ = ["LayerNormMLP", "ACTIVATIONS"]
 

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from ..autocast import get_fp8_recipe_key
-from ..distributed import tp as _tp
 from ..custom_ops.norm import NORMALIZATIONS, norm, norm_quantize
+from ..distributed import tp as _tp
 from .base import TransformerEngineBaseModule
 
 __all__ = ["LayerNorm", "RMSNorm", "NormParams", "NormFusedModule", "init_norm_parameters"]

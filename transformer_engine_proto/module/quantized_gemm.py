@@ -13,8 +13,13 @@ import torch
 from torch import nn
 
 from .. import recipe as R
-from ..autocast import (get_fp8_recipe, get_fp8_recipe_key, get_gemm_policy_key, in_activation_recompute_phase,
-                        in_training_autocast)
+from ..autocast import (
+    get_fp8_recipe,
+    get_fp8_recipe_key,
+    get_gemm_policy_key,
+    in_activation_recompute_phase,
+    in_training_autocast,
+)
 from ..custom_ops import linear_ops, recipe_registry
 from ..custom_ops.delayed_scaling import DEFAULT_HISTORY_LEN, DelayedScalingState
 from ..custom_ops.recipe_registry import HIGH_PRECISION_KEY, high_precision_gemms, quantizers_from_key

@@ -15,8 +15,8 @@ from typing import Callable
 import torch
 
 from .. import recipe as R
-from ..gemm import gemm
 from ..custom_ops.recipe_registry import quantizers_from_key, recipe_key
+from ..gemm import gemm
 from .cost_model import BF16, CostTable
 
 __all__ = ["time_ms", "measure_gemm", "measure_quantize", "recipe_kind", "device_name", "GRID", "calibrate_grid"]

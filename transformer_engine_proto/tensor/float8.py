@@ -16,9 +16,9 @@ import torch
 
 from ..kernels import kernel
 from ..kernels.reference.common import FP8_MAX, fp8_max, scale_from_amax, transpose_2d
+from .format_api import GatherRule, GemmOperand, UsageView
 from .quantized_tensor import QuantizedTensor
 from .quantizer import BufferSpec, Quantizer, flat_2d, te_constructor
-from .format_api import GatherRule, GemmOperand, UsageView
 from .storage import QuantizedTensorStorage
 
 __all__ = [

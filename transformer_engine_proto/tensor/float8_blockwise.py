@@ -51,9 +51,9 @@ import torch
 from ..kernels import kernel
 from ..kernels.reference.blockwise import expand_tiles
 from ..kernels.reference.common import FP8_MAX, fp8_max, transpose_2d
+from .format_api import GatherRule, GemmOperand, UsageView
 from .quantized_tensor import QuantizedTensor
 from .quantizer import BufferSpec, Quantizer, flat_2d, te_constructor
-from .format_api import GatherRule, GemmOperand, UsageView
 from .storage import QuantizedTensorStorage
 
 __all__ = ["Float8BlockQuantizer", "Float8BlockwiseQTensorStorage", "Float8BlockwiseQTensor"]

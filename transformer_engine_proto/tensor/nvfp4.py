@@ -14,14 +14,22 @@ from typing import Dict, Optional
 
 import torch
 
+from ..constants import DType
 from ..kernels import kernel
 from ..kernels.reference.common import abs_max, transpose_2d, true_div
-from ..kernels.reference.nvfp4 import (BLOCK, apply_rht, global_encode_scale, quantize_blocks, rht_matrix,
-                                       transpose_2d_blocks, unpack_fp4, unpack_fp4_codes)
-from .quantized_tensor import QuantizedTensor
-from ..constants import DType
-from .quantizer import BufferSpec, Quantizer, flat_2d, te_constructor
+from ..kernels.reference.nvfp4 import (
+    BLOCK,
+    apply_rht,
+    global_encode_scale,
+    quantize_blocks,
+    rht_matrix,
+    transpose_2d_blocks,
+    unpack_fp4,
+    unpack_fp4_codes,
+)
 from .format_api import GatherRule, GemmOperand, UsageView
+from .quantized_tensor import QuantizedTensor
+from .quantizer import BufferSpec, Quantizer, flat_2d, te_constructor
 from .storage import QuantizedTensorStorage
 
 __all__ = ["NVFP4Quantizer", "NVFP4TensorStorage", "NVFP4Tensor"]

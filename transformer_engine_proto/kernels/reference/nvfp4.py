@@ -22,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .. import register_kernel
-from .common import FLOAT32_MAX, abs_max, FP4_E2M1_MAX, FP8_MAX, saturating_cast, transpose_2d, true_div
+from .common import FLOAT32_MAX, FP4_E2M1_MAX, FP8_MAX, abs_max, saturating_cast, transpose_2d, true_div
 
 __all__ = [
     "BLOCK", "E2M1_VALUES", "fp4_encode", "fp4_decode", "pack_fp4", "unpack_fp4_codes", "unpack_fp4",

@@ -22,10 +22,10 @@ import os
 import struct
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 import triton
 import triton.language as tl
+from torch._subclasses.fake_tensor import is_fake
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..reference.common import fp8_max
 

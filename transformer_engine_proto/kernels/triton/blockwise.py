@@ -23,9 +23,19 @@ import triton
 import triton.language as tl
 
 from ..reference import blockwise as _ref
+from ._common import (
+    INT32_LIMIT,
+    as_kernel_input,
+    finite_abs_bits,
+    fp8_params,
+    fp8_scaled_bits,
+    scale_from_amax,
+    scale_reciprocal,
+    soft_cast,
+    to_f32,
+    triton_kernel,
+)
 from .launch import fast_launch
-from ._common import (INT32_LIMIT, as_kernel_input, finite_abs_bits, fp8_params, fp8_scaled_bits,
-                      scale_from_amax, scale_reciprocal, soft_cast, to_f32, triton_kernel)
 
 TILE = 128
 

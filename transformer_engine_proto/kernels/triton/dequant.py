@@ -21,8 +21,8 @@ import triton
 import triton.language as tl
 
 from ..reference import mxfp8 as _ref_mx
-from .launch import fast_launch
 from ._common import INT32_LIMIT, soft_cast, triton_kernel
+from .launch import fast_launch
 
 # output dtype -> OUT constexpr
 OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

@@ -27,10 +27,22 @@ import triton
 import triton.language as tl
 
 from ..reference import float8 as _ref
+from ._common import (
+    INT32_LIMIT,
+    abs_bits,
+    as_kernel_input,
+    finite_abs_bits,
+    flat_2d,
+    fp8_params,
+    fp8_scaled_bits,
+    pack4,
+    reciprocal,
+    scale_from_amax,
+    soft_cast,
+    to_f32,
+    triton_kernel,
+)
 from .launch import fast_launch
-from ._common import (INT32_LIMIT, abs_bits, as_kernel_input, finite_abs_bits, flat_2d, fp8_params,
-                      fp8_scaled_bits, pack4, reciprocal, scale_from_amax, soft_cast, to_f32,
-                      triton_kernel)
 
 # Launch configurations (tunable: benchmarks/bench_quantize.py sweeps them).
 CONFIG = {

@@ -31,7 +31,6 @@ import os
 
 import torch
 import triton
-
 from torch._subclasses.fake_tensor import is_fake
 
 from ._common import interpreting

@@ -23,9 +23,19 @@ import triton
 import triton.language as tl
 
 from ..reference import mxfp8 as _ref
+from ._common import (
+    INT32_LIMIT,
+    abs_bits,
+    as_kernel_input,
+    flat_2d,
+    float_bits,
+    fp8_bits,
+    fp8_params,
+    soft_cast,
+    to_f32,
+    triton_kernel,
+)
 from .launch import fast_launch
-from ._common import (INT32_LIMIT, abs_bits, as_kernel_input, flat_2d, float_bits, fp8_bits,
-                      fp8_params, soft_cast, to_f32, triton_kernel)
 
 BLOCK = 32
 

@@ -28,9 +28,9 @@ import triton.language as tl
 
 from ..reference import norm as _ref
 from . import float8 as _f8
-from .launch import fast_launch
 from ._common import as_kernel_input, finite_abs_bits, fp8_params, soft_cast, to_f32, triton_kernel
 from .dequant import OUT_KIND, out_buffer, round_out
+from .launch import fast_launch
 
 # Launch configurations: a row longer than MAX_BLOCK is looped over in chunks; ROWS (rows per
 # tile) is chosen so that a tile holds about TILE elements. Tunable, like float8.CONFIG.

@@ -29,11 +29,21 @@ import triton.language as tl
 
 from ..reference import nvfp4 as _ref
 from ..reference.nvfp4_to import nvfp4_dequantize_to as _ref_dequantize_to
-from .launch import fast_launch
-from ._common import (INT32_LIMIT, abs_bits, as_kernel_input, finite_abs_bits, flat_2d, fp8_bits, scale_from_amax,
-                      soft_cast, to_f32, triton_kernel)
+from ._common import (
+    INT32_LIMIT,
+    abs_bits,
+    as_kernel_input,
+    finite_abs_bits,
+    flat_2d,
+    fp8_bits,
+    scale_from_amax,
+    soft_cast,
+    to_f32,
+    triton_kernel,
+)
 from .dequant import OUT_KIND, fp8_value, out_buffer, round_out
 from .float8 import _amax_kernel  # the same per-tensor amax; launched with this module's CONFIG["amax"]
+from .launch import fast_launch
 
 # Launch configurations (tunable; tests/test_triton_nvfp4.py checks alternatives bitwise). Chosen
 # by compiling for sm_90 (registers, no spills), not yet timed on a GPU.
