@@ -388,7 +388,7 @@ def measure_grid(modes: Sequence[str], variants: Sequence[str], run: Callable[[s
     results = []
     for mode in modes:
         for v in variants:
-            r = measure(dict(variant=v, mode=mode), f"{v} {mode}", lambda: run(v, mode), budget)
+            r = measure(dict(variant=v, mode=mode), f"{v} {mode}", lambda v=v, mode=mode: run(v, mode), budget)
             results.append(r)
             print(f"{mode:16s} {v:20s} " + (line(r) if "ms" in r else r["error"]), flush=True)
     return results

@@ -444,7 +444,8 @@ def main(argv=None):
     for r in results:
         if r.get("profile"):
             print(f"\n{r['setup']}/{r['recipe']}/{r['gather']}: costliest ops of one profiled step (rank 0)")
-            print(C.markdown_table(["op", "calls", "self us"], [[e["op"], e["calls"], e["self_us"]] for e in r["profile"]]))
+            print(C.markdown_table(["op", "calls", "self us"],
+                                   [[e["op"], e["calls"], e["self_us"]] for e in r["profile"]]))
     if args.out:
         C.write_json(args.out, args.name, {"env": C.environment(torch.device(args.device)), "world": world,
                                            "args": vars(args), "results": results, "failure": failure})

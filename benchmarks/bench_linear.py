@@ -17,6 +17,7 @@ A failing variant shows as 'error: ...' in the table (traceback on stderr).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -185,7 +186,8 @@ def main(argv=None):
             for variant in variants:
                 label = f"{variant} {shape_str(shape)} {mode}"
                 res = C.measure({"variant": variant, "shape": list(shape), "mode": mode}, label,
-                                lambda: run_variant(variant, shape, mode, args, device, dtype), budget, device)
+                                functools.partial(run_variant, variant, shape, mode, args, device, dtype),
+                                budget, device)
                 if variant == "bf16" and "ms" in res:
                     base_ms = res["ms"]
                 if "ms" in res and base_ms is not None:
@@ -271,7 +273,7 @@ def _plot(plt, results, modes, variants, shp_keys, args):
     by = {(r["variant"], shape_str(r["shape"]), r["mode"]): r for r in results}
     for ax, mode in zip(axes[0], modes):
         C.grouped_bars(ax, shp_keys, [v for v in variants if v != "bf16"],
-                       lambda v, s: by.get((v, s, mode), {}).get("speedup_vs_bf16", 0.0) or 0.0,
+                       lambda v, s, mode=mode: by.get((v, s, mode), {}).get("speedup_vs_bf16", 0.0) or 0.0,
                        rotation=20, fontsize=8)
         ax.axhline(1.0, color="k", lw=0.8, ls=":")
         ax.set_ylabel("speedup vs bf16 nn.Linear")

@@ -5,10 +5,10 @@
 
 The model is `transformers.LlamaForCausalLM` (random init, bf16 params; hidden 2048, 4 layers, 16
 heads, intermediate 5632, vocab 32768 by default). A te variant is `te.convert_model(model, recipe=...)`:
-every `nn.Linear` the recipe can take (lm_head included) becomes a `te.Linear` holding the same weights; torchao's variant is
-`convert_to_float8_training` with its recipe. A step is forward with the labels (the model's own
-loss), backward, grad-norm clipping to 1.0 and a foreach AdamW step, with `te.autocast` entered
-every step around the forward, as a training loop does. Compiled variants are
+every `nn.Linear` the recipe can take (lm_head included) becomes a `te.Linear` holding the same
+weights; torchao's variant is `convert_to_float8_training` with its recipe. A step is forward with
+the labels (the model's own loss), backward, grad-norm clipping to 1.0 and a foreach AdamW step,
+with `te.autocast` entered every step around the forward, as a training loop does. Compiled variants are
 `torch.compile(model)` (default mode, or reduce-overhead with `cudagraph_mark_step_begin`), each on a
 fresh model after `torch._dynamo.reset()`; graph breaks are counted and reported. A te variant
 name may add `+policy` (`te.GemmPolicy()`; its choices are printed) and `+soi` (every Linear with
@@ -143,7 +143,8 @@ def main(argv=None):
         if "ms" in r:
             ratio = f"{base[r['mode']] / r['ms']:.2f}x" if r["mode"] in base else "-"
             mem = f"{r['peak_gib']:.2f}" if "peak_gib" in r else "-"
-            mem_ratio = f"{r['peak_gib'] / base_mem[r['mode']]:.2f}x" if "peak_gib" in r and r["mode"] in base_mem else "-"
+            has_mem = "peak_gib" in r and r["mode"] in base_mem
+            mem_ratio = f"{r['peak_gib'] / base_mem[r['mode']]:.2f}x" if has_mem else "-"
             rows.append([r["mode"], r["variant"], f"{r['ms']:.2f}", ratio, mem, mem_ratio, f"{r['last_loss']:.3f}",
                          r["graph_breaks"], r["cudagraph_skips"]])
         else:

@@ -113,7 +113,8 @@ def cases(x, tri):
     # dequantize (the emulated MXFP8 / NVFP4 GEMM on Hopper): quantized buffers in, bf16 out
     mx_data, mx_scale = ref_mx.mxfp8_quantize(x, E4M3, True, False)[:2]
     mx_dq = _fn(tri, "dq", "mxfp8_dequantize")
-    out.append(("mxfp8 dequantize -> bf16", lambda: (ref_mx.mxfp8_dequantize(mx_data, mx_scale, False, torch.bfloat16),),
+    out.append(("mxfp8 dequantize -> bf16",
+                lambda: (ref_mx.mxfp8_dequantize(mx_data, mx_scale, False, torch.bfloat16),),
                 (lambda: (mx_dq(mx_data, mx_scale, False, torch.bfloat16),)) if mx_dq else None, 0,
                 nbytes((mx_data, mx_scale))))
     # NVFP4: the amax pass is a second read of x (like current scaling)
@@ -315,7 +316,7 @@ def main():
     log(hdr)
     log("-" * len(hdr))
     for r in rows:
-        def f(k, fmt):
+        def f(k, fmt, r=r):
             v = r.get(k)
             return format(v, fmt) if v is not None else "-"
         log(f"{r['name']:36s} {r['bytes'] / 2**20:7.1f} {r['copy_GBps']:9.0f} | "

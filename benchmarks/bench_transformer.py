@@ -19,6 +19,7 @@ fwd+bwd. CUDA times are `triton.testing.do_bench` medians; CPU times `time.perf_
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import time
@@ -170,10 +171,11 @@ def main(argv=None):
         for mode in modes:
             label = f"{recipe_name} {mode}"
             res = C.measure({"recipe": recipe_name, "mode": mode}, label,
-                            lambda: run_variant(recipe_name, mode, args, device, dtype), budget, device)
+                            functools.partial(run_variant, recipe_name, mode, args, device, dtype), budget, device)
             results.append(res)
             status = res.get("error") or (f"{res['ms']:.3f} ms/step, first step {res['first_step_s']:.1f}s, "
-                                          f"graph breaks {res['graph_breaks']}, cudagraph skips {res['cudagraph_skips']}")
+                                          f"graph breaks {res['graph_breaks']}, "
+                                          f"cudagraph skips {res['cudagraph_skips']}")
             print(f"  {label}: {status}", flush=True)
 
     by = {(r["recipe"], r["mode"]): r for r in results}

@@ -187,14 +187,14 @@ def main(argv=None):
             for where in sorted(by_module):
                 print(f"    {where:40s} {dict(by_module[where])}")
             if args.modules:
-                for ptr, (where, kind, nbytes, shape) in seen.items():
+                for _ptr, (where, kind, nbytes, shape) in seen.items():
                     if where.startswith(layer_prefix):
                         print(f"      {where:40s} {kind:10s} {nbytes:10d} {shape}")
         if args.compile:
             model, recipe = build(args, name)
             saved = compiled_saved(model, recipe, ids)
             comp = defaultdict(int)
-            for n, kind, nbytes, shape in saved:
+            for n, kind, nbytes, _shape in saved:
                 if not n.startswith("primals"):
                     comp[kind] += nbytes
             print(f"[{name}] compiled: {_fmt(sum(comp.values()))} {dict(comp)} "
