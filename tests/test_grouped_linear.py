@@ -65,8 +65,8 @@ def _compiled_equals_eager(rid, dtype, splits_list, as_arg):
     for splits in splits_list:
         x, dy = torch.randn(96, K, dtype=dtype), torch.randn(96, OUT, dtype=dtype)
         with recipe_ctx(recipe):
-            y, dx = _step(lambda t: cg(t, as_arg(splits)), x, dy)
-            y_e, dx_e = _step(lambda t: ge(t, as_arg(splits)), x, dy)
+            y, dx = _step(lambda t, splits=splits: cg(t, as_arg(splits)), x, dy)
+            y_e, dx_e = _step(lambda t, splits=splits: ge(t, as_arg(splits)), x, dy)
         assert torch.equal(y, y_e) and torch.equal(dx, dx_e)
         assert torch.equal(g.weight1.grad, ge.weight1.grad)
     assert graph_breaks() == 0
@@ -86,10 +86,10 @@ def test_matches_loop_of_linear(rid, as_tensor):
         x, dy = torch.randn(96, K), torch.randn(96, OUT)
         m = torch.tensor(splits) if as_tensor else splits
         with recipe_ctx(recipe):
-            y, dx = _step(lambda t: g(t, m), x, dy)
-            y_ref, dx_ref = _step(lambda t: _ref_loop(refs, t, splits), x, dy)
+            y, dx = _step(lambda t, m=m: g(t, m), x, dy)
+            y_ref, dx_ref = _step(lambda t, splits=splits: _ref_loop(refs, t, splits), x, dy)
         exact = recipe is not None or not grouped_mm_supported(x.device, x.dtype, K, OUT)
-        check = torch.testing.assert_close if not exact else (lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0))
+        check = (lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0)) if exact else torch.testing.assert_close
         check(y, y_ref)
         check(dx, dx_ref)
         for i, r in enumerate(refs):
@@ -187,7 +187,8 @@ def test_compiled_list_splits_wrong_sum_is_the_same_error():
         cg(torch.randn(96, K), [32, 32, 0])
 
 
-_WRONG_SUM = "experts_up: GroupedLinear m_splits sum to 92 but the input has 96 tokens \\(rows\\); splits \\[32, 0, 60\\]"
+_WRONG_SUM = ("experts_up: GroupedLinear m_splits sum to 92 but the input has 96 tokens \\(rows\\); "
+              "splits \\[32, 0, 60\\]")
 
 
 def test_compiled_tensor_splits_wrong_sum_raises(capture_scalars):
@@ -336,8 +337,8 @@ def test_cuda_matches_loop_of_linear(rid):
         x = torch.randn(384, 128, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn(384, 256, device="cuda", dtype=torch.bfloat16)
         with recipe_ctx(recipe):
-            y, dx = _step(lambda t: g(t, torch.tensor(splits, device="cuda")), x, dy)
-            y_ref, dx_ref = _step(lambda t: _ref_loop(refs, t, splits), x, dy)
+            y, dx = _step(lambda t, splits=splits: g(t, torch.tensor(splits, device="cuda")), x, dy)
+            y_ref, dx_ref = _step(lambda t, splits=splits: _ref_loop(refs, t, splits), x, dy)
         tol = dict(rtol=2e-2, atol=2e-2) if recipe is None else dict(rtol=0, atol=0)
         torch.testing.assert_close(y, y_ref, **tol)
         torch.testing.assert_close(dx, dx_ref, **tol)
@@ -374,8 +375,8 @@ def test_cuda_inductor_tensor_splits_one_graph(rid, capture_scalars):
         dy = torch.randn(384, 256, device="cuda", dtype=torch.bfloat16)
         m = torch.tensor(splits, device="cuda")
         with recipe_ctx(recipe):
-            y, dx = _step(lambda t: cg(t, m), x, dy)
-            y_e, dx_e = _step(lambda t: ge(t, m), x, dy)
+            y, dx = _step(lambda t, m=m: cg(t, m), x, dy)
+            y_e, dx_e = _step(lambda t, m=m: ge(t, m), x, dy)
         torch.testing.assert_close(y, y_e, rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(dx, dx_e, rtol=2e-2, atol=2e-2)
     assert graph_breaks() == 0 and unique_graphs() == 1

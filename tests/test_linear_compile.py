@@ -282,7 +282,7 @@ def test_equal_fresh_recipe_each_step_does_not_recompile(make):
     fresh_dynamo()
     m = Linear(64, 32)
     cm = torch.compile(m, fullgraph=True, backend="aot_eager")
-    for step in range(3):
+    for _ in range(3):
         x = torch.randn(32, 64, requires_grad=True)
         with autocast(recipe=make()):
             cm(x).sum().backward()
