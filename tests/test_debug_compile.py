@@ -246,7 +246,7 @@ def test_debug_op_opcheck(rid):
     """Real and fake impls of the debug forward op agree (the token output makes runs differ by
     design, so the AOT-dispatch comparison is covered by the compile tests above instead)."""
     from transformer_engine_proto.custom_ops.linear_call import LinearCall
-    from transformer_engine_proto.custom_ops.recipe_registry import recipe_key
+    from transformer_engine_proto.custom_ops.recipe_key import RecipeKey
     from transformer_engine_proto.debug.debug_gemm import linear_fwd
 
     recipe = {"high_precision": None, "delayed": R.DelayedScaling(amax_history_len=4),
@@ -255,6 +255,6 @@ def test_debug_op_opcheck(rid):
     x, w, b = (torch.randn(32, 64, requires_grad=True), torch.randn(32, 64, requires_grad=True),
                torch.randn(32, requires_grad=True))
     args = (x, w, b, torch.ones(2) if delayed else None, torch.ones(1) if delayed else None,
-            [torch.zeros(2), torch.zeros(1)] if delayed else [], None, "lin", recipe_key(recipe),
+            [torch.zeros(2), torch.zeros(1)] if delayed else [], None, "lin", RecipeKey.of(recipe),
             LinearCall(True, True, True).flags)
     torch.library.opcheck(linear_fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))

@@ -13,7 +13,7 @@ from test_debug_common import debug_session
 
 import transformer_engine_proto as te
 from transformer_engine_proto import recipe as R
-from transformer_engine_proto.custom_ops.recipe_registry import quantizers_from_key, recipe_key
+from transformer_engine_proto.custom_ops.recipe_key import RecipeKey
 from transformer_engine_proto.debug import dump, inspect_dump
 from transformer_engine_proto.debug.quant_view import reconstruct
 
@@ -80,7 +80,7 @@ def test_dump_reconstructs_every_format(tmp_path, rid):
 
 
 def _requantize(rid, role, hp, columnwise, scale=None):
-    q = getattr(quantizers_from_key(recipe_key(RECIPES[rid])), role)
+    q = getattr(RecipeKey.quantizers(RecipeKey.of(RECIPES[rid])), role)
     if rid == "delayed":  # the dump's scale_inv is the scale delayed scaling used
         import dataclasses
 

@@ -309,9 +309,9 @@ def test_fp8_stats_every_format(tmp_path, rid):
         debug_api.step()
         logged = last_logged_stats()
     # delayed scaling's first step quantizes with scale 1: everything above 448 overflows
-    from transformer_engine_proto.custom_ops.recipe_registry import quantizers_from_key, recipe_key
+    from transformer_engine_proto.custom_ops.recipe_key import RecipeKey
 
-    q = quantizers_from_key(recipe_key(recipe)).input
+    q = RecipeKey.quantizers(RecipeKey.of(recipe)).input
     if rid == "delayed":
         q = Float8Quantizer(torch.ones(1), torch.zeros(1), torch.float8_e4m3fn)
     for col in (False, True):

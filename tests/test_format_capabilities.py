@@ -13,7 +13,7 @@ import torch
 
 import transformer_engine_proto as te
 from transformer_engine_proto import recipe as R
-from transformer_engine_proto.custom_ops.recipe_registry import recipe_key
+from transformer_engine_proto.custom_ops.recipe_key import RecipeKey
 from transformer_engine_proto.debug import quant_view
 from transformer_engine_proto.distributed.fsdp import gather_format
 from transformer_engine_proto.distributed.sp_gather import HP, input_gather_format
@@ -152,7 +152,7 @@ def test_a_sixth_format_gemm_gathers_and_debug_decoding():
     out = gemm(a, b, out_dtype=torch.float32, trans_b=True)
     assert torch.equal(out, a.dequantize(dtype=torch.float32) @ b.dequantize(dtype=torch.float32).t())
 
-    key = recipe_key(_toy_recipe())
+    key = RecipeKey.of(_toy_recipe())
     kind, why = gather_format(key, (64, 64), 2)
     assert kind == "hp" and "toy_row_scaled" in why
     with pytest.warns(UserWarning, match="toy_row_scaled"):

@@ -307,16 +307,16 @@ def test_fsdp_all_gather_moves_quantized_bytes(fsdp_results, rid):
 
 
 def test_fsdp_gather_format_table():
-    from transformer_engine_proto.custom_ops.recipe_registry import recipe_key
+    from transformer_engine_proto.custom_ops.recipe_key import RecipeKey
 
     for rid, rec in RECIPES.items():
-        assert F.gather_format(recipe_key(rec), (H, H), WORLD)[0] == EXPECTED_KIND[rid]
-        assert F.gather_format(recipe_key(rec), (ODD_OUT[rid], 64), WORLD)[0] == ODD_KIND[rid]
-    kind, why = F.gather_format(recipe_key(RECIPES["mxfp8"]), (96, 64), WORLD)
+        assert F.gather_format(RecipeKey.of(rec), (H, H), WORLD)[0] == EXPECTED_KIND[rid]
+        assert F.gather_format(RecipeKey.of(rec), (ODD_OUT[rid], 64), WORLD)[0] == ODD_KIND[rid]
+    kind, why = F.gather_format(RecipeKey.of(RECIPES["mxfp8"]), (96, 64), WORLD)
     assert kind == "hp" and "(96, 64)" in why and "48 rows" in why and "block of 32" in why
-    kind, why = F.gather_format(recipe_key(R.Float8BlockScaling(w_block_scaling_dim=1)), (256, 256), WORLD)
+    kind, why = F.gather_format(RecipeKey.of(R.Float8BlockScaling(w_block_scaling_dim=1)), (256, 256), WORLD)
     assert kind == "hp" and "1x128" in why
-    kind, why = F.gather_format(recipe_key(R.NVFP4BlockScaling(disable_2d_quantization=True)), (256, 256), WORLD)
+    kind, why = F.gather_format(RecipeKey.of(R.NVFP4BlockScaling(disable_2d_quantization=True)), (256, 256), WORLD)
     assert kind == "hp" and "1D" in why
 
 

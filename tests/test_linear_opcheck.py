@@ -21,7 +21,7 @@ from linear_cases import QUANTIZED_IDS, RECIPE_IDS, RECIPES
 
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.custom_ops import linear_ops as L
-from transformer_engine_proto.custom_ops.recipe_registry import recipe_key
+from transformer_engine_proto.custom_ops.recipe_key import RecipeKey
 
 IN, OUT, TOKENS = 64, 32, 32  # divisible by every block: MXFP8 32, NVFP4 16 (1D and 2D)
 H = 16  # delayed-scaling history rows given to the ops
@@ -84,7 +84,7 @@ def fwd_args(recipe, *, bias, input_rg, weight_rg, cache_mode=L.CACHE_OFF, save_
              fuse_wgrad_accumulation=False, dtype=torch.float32, seed=0):
     """The exact positional argument list of te_proto::linear_fwd, built as `linear()` does."""
     g = torch.Generator().manual_seed(seed)
-    key = recipe_key(recipe)
+    key = RecipeKey.of(recipe)
     x = torch.randn(TOKENS, IN, generator=g, dtype=dtype).requires_grad_(input_rg)
     w = (torch.randn(OUT, IN, generator=g, dtype=dtype) * 0.1).requires_grad_(weight_rg)
     b = torch.randn(OUT, generator=g, dtype=dtype).requires_grad_() if bias else None
@@ -212,9 +212,9 @@ def test_norm_quantize_and_prequantized_linear_opcheck(fp8_harness, rid):
     recipe = RECIPES[rid]
     from transformer_engine_proto.custom_ops.linear import linear_fwd
     from transformer_engine_proto.custom_ops.norm import norm_quantize_fwd
-    from transformer_engine_proto.custom_ops.recipe_registry import recipe_key
+    from transformer_engine_proto.custom_ops.recipe_key import RecipeKey
 
-    key = recipe_key(recipe)
+    key = RecipeKey.of(recipe)
     x = torch.randn(32, 64, requires_grad=True)
     g, b = torch.randn(64, requires_grad=True), torch.randn(64, requires_grad=True)
     torch.library.opcheck(norm_quantize_fwd, (x, g, b, 1e-5, "LayerNorm", False, key, True))

@@ -17,7 +17,7 @@ from linear_cases import QUANTIZED_IDS, RECIPE_IDS, RECIPES, recipe_ctx
 import transformer_engine_proto as te
 from transformer_engine_proto.custom_ops import linear as L
 from transformer_engine_proto.custom_ops import shared_input
-from transformer_engine_proto.custom_ops.recipe_registry import quantizers_from_key, recipe_key
+from transformer_engine_proto.custom_ops.recipe_key import RecipeKey
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import saved_tensors  # noqa: E402
@@ -52,7 +52,7 @@ def saved_storages(fn, params=()):
 
 def plan_bytes(rid, m, x, save_original_input=False):
     """What the plan says a call saves: protos, raw input, delayed-scaling scale snapshots."""
-    key = recipe_key(RECIPES[rid])
+    key = RecipeKey.of(RECIPES[rid])
     plan = L.make_plan(key, tuple(x.shape), tuple(m.weight.shape), x.dtype, m.weight.dtype,
                        L.LinearCall(x.requires_grad, m.weight.requires_grad, m.bias is not None and m.bias.requires_grad,
                                     save_original_input), False)
@@ -156,8 +156,8 @@ def test_shared_input_entry_dies_with_its_tensor():
 def test_weight_requantized_in_backward_is_bitwise_the_forward_one(rid):
     """Backward quantizes the columnwise weight alone; a quantize of both usages (what forward
     used to save) gives the same bytes."""
-    key = recipe_key(RECIPES[rid])
-    q = quantizers_from_key(key).weight
+    key = RecipeKey.of(RECIPES[rid])
+    q = RecipeKey.quantizers(key).weight
     torch.manual_seed(0)
     w = torch.randn(OUT, IN, dtype=torch.bfloat16)
     if rid == "delayed":

@@ -173,9 +173,9 @@ def test_misaligned_shards_fall_back(results):
 
 # ---- in process: the format decision and the op's fake impl --------------------------------------------
 def _key(recipe):
-    from transformer_engine_proto.custom_ops.recipe_registry import recipe_key
+    from transformer_engine_proto.custom_ops.recipe_key import RecipeKey
 
-    return recipe_key(recipe)
+    return RecipeKey.of(recipe)
 
 
 def test_gather_format_decisions():
@@ -196,7 +196,7 @@ def test_gather_format_decisions():
 @pytest.mark.parametrize("rid", ["delayed", "current", "mxfp8", "blockwise", "nvfp4"])
 def test_op_opcheck_and_matches_quantize(one_rank_group, fp8_harness, rid):  # noqa: F811
     """With one rank the gathered buffers are the input quantizer's own; fake == real (opcheck)."""
-    from transformer_engine_proto.custom_ops.recipe_registry import quantizers_from_key
+    from transformer_engine_proto.custom_ops.recipe_key import RecipeKey
     from transformer_engine_proto.distributed.sp_gather import sp_all_gather_quantized
 
     key = _key(RECIPES[rid])
@@ -208,7 +208,7 @@ def test_op_opcheck_and_matches_quantize(one_rank_group, fp8_harness, rid):  # n
     torch.library.opcheck(sp_all_gather_quantized, args)
     full, amax, bufs = sp_all_gather_quantized(*args)
     assert full.shape == x.shape and full.stride() == (0, 0, 0)
-    q = quantizers_from_key(key).input.with_usage(rowwise=True, columnwise=True)
+    q = RecipeKey.quantizers(key).input.with_usage(rowwise=True, columnwise=True)
     if rid == "delayed":
         import dataclasses
 

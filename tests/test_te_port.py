@@ -298,9 +298,9 @@ def test_quantizers_built_inside_compiled_code(backend, qid):
 
 
 def test_shared_recipe_quantizers_refuse_in_place_usage_changes():
-    from transformer_engine_proto.custom_ops.recipe_registry import quantizers_from_key, recipe_key
+    from transformer_engine_proto.custom_ops.recipe_key import RecipeKey
 
-    shared = quantizers_from_key(recipe_key(recipe.Float8CurrentScaling())).input
+    shared = RecipeKey.quantizers(RecipeKey.of(recipe.Float8CurrentScaling())).input
     with pytest.raises(TypeError, match="with_usage"):
         shared.set_usage(columnwise=False)
     assert shared.columnwise_usage is True

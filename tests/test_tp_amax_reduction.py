@@ -112,16 +112,16 @@ def test_tp_modules_current_scaling_match_full(results, case, compiled):
 
 
 def test_other_recipes_keep_their_key():
-    from transformer_engine_proto.custom_ops.recipe_registry import quantizers_from_key, recipe_key
+    from transformer_engine_proto.custom_ops.recipe_key import RecipeKey
     from transformer_engine_proto.distributed.amax_reduction import tp_amax_key
 
     for rec in (R.DelayedScaling(), R.MXFP8BlockScaling(), None):
-        assert tp_amax_key(recipe_key(rec), "g", ("weight",)) == recipe_key(rec)
-    q = quantizers_from_key(tp_amax_key(recipe_key(RECIPE), "g", ("input", "weight")))
+        assert tp_amax_key(RecipeKey.of(rec), "g", ("weight",)) == RecipeKey.of(rec)
+    q = RecipeKey.quantizers(tp_amax_key(RecipeKey.of(RECIPE), "g", ("input", "weight")))
     assert type(q.input).__name__ == type(q.weight).__name__ == "AmaxReducingQuantizer"
     assert q.input.amax_reduction_group == "g" and type(q.grad_output).__name__ == "Float8CurrentScalingQuantizer"
     # same buffers as plain current scaling (the fake impls stay valid)
-    plain = quantizers_from_key(recipe_key(RECIPE)).input
+    plain = RecipeKey.quantizers(RecipeKey.of(RECIPE)).input
     assert q.input.buffer_layout((64, 32)) == plain.buffer_layout((64, 32))
 
 

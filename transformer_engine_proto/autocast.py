@@ -114,7 +114,7 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[_
     _recipe.require_recipe(recipe, "autocast")
     import torch
 
-    from .custom_ops.recipe_registry import recipe_key
+    from .custom_ops.recipe_key import RecipeKey
     from .precision.policy import policy_key
 
     # is_dynamo_compiling, not is_compiling: the latter is process-wide, True in every thread while
@@ -127,7 +127,7 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[_
                 module.prepare_for_recipe(recipe)
     saved = FP8GlobalState.state
     FP8GlobalState.state = _State(enabled=bool(enabled), recipe=recipe if enabled else None,
-                                  key=recipe_key(recipe if enabled else None), group=amax_reduction_group,
+                                  key=RecipeKey.of(recipe if enabled else None), group=amax_reduction_group,
                                   policy="" if gemm_policy is None else policy_key(gemm_policy),
                                   training=torch.is_grad_enabled())
     try:

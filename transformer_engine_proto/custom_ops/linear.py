@@ -28,7 +28,7 @@ from .delayed_scaling import record_grad_amax
 from .eager_path import eager_function
 from .inductor_lowering import inline_in_inductor
 from .linear_call import CACHE_FILL, CACHE_OFF, CACHE_USE, LinearCall, call_flags
-from .recipe_registry import base_key, quantizers_from_key
+from .recipe_key import RecipeKey
 from .recompute_tags import recompute_saved_input, recomputed_in_backward
 from .row_padding import gemm_rows, pad_rows, unpad_rows
 
@@ -69,7 +69,7 @@ class LinearPlan:
 
     @functools.cached_property
     def quantizers(self):
-        return quantizers_from_key(self.key)
+        return RecipeKey.quantizers(self.key)
 
     @functools.cached_property
     def quantized(self) -> bool:
@@ -252,7 +252,7 @@ def make_plan(key, in_shape, weight_shape, *rest) -> LinearPlan:
 def _quantize_shared(plan: LinearPlan, inp: torch.Tensor, x2d: torch.Tensor) -> QuantizedTensorStorage:
     """The input quantized for this call, shared with the other Linears that read the same tensor
     with the same quantizer and usage (custom_ops/shared_input.py; stateless recipes only)."""
-    key = (base_key(plan.key), plan.input_quantizer())
+    key = (RecipeKey.base(plan.key), plan.input_quantizer())
     buffers = shared_input.lookup(inp, key)
     if buffers is not None:
         return rebuild(TensorProto((plan.input_rows, plan.in_shape[-1]), plan.act_dtype, plan.input_quantizer()),

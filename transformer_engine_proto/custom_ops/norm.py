@@ -111,9 +111,9 @@ def norm_fp8_current(inp, weight, bias, eps: float, kind: str, zero_centered_gam
 
 
 def _input_quantizer(key: str, columnwise: bool):
-    from .recipe_registry import quantizers_from_key
+    from .recipe_key import RecipeKey
 
-    q = quantizers_from_key(key).input
+    q = RecipeKey.quantizers(key).input
     if q is None or q.has_scale_state():
         raise ValueError("norm_quantize_fwd needs a recipe whose input quantizer is stateless "
                          "(not high precision, not DelayedScaling)")

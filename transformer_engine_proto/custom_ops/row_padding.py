@@ -16,14 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .recipe_registry import quantizers_from_key
+from .recipe_key import RecipeKey
 
 __all__ = ["gemm_rows", "pad_rows", "unpad_rows"]
 
 
 @functools.lru_cache(maxsize=None)
 def _wgrad_row_block(key: str) -> int:
-    q = quantizers_from_key(key)
+    q = RecipeKey.quantizers(key)
     if not q.enabled:
         return 1
     return max(getattr(q, role).with_usage(rowwise=False, columnwise=True).row_block()

@@ -25,7 +25,7 @@ import torch
 
 from ..custom_ops.linear import backward_tail, fake_backward_grads, finish_backward
 from ..custom_ops.linear_call import LinearCall, call_flags
-from ..custom_ops.recipe_registry import HIGH_PRECISION_KEY, high_precision_gemms, quantizers_from_key
+from ..custom_ops.recipe_key import RecipeKey
 from ..gemm import gemm
 from ..tensor import QuantizedTensor
 from . import state
@@ -76,10 +76,10 @@ class _Calls:
 
     def __init__(self, layer: str, key: str, plan=None):
         self.layer = layer
-        self.recipe_on = key != HIGH_PRECISION_KEY
+        self.recipe_on = key != RecipeKey.HIGH_PRECISION
         # GEMMs a per-GEMM precision choice keeps in high precision (te.gemm_policy / pins): a
         # debug feature may disable more, never re-enable these
-        self.high_precision_gemms = high_precision_gemms(key)
+        self.high_precision_gemms = RecipeKey.high_precision_gemms(key)
         self.live = state.SESSION.active and state.debug_manager() is not None
         self.iteration = state.current_iteration()
         if plan is None:
@@ -180,7 +180,7 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     call = LinearCall.of(flags)
     input_requires_grad, weight_requires_grad = call.input_requires_grad, call.weight_requires_grad
     calls = _Calls(layer_name, key)
-    q = quantizers_from_key(key)
+    q = RecipeKey.quantizers(key)
     delayed = _delayed(q.input)
     amaxes = torch.zeros(2 if delayed else 0, dtype=torch.float32, device=inp.device)
     iq = _bind(q.input, fp8_scales[0:1], amaxes[0:1]) if delayed else q.input
@@ -204,7 +204,7 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
 @linear_fwd.register_fake
 def _linear_fwd_fake(inp, weight, bias, fp8_scales, grad_scale, grad_amax_state, main_grad, layer_name, key, flags):
-    delayed = _delayed(quantizers_from_key(key).input)
+    delayed = _delayed(RecipeKey.quantizers(key).input)
     return (inp.new_empty(tuple(inp.shape[:-1]) + (weight.shape[0],)),
             inp.new_empty(2 if delayed else 0, dtype=torch.float32), torch.empty(1, dtype=torch.int64, device="cpu"))
 
@@ -222,7 +222,7 @@ def linear_bwd(grad_out: torch.Tensor, token: torch.Tensor, grad_scale: Optional
         raise RuntimeError(f"{layer_name}: the debug GEMM path lost the operands saved by forward "
                            "(was the debug session re-initialised between forward and backward?)")
     calls = _Calls(layer_name, key, plan=saved["plan"] if saved else None)
-    q = quantizers_from_key(key)
+    q = RecipeKey.quantizers(key)
     delayed = _delayed(q.input)
     grad_amax = torch.zeros(1, dtype=torch.float32, device=grad_out.device)
     dy = grad_out.reshape(-1, grad_out.shape[-1])
@@ -244,7 +244,7 @@ def linear_bwd(grad_out: torch.Tensor, token: torch.Tensor, grad_scale: Optional
 @linear_bwd.register_fake
 def _linear_bwd_fake(grad_out, token, grad_scale, layer_name, key, in_shape, weight_shape, weight_dtype, flags):
     return fake_backward_grads(grad_out, LinearCall.of(flags), in_shape, weight_shape, weight_dtype,
-                               _delayed(quantizers_from_key(key).input))
+                               _delayed(RecipeKey.quantizers(key).input))
 
 
 _FWD_ARGS = ("inp", "weight", "bias", "fp8_scales", "grad_scale", "grad_amax_state", "main_grad", "layer_name",

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .. import recipe as R
-from ..custom_ops.recipe_registry import recipe_from_key, recipe_key
+from ..custom_ops.recipe_key import RecipeKey
 from ..tensor import Float8CurrentScalingQuantizer
 from ..tensor.recipe_quantizers import quantizers_for_recipe
 from . import tp as _tp
@@ -71,7 +71,7 @@ class _TPReducedCurrentScaling(R.Float8CurrentScaling):
     reduced_roles: Tuple[str, ...] = ()
 
     def role_quantizers(self):
-        """Hook read by `recipe_registry.quantizers_from_key`."""
+        """Hook read by `RecipeKey.quantizers`."""
         base = quantizers_for_recipe(self)
         changes = {}
         for role in self.reduced_roles:
@@ -86,11 +86,11 @@ class _TPReducedCurrentScaling(R.Float8CurrentScaling):
 def tp_amax_key(key: str, group_name: str, roles: Tuple[str, ...]) -> str:
     """The recipe key a TP GEMM passes to the Linear op: for current scaling, one whose `roles`
     reduce their amax over `group_name`; any other recipe's key unchanged. A constant to dynamo."""
-    recipe = recipe_from_key(key)
+    recipe = RecipeKey.recipe(key)
     if type(recipe) is not R.Float8CurrentScaling:
         return key
     fields = {f.name: getattr(recipe, f.name) for f in dataclasses.fields(recipe)}
-    return recipe_key(_TPReducedCurrentScaling(**fields, amax_reduction_group=group_name, reduced_roles=tuple(roles)))
+    return RecipeKey.of(_TPReducedCurrentScaling(**fields, amax_reduction_group=group_name, reduced_roles=tuple(roles)))
 
 
 def enable_tp_amax_reduction(model: torch.nn.Module) -> int:

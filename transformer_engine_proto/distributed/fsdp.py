@@ -59,7 +59,7 @@ from torch.utils._pytree import tree_map, tree_map_only
 from .. import recipe as R
 from ..autocast import get_fp8_recipe_key
 from ..custom_ops import linear as _linear_ops
-from ..custom_ops.recipe_registry import HIGH_PRECISION_KEY, quantizers_from_key, recipe_from_key
+from ..custom_ops.recipe_key import RecipeKey
 from ..tensor import QuantizedTensor
 from ..tensor.quantized_tensor import handles
 from .gemm_owner import GemmOwner
@@ -77,7 +77,7 @@ def gather_format(key: str, shape, world: int) -> Tuple[str, str]:
     ranks along dim 0. kind is the weight format's `fsdp_gather_rule().kind` ("fp8" / "mxfp8" /
     "blockwise" / "nvfp4"), or "hp" with the reason
     ('' for high precision). Depends on global values only, so every rank decides alike."""
-    q = quantizers_from_key(key).weight
+    q = RecipeKey.quantizers(key).weight
     if q is None:
         return HP, ""
     shape = tuple(shape)
@@ -175,7 +175,7 @@ class FSDPWeight(torch.Tensor):
                 raise ValueError(f"FSDP2 quantized all-gather (strict): {reason}")
             _warn_once(reason)
         self._check_same_format(kind, key, outer_size)
-        recipe = recipe_from_key(key)
+        recipe = RecipeKey.recipe(key)
         gemm = getattr(module, self._gemm_name) if self._gemm_name else None
         delayed = isinstance(recipe, R.DelayedScaling) and gemm is not None
         if delayed and not in_backward:
@@ -188,7 +188,7 @@ class FSDPWeight(torch.Tensor):
         meta = (kind, key, tuple(outer_size))
         if kind == HP:
             return (x,), meta
-        q = quantizers_from_key(key).weight
+        q = RecipeKey.quantizers(key).weight
         scale = None
         if delayed:  # the module's weight scale; the all-reduced weight amax goes into its history
             amax = self._global_amax(group, dtype)
@@ -207,7 +207,7 @@ class FSDPWeight(torch.Tensor):
                 return  # `out` views the all-gather output, already refilled
             (x,) = all_gather_outputs
             return x, (x,)
-        q = quantizers_from_key(key).weight
+        q = RecipeKey.quantizers(key).weight
         extra = tuple(_read_on_this_stream(t) for t in metadata[3:])
         bufs, derived = q.fsdp_rebuild(all_gather_outputs, extra, n)  # the format's own rebuild
         if out is not None:
@@ -250,7 +250,7 @@ class FSDPWeight(torch.Tensor):
 
 
 def _recipe_name(key: str) -> str:
-    recipe = recipe_from_key(key)
+    recipe = RecipeKey.recipe(key)
     return "high precision" if recipe is None else type(recipe).__name__
 
 
@@ -307,7 +307,7 @@ def gathered_weight_cache(owner: str, weight: QuantizedTensor, key: str, is_firs
     `quantized_model_init`) in the order the Linear op's weight cache takes them (both usages;
     one stored usage is relayed out into the other where the format allows), after checking
     it suits this call."""
-    if key == HIGH_PRECISION_KEY:
+    if key == RecipeKey.HIGH_PRECISION:
         raise RuntimeError(f"{owner}: the weight is quantized ({type(weight).__name__}: an FSDP2 quantized "
                            "all-gather or quantized_model_init) but no recipe is active")
     if is_first_microbatch is not None:
@@ -332,14 +332,14 @@ def gathered_weight_cache(owner: str, weight: QuantizedTensor, key: str, is_firs
 def _stored_buffer_names(key: str, shape, rowwise: bool, columnwise: bool) -> Tuple[str, ...]:
     """The buffers a weight of this layout stores (plain arguments: dynamo cannot rebuild a
     quantizer object to pass it here)."""
-    q = quantizers_from_key(key).weight.with_usage(rowwise=rowwise, columnwise=columnwise)
+    q = RecipeKey.quantizers(key).weight.with_usage(rowwise=rowwise, columnwise=columnwise)
     return tuple(q.buffer_layout(shape))
 
 
 @torch._dynamo.assume_constant_result
 def _weight_cache_names(key: str, shape) -> Tuple[str, Tuple[str, ...]]:
     """(tensor class name, buffer names) of a weight cache: constants to torch.compile."""
-    q = quantizers_from_key(key).weight.with_usage(rowwise=True, columnwise=True)
+    q = RecipeKey.quantizers(key).weight.with_usage(rowwise=True, columnwise=True)
     return q.tensor_class.__qualname__, tuple(q.buffer_layout(shape))
 
 

@@ -50,7 +50,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..custom_ops.recipe_registry import quantizers_from_key
+from ..custom_ops.recipe_key import RecipeKey
 from ..tensor import TensorProto
 from . import tp as _tp
 from .gemm_owner import GemmOwner
@@ -81,7 +81,7 @@ _WARNED = set()
 @torch._dynamo.assume_constant_result
 def _row_block(key: str) -> int:
     """The row multiple the input format's shards need for a columnwise gather (1: any)."""
-    q = quantizers_from_key(key).input
+    q = RecipeKey.quantizers(key).input
     return 1 if q is None else q.sp_gather_rule().row_block
 
 
@@ -96,7 +96,7 @@ def _format(key: str, k: int, world: int, columnwise: bool, aligned: bool) -> Tu
 
 
 def _decide(key, k, columnwise, aligned) -> Tuple[str, str]:
-    q = quantizers_from_key(key).input
+    q = RecipeKey.quantizers(key).input
     if q is None:
         return HP, ""
     try:  # a recipe that cannot quantize this shape at all: the module raises its own error
@@ -134,7 +134,7 @@ def _gather_parts(parts, group, world: int) -> Dict[str, torch.Tensor]:
 
 # ---- the op ---------------------------------------------------------------------------------------------
 def _input_quantizer(key: str, columnwise: bool):
-    return quantizers_from_key(key).input.with_usage(rowwise=True, columnwise=columnwise)
+    return RecipeKey.quantizers(key).input.with_usage(rowwise=True, columnwise=columnwise)
 
 
 def _stand_in(shape, x: torch.Tensor) -> torch.Tensor:

@@ -102,9 +102,9 @@ def _recipe_shape_error(key: str, weight_shapes) -> str:
 @functools.lru_cache(maxsize=1024)
 def _shape_error(key: str, weight_shapes) -> str:
     """`_recipe_shape_error`, once per recipe key and shapes (eager forwards ask every call)."""
-    from ..custom_ops.recipe_registry import quantizers_from_key
+    from ..custom_ops.recipe_key import RecipeKey
 
-    q = quantizers_from_key(key)
+    q = RecipeKey.quantizers(key)
     for shape in weight_shapes:
         try:
             q.weight.check_shape(shape)

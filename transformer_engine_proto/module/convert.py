@@ -58,10 +58,10 @@ def _linear_problem(m: nn.Linear, recipes: Sequence, min_multiple: int) -> str:
     if min_multiple > 1 and (in_f % min_multiple or out_f % min_multiple):
         return (f"in_features={in_f}, out_features={out_f}: not both multiples of {min_multiple} "
                 f"(min_multiple; FP8 GEMMs need 16)")
-    from ..custom_ops.recipe_registry import recipe_key
+    from ..custom_ops.recipe_key import RecipeKey
 
     for recipe in recipes:
-        error = _recipe_shape_error(recipe_key(recipe), ((out_f, in_f),))
+        error = _recipe_shape_error(RecipeKey.of(recipe), ((out_f, in_f),))
         if error:
             return f"{type(recipe).__name__}: {error}"
     return ""

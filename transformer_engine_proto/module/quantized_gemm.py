@@ -20,9 +20,9 @@ from ..autocast import (
     in_activation_recompute_phase,
     in_training_autocast,
 )
-from ..custom_ops import linear_ops, recipe_registry
+from ..custom_ops import linear_ops
 from ..custom_ops.delayed_scaling import DEFAULT_HISTORY_LEN, DelayedScalingState
-from ..custom_ops.recipe_registry import HIGH_PRECISION_KEY, high_precision_gemms, quantizers_from_key
+from ..custom_ops.recipe_key import RecipeKey
 from ..debug import debug_gemm as _debug_gemm  # precision debug tools: the debug GEMM path
 from ..distributed import amax_reduction as _amax_reduction
 from ..distributed import fsdp as _fsdp
@@ -87,7 +87,7 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         """The Linear op's key: `key` with the GEMMs that the active GemmPolicy or this GEMM's pins
         keep in high precision (a trace-time constant, precision/policy.py)."""
         policy = get_gemm_policy_key()
-        if not (policy or self.pinned_precision) or key == HIGH_PRECISION_KEY:
+        if not (policy or self.pinned_precision) or key == RecipeKey.HIGH_PRECISION:
             return key
         pins = self.pinned_precision
         if isinstance(weight, QuantizedTensor):  # stored quantized: fprop and dgrad read it as it is
@@ -102,7 +102,7 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
             self.ensure_history_len(recipe)
         if self.uses_weight_cache:
             try:
-                self._alloc_weight_cache(self.recipe_key(recipe_registry.recipe_key(recipe)), weight)
+                self._alloc_weight_cache(self.recipe_key(RecipeKey.of(recipe)), weight)
             except ValueError:
                 pass  # a shape the recipe cannot quantize: forward raises the error, naming the module
 
@@ -113,7 +113,7 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         for name in self._cache_names:
             delattr(self, name)
         self._cache_names = []
-        q = quantizers_from_key(key).weight
+        q = RecipeKey.quantizers(key).weight
         if q is not None:
             proto = TensorProto(weight.shape, weight.dtype, q.with_usage(rowwise=True, columnwise=True),
                                 device=weight.device)
@@ -138,7 +138,7 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
             return None
         wgrad = True
         if inp is not None:
-            high = high_precision_gemms(self.op_key(self.recipe_key(), inp, weight))
+            high = RecipeKey.high_precision_gemms(self.op_key(self.recipe_key(), inp, weight))
             if "fprop" in high:
                 return None
             wgrad = "wgrad" not in high
@@ -251,7 +251,7 @@ def _main_grad(weight):
 
 def _check_stored_weight_precision(op_key: str) -> None:
     """A weight stored quantized has no high-precision copy for fprop / dgrad to read."""
-    if high_precision_gemms(op_key) & {"fprop", "dgrad"}:
+    if RecipeKey.high_precision_gemms(op_key) & {"fprop", "dgrad"}:
         raise_error(NotImplementedError,
                     "fprop / dgrad pinned to bf16 (pin_gemm_precision) on a weight stored quantized "
                     "(quantized_model_init or an FSDP2 quantized all-gather): the weight exists only "

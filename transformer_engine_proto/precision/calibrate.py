@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from .. import recipe as R
-from ..custom_ops.recipe_registry import quantizers_from_key, recipe_key
+from ..custom_ops.recipe_key import RecipeKey
 from ..gemm import gemm
 from .cost_model import BF16, CostTable
 
@@ -104,7 +104,7 @@ def measure_gemm(recipe, gemm_name: str, m: int, n: int, k: int, device) -> floa
     """ms of one GEMM (M, N, K; K the reduction) as a Linear runs it: `gemm_name` sets the
     operands' roles, usages and transposes; recipe None: bf16."""
     randn = lambda *s: torch.randn(*s, device=device, dtype=torch.bfloat16)  # noqa: E731
-    q = quantizers_from_key(recipe_key(recipe))
+    q = RecipeKey.quantizers(RecipeKey.of(recipe))
     if gemm_name == "fprop":  # x (M, K) @ w (N, K)^T
         a, b, ta, tb, ra, rb = randn(m, k), randn(n, k), False, True, ("input", True), ("weight", True)
     elif gemm_name == "dgrad":  # dy (M, K) @ w (K, N)
@@ -121,7 +121,7 @@ def measure_gemm(recipe, gemm_name: str, m: int, n: int, k: int, device) -> floa
 
 def measure_quantize(recipe, role: str, rows: int, cols: int, rowwise: bool, columnwise: bool, device) -> float:
     """ms of the recipe's quantize of a (rows, cols) tensor of `role` ("input", "weight", "grad")."""
-    q = getattr(quantizers_from_key(recipe_key(recipe)), _ROLE_OF[role])
+    q = getattr(RecipeKey.quantizers(RecipeKey.of(recipe)), _ROLE_OF[role])
     q = _bound(q.with_usage(rowwise=rowwise, columnwise=columnwise), device)
     x = torch.randn(rows, cols, device=device, dtype=torch.bfloat16)
     return time_ms(lambda: q.quantize(x, internal=True), device)

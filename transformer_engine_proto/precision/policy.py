@@ -27,7 +27,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ..custom_ops.recipe_registry import HIGH_PRECISION_KEY, base_key, recipe_from_key, with_high_precision_gemms
+from ..custom_ops.recipe_key import RecipeKey
 from ..tensor.recipe_quantizers import GEMMS
 from . import calibrate
 from .cost_model import BF16, CostTable, cache_path, gemm_shapes, shipped_table_path
@@ -243,7 +243,7 @@ def _cached_decision(policy: str, key: str, device: str, m: int, n: int, k: int,
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():  # measuring runs real kernels, also while dynamo traces
-        return decide(policy_from_key(policy), recipe_from_key(key), torch.device(device), m, n, k, training,
+        return decide(policy_from_key(policy), RecipeKey.recipe(key), torch.device(device), m, n, k, training,
                       _parse_pins(pins))
 
 
@@ -252,8 +252,8 @@ def key_with_policy_precision(key: str, policy: str, pins: str, uid: int, device
            training: bool) -> str:
     """The Linear op's recipe key with the GEMMs this call keeps in high precision (a trace-time
     constant). Records the decision under the GEMM's `uid` for `precision_report`."""
-    if base_key(key) == HIGH_PRECISION_KEY:
+    if RecipeKey.base(key) == RecipeKey.HIGH_PRECISION:
         return key
     decision = _cached_decision(policy, key, device, m, n, k, training, pins)
     _DECISIONS[uid] = decision
-    return with_high_precision_gemms(key, decision.high_precision)
+    return RecipeKey.with_high_precision_gemms(key, decision.high_precision)

@@ -1,0 +1,98 @@
+"""`RecipeKey`: the string a recipe crosses custom-op boundaries as, and its one owner.
+
+A custom op's schema cannot carry a Python object, so a recipe travels as a string key that
+torch.compile bakes into the graph as a constant (and guards on). The grammar:
+
+    high_precision                                      no recipe: every GEMM in high precision
+    <repr(recipe)>                                      a registered recipe (frozen dataclass repr)
+    <repr(recipe)>|high_precision_gemms=<g>[+<g>...]    that recipe, the named GEMMs (of fprop,
+                                                        dgrad, wgrad) kept in high precision
+
+Every key is built here (`of`, `with_high_precision_gemms`) and read here (`recipe`, `quantizers`,
+`base`, `high_precision_gemms`). A derived recipe (e.g. TP amax reduction's) is a recipe of its
+own, registered by `of`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Dict, FrozenSet, Iterable, Optional
+
+from ..recipe import Recipe
+from ..tensor.recipe_quantizers import GEMMS, RoleQuantizers, quantizers_for_recipe
+
+__all__ = ["RecipeKey"]
+
+_HIGH_PRECISION = "high_precision"
+_HP_MARK = "|high_precision_gemms="
+_RECIPES: Dict[str, Optional[Recipe]] = {_HIGH_PRECISION: None}
+_LAST = [None, None]  # (recipe, its key) of the last `of`: autocast asks once per entry
+
+
+class RecipeKey:
+    """Build and read recipe keys (plain `str`s; this class holds no instances)."""
+
+    HIGH_PRECISION = _HIGH_PRECISION
+
+    @staticmethod
+    def of(recipe: Optional[Recipe]) -> str:
+        """The key of `recipe` (registered on first use), or HIGH_PRECISION for None."""
+        if recipe is None:
+            return _HIGH_PRECISION
+        last, key = _LAST
+        if recipe is last and _RECIPES.get(key) is recipe:
+            return key
+        key = repr(recipe)
+        _RECIPES[key] = recipe
+        _LAST[:] = recipe, key
+        return key
+
+    @staticmethod
+    def recipe(key: str) -> Optional[Recipe]:
+        """The recipe a key names (None for HIGH_PRECISION)."""
+        try:
+            return _RECIPES[key]
+        except KeyError:
+            raise KeyError(f"recipe key {key!r} was never registered (RecipeKey.of(recipe) first)") from None
+
+    @staticmethod
+    def with_high_precision_gemms(key: str, gemms: Iterable[str]) -> str:
+        """The key of `key`'s recipe with `gemms` (of "fprop", "dgrad", "wgrad") run in high
+        precision: what a Linear op gets when a per-GEMM precision choice keeps some of its GEMMs
+        out of the recipe's format. `key` itself when there are none (or the recipe is off)."""
+        gemms = set(gemms)
+        unknown = gemms - set(GEMMS)
+        if unknown:
+            raise ValueError(f"high-precision GEMMs {sorted(unknown)}: expected names among {GEMMS}")
+        if not gemms or key == _HIGH_PRECISION:
+            return key
+        derived = RecipeKey.base(key) + _HP_MARK + "+".join(g for g in GEMMS if g in gemms)
+        _RECIPES.setdefault(derived, RecipeKey.recipe(key))
+        return derived
+
+    @staticmethod
+    def high_precision_gemms(key: str) -> FrozenSet[str]:
+        """The GEMMs `key` keeps in high precision: string work only, so dynamo folds it to a
+        constant (no quantizer is built while tracing)."""
+        return frozenset(key.split(_HP_MARK, 1)[1].split("+")) if _HP_MARK in key else frozenset()
+
+    @staticmethod
+    def base(key: str) -> str:
+        """`key` without its high-precision GEMMs (the recipe's own key)."""
+        return key.split(_HP_MARK, 1)[0]
+
+    @staticmethod
+    @functools.lru_cache(maxsize=None)
+    def quantizers(key: str) -> RoleQuantizers:
+        """The role quantizers of a key's recipe (sealed: cached and shared), with its
+        high-precision GEMMs."""
+        if _HP_MARK in key:
+            return dataclasses.replace(RecipeKey.quantizers(RecipeKey.base(key)),
+                                       high_precision_gemms=RecipeKey.high_precision_gemms(key))
+        recipe = RecipeKey.recipe(key)
+        custom = getattr(recipe, "role_quantizers", None)  # a derived recipe (distributed/amax_reduction.py)
+        roles = custom() if custom is not None else quantizers_for_recipe(recipe)
+        for q in (roles.input, roles.weight, roles.grad_output):  # cached and shared: no in-place changes
+            if q is not None:
+                q.seal()
+        return roles
