@@ -224,13 +224,15 @@ def test_rope_matches_reference_in_every_format():
     cu = torch.tensor([0, 2, 7], dtype=torch.int32)  # thd: positions restart per sequence
     xt = torch.randn(7, 3, 12)
     pos = torch.tensor([0, 1, 0, 1, 2, 3, 4])
-    assert (apply_rotary_pos_emb(xt, freqs, "thd", cu_seqlens=cu).double() - _rope_ref(xt, pos[:, None], 8)).abs().max() < 1e-5
+    got = apply_rotary_pos_emb(xt, freqs, "thd", cu_seqlens=cu)
+    assert (got.double() - _rope_ref(xt, pos[:, None], 8)).abs().max() < 1e-5
     start = torch.tensor([3, 0])
     got = apply_rotary_pos_emb(x.transpose(0, 1), freqs, "bshd", start_positions=start)
     ref = _rope_ref(x.transpose(0, 1), (torch.arange(5)[None] + start[:, None])[..., None], 8)
     assert (got.double() - ref).abs().max() < 1e-5
     inter = te.RotaryPositionEmbedding(8, interleaved=True)(16)
-    assert torch.equal(inter[:, 0, 0, 0::2], freqs[:, 0, 0, :4]) and torch.equal(inter[:, 0, 0, 1::2], freqs[:, 0, 0, :4])
+    assert torch.equal(inter[:, 0, 0, 0::2], freqs[:, 0, 0, :4])
+    assert torch.equal(inter[:, 0, 0, 1::2], freqs[:, 0, 0, :4])
     with pytest.raises(ValueError, match="cu_seqlens is required"):
         apply_rotary_pos_emb(xt, freqs, "thd")
 

@@ -65,7 +65,8 @@ def _cublas_stand_in(calls):
         st, sw = F.ScalingType, F.SwizzleType
         assert swizzle_a == swizzle_b == (sw.SWIZZLE_32_4_4 if rec_a == st.BlockWise1x32
                                           else [sw.SWIZZLE_32_4_4, sw.NO_SWIZZLE])
-        calls.append({"a_k_major": mat_a.stride(1) == 1, "b_k_major": mat_b.stride(0) == 1, "output_dtype": output_dtype,
+        calls.append({"a_k_major": mat_a.stride(1) == 1, "b_k_major": mat_b.stride(0) == 1,
+                      "output_dtype": output_dtype,
                       "a_shares_storage": mat_a.untyped_storage().data_ptr(),
                       "b_shares_storage": mat_b.untyped_storage().data_ptr()})
         a = _dequantize_operand(mat_a, scale_a, rec_a)
@@ -140,8 +141,8 @@ def test_falls_back_when_it_cannot_run_natively():
     assert BSG.block_scaled_mm(x.only_usage(True), mx, False, True, torch.float32, None, "all", never) is None
     # quantized tensors (not bare storages) take the same path
     calls = []
-    assert BSG.block_scaled_mm(MXFP8Quantizer().quantize(torch.randn(M, K)), MXFP8Quantizer().quantize(torch.randn(N, K)),
-                               False, True, torch.float32, None, "all", _cublas_stand_in(calls)) is not None
+    a, b = MXFP8Quantizer().quantize(torch.randn(M, K)), MXFP8Quantizer().quantize(torch.randn(N, K))
+    assert BSG.block_scaled_mm(a, b, False, True, torch.float32, None, "all", _cublas_stand_in(calls)) is not None
     assert len(calls) == 1
     q16 = NVFP4Quantizer(rowwise_usage=True, columnwise_usage=False)
     a, b = q16.quantize(torch.randn(M, 48), internal=True), q16.quantize(torch.randn(N, 48), internal=True)

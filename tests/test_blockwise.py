@@ -111,7 +111,8 @@ def _check_against_reference(q, x):
         else:
             ccodes, csinv = codes.T, sinv.T
         _assert_codes_equal(_bits(qt._columnwise_data), ccodes, xf.T, q.fp8_dtype)
-        assert np.array_equal(_bits(qt._columnwise_scale_inv).view(np.uint32), np.ascontiguousarray(csinv).view(np.uint32))
+        assert np.array_equal(_bits(qt._columnwise_scale_inv).view(np.uint32),
+                              np.ascontiguousarray(csinv).view(np.uint32))
     # The fake layout describes the real buffers exactly, multi-tile shapes included.
     fake = q.alloc_tensors(x.shape, x.dtype)
     real = qt.get_buffers()
@@ -282,7 +283,8 @@ def test_scaled_mm_gemms_on_cuda(mnk):
     check(xq._rowwise_data, wq._rowwise_data.t(), xq._rowwise_scale_inv, wq._rowwise_scale_inv.t(),
           _emulated_gemm(xq._rowwise_data, xq._rowwise_scale_inv, 1, wq._rowwise_data, wq._rowwise_scale_inv, 128))
     check(dyq._rowwise_data, wq._columnwise_data.t(), dyq._rowwise_scale_inv, wq._columnwise_scale_inv.t(),
-          _emulated_gemm(dyq._rowwise_data, dyq._rowwise_scale_inv, 1, wq._columnwise_data, wq._columnwise_scale_inv, 128))
+          _emulated_gemm(dyq._rowwise_data, dyq._rowwise_scale_inv, 1,
+                         wq._columnwise_data, wq._columnwise_scale_inv, 128))
     if m % 16 == 0:  # wgrad reduces over M
         check(dyq._columnwise_data, xq._columnwise_data.t(), dyq._columnwise_scale_inv, xq._columnwise_scale_inv.t(),
               _emulated_gemm(dyq._columnwise_data, dyq._columnwise_scale_inv, 1,

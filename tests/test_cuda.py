@@ -24,7 +24,8 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("make", [
     lambda rw, cw: Float8CurrentScalingQuantizer(torch.float8_e4m3fn, rowwise_usage=rw, columnwise_usage=cw),
-    lambda rw, cw: Float8BlockQuantizer(torch.float8_e4m3fn, block_scaling_dim=1, rowwise_usage=rw, columnwise_usage=cw),
+    lambda rw, cw: Float8BlockQuantizer(torch.float8_e4m3fn, block_scaling_dim=1, rowwise_usage=rw,
+                                        columnwise_usage=cw),
 ], ids=["tensorwise", "blockwise"])
 @pytest.mark.parametrize("shape", [(256, 512, 384), (1024, 1024, 2048)])
 def test_fast_gemm_matches_emulated(make, shape):
@@ -33,7 +34,8 @@ def test_fast_gemm_matches_emulated(make, shape):
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     wq_maker = make if "Block" not in type(make(True, False)).__name__ else (
-        lambda rw, cw: Float8BlockQuantizer(torch.float8_e4m3fn, block_scaling_dim=2, rowwise_usage=rw, columnwise_usage=cw))
+        lambda rw, cw: Float8BlockQuantizer(torch.float8_e4m3fn, block_scaling_dim=2, rowwise_usage=rw,
+                                            columnwise_usage=cw))
     cases = [  # (a, b, trans_a, trans_b): fprop, dgrad, wgrad
         (make(True, False)(x), wq_maker(True, False)(w), False, True),
         (make(True, False)(dy), wq_maker(False, True)(w), False, False),
@@ -297,7 +299,8 @@ def test_block_scaled_gemm_path_follows_the_device(fmt):
     else:
         qx, qw = NVFP4Quantizer(with_rht=True, rht_seed=3), NVFP4Quantizer(with_2d_quantization=True)
     xq, wq, dyq = qx.quantize(x, internal=True), qw.quantize(w, internal=True), qx.quantize(dy, internal=True)
-    cases = [(xq.only_usage(True), wq.only_usage(True), False, True), (dyq.only_usage(True), wq.only_usage(False), False, False),
+    cases = [(xq.only_usage(True), wq.only_usage(True), False, True),
+             (dyq.only_usage(True), wq.only_usage(False), False, False),
              (dyq.only_usage(False), xq.only_usage(False), True, False)]
     for a, b, ta, tb in cases:
         native = None if layouts is None else block_scaled_mm(a, b, ta, tb, torch.bfloat16, None, layouts)

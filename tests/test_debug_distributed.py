@@ -10,7 +10,8 @@ import torch.multiprocessing as mp
 from dist_harness import check_world, generator, init_worker, to_cpu
 
 CFG = {"s": {"enabled": True, "layers": {"layer_types": ["lin"]},
-             "transformer_engine": {"LogTensorStats": {"enabled": True, "stats": ["min", "max", "mean", "std", "l2_norm"],
+             "transformer_engine": {"LogTensorStats": {"enabled": True,
+                                                       "stats": ["min", "max", "mean", "std", "l2_norm"],
                                                        "tensors": ["activation", "weight"]}}}}
 
 

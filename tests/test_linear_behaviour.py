@@ -81,7 +81,8 @@ def test_close_to_f_linear(rid, dtype):
                 y.backward(g)
             errs = (_rel(y, ref), _rel(x.grad, xr.grad), _rel(m.weight.grad, wr.grad))
             for what, err, bound in zip(("out", "dgrad", "wgrad"), errs, bounds):
-                assert err < bound, f"{rid} {dtype} {lead}x{fin}->{fout} seed {seed}: {what} rel err {err:.4f} >= {bound}"
+                assert err < bound, (f"{rid} {dtype} {lead}x{fin}->{fout} seed {seed}: "
+                                     f"{what} rel err {err:.4f} >= {bound}")
 
 
 def _ulp(v: torch.Tensor, dtype) -> torch.Tensor:
@@ -165,7 +166,8 @@ def _expected_scale(history, algo, fp8_max, margin, previous):
     amax = max(history) if algo == "max" else history[-1]
     if amax <= 0:
         return previous
-    return (torch.tensor([fp8_max]) / torch.tensor([amax], dtype=torch.float32) / (2.0 ** margin)).item()  # TE: a true fp32 division
+    # TE: a true fp32 division
+    return (torch.tensor([fp8_max]) / torch.tensor([amax], dtype=torch.float32) / (2.0 ** margin)).item()
 
 
 def _fp8_quantizer(scale, dtype):
@@ -452,7 +454,8 @@ def test_wrong_last_dim_raises_value_error():
             m(x)
 
 
-@pytest.mark.parametrize("bad", [object(), "mxfp8", R.Format.E4M3, R.QParams()], ids=["object", "str", "format", "qparams"])
+@pytest.mark.parametrize("bad", [object(), "mxfp8", R.Format.E4M3, R.QParams()],
+                         ids=["object", "str", "format", "qparams"])
 def test_unknown_recipe_object_raises_type_error(bad):
     with pytest.raises(TypeError, match="Recipe"):
         with autocast(recipe=bad):

@@ -45,7 +45,8 @@ def _rope(x, pos, base=10000.0):
 def _attend(q, k, v, causal=True):
     """q [b, s, h, d], k/v [b, s, g, d]: explicit softmax attention (GQA by repeating KV heads)."""
     rep = q.shape[2] // k.shape[2]
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(rep, 1), v.transpose(1, 2).repeat_interleave(rep, 1)
+    q = q.transpose(1, 2)
+    k, v = k.transpose(1, 2).repeat_interleave(rep, 1), v.transpose(1, 2).repeat_interleave(rep, 1)
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     if causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
@@ -67,8 +68,9 @@ def _split(w_or_y, interleaved, h=HEADS, g=GROUPS, d=D):
 @pytest.mark.parametrize("input_layernorm,normalization,interleaved",
                          [(True, "RMSNorm", False), (True, "LayerNorm", True), (False, "LayerNorm", True)])
 def test_mha_self_attention_matches_reference(fmt, input_layernorm, normalization, interleaved):
-    m = _init(te.MultiheadAttention(H, HEADS, num_gqa_groups=GROUPS, attention_dropout=0.0, input_layernorm=input_layernorm,
-                                    normalization=normalization, qkv_weight_interleaved=interleaved, qkv_format=fmt))
+    m = _init(te.MultiheadAttention(H, HEADS, num_gqa_groups=GROUPS, attention_dropout=0.0,
+                                    input_layernorm=input_layernorm, normalization=normalization,
+                                    qkv_weight_interleaved=interleaved, qkv_format=fmt))
     x = torch.randn(B, S, H)
     xin = x.transpose(0, 1) if fmt == "sbhd" else x
     freqs = te.RotaryPositionEmbedding(D)(S)

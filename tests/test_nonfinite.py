@@ -201,7 +201,8 @@ def _same_bits(out, ref, what):
             ob, rb = (torch.where(torch.isnan(t), torch.full_like(t.view(torch.int32), -1), t.view(torch.int32))
                       for t in (o, r))
         bad = ob != rb
-        assert not bad.any(), f"{what}[{i}]: {int(bad.sum())} differ, e.g. {ob[bad][:4].tolist()} vs {rb[bad][:4].tolist()}"
+        assert not bad.any(), (f"{what}[{i}]: {int(bad.sum())} differ, "
+                               f"e.g. {ob[bad][:4].tolist()} vs {rb[bad][:4].tolist()}")
 
 
 @pytest.mark.cuda

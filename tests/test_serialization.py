@@ -31,7 +31,8 @@ def _assert_same_quantized(a, b):
         else:
             x, y = bufs_a[name], bufs_b[name]
             assert x.dtype == y.dtype and x.stride() == y.stride(), name
-            assert torch.equal(x.flatten().contiguous().view(torch.uint8), y.flatten().contiguous().view(torch.uint8)), name
+            x_bytes, y_bytes = (t.flatten().contiguous().view(torch.uint8) for t in (x, y))
+            assert torch.equal(x_bytes, y_bytes), name
 
 
 @pytest.mark.parametrize("case", FORMAT_CASES, ids=repr)

@@ -77,7 +77,8 @@ def test_fake_layout_matches_real_quantize(args, seed):
     back = type(real).__tensor_unflatten__({n: getattr(real, n) for n in names}, ctx, real.shape, real.stride())
     assert type(back) is type(real)
     for n in names:
-        assert torch.equal(getattr(back, n).reshape(-1).view(torch.uint8), getattr(real, n).reshape(-1).view(torch.uint8))
+        got, want = (getattr(t, n).reshape(-1).view(torch.uint8) for t in (back, real))
+        assert torch.equal(got, want), n
     torch.testing.assert_close(back.dequantize(), real.dequantize(), equal_nan=True, rtol=0, atol=0)
 
 
