@@ -33,7 +33,8 @@ def _needs(minimum: Tuple[int, int], what: str, native_from=None):
         return True, _CPU
     cc = get_device_compute_capability()
     if cc < minimum:
-        return False, f"{what} needs compute capability {minimum[0]}.{minimum[1]} or newer; this GPU has {cc[0]}.{cc[1]}"
+        return False, (f"{what} needs compute capability {minimum[0]}.{minimum[1]} or newer; "
+                       f"this GPU has {cc[0]}.{cc[1]}")
     if native_from is not None and not (native_from[0] <= cc < native_from[1]):
         return True, f"{what}: emulated on compute capability {cc[0]}.{cc[1]} (native quantize, bf16 GEMM)"
     return True, ""

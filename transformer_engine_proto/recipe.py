@@ -272,7 +272,8 @@ class CustomRecipe(Recipe):
         if not callable(self.qfactory):
             raise TypeError(f"CustomRecipe: qfactory must be callable, got {type(self.qfactory).__name__}")
         if self.quantization_alignment <= 0:
-            raise ValueError(f"CustomRecipe: quantization_alignment must be positive, got {self.quantization_alignment}")
+            raise ValueError(f"CustomRecipe: quantization_alignment must be positive, "
+                             f"got {self.quantization_alignment}")
 
 
 def replace(recipe: Recipe, **changes) -> Recipe:

@@ -3,8 +3,9 @@ their quantizers and recipes.
 
 The weights-only unpickler rebuilds only allow-listed globals. Ours are plain data holders (the
 storage classes rebuild from their buffers and metadata, quantizers and recipes are frozen
-dataclasses, `Format` an enum of dtypes, `FSDPWeight` a tensor and its GEMM's name): none runs code on load beyond setting attributes, so
-they are registered with `torch.serialization.add_safe_globals` at package import. Only classes
+dataclasses, `Format` an enum of dtypes, `FSDPWeight` a tensor and its GEMM's name): none runs
+code on load beyond setting attributes, so they are registered with
+`torch.serialization.add_safe_globals` at package import. Only classes
 defined in this package are registered (a user's subclass must be registered by its owner).
 """
 from __future__ import annotations

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 __all__ = ["all_reduce_sum", "copy_to_tp_region", "reduce_from_tp_region", "all_gather_first_dim",
            "reduce_scatter_first_dim", "gather_from_sequence_parallel_region",
-           "reduce_scatter_to_sequence_parallel_region", "resolve_tp", "group_name_of", "group_by_name", "all_gather_into"]
+           "reduce_scatter_to_sequence_parallel_region", "resolve_tp", "group_name_of", "group_by_name",
+           "all_gather_into"]
 
 
 def group_by_name(name: str):

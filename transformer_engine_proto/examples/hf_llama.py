@@ -92,7 +92,8 @@ def main(argv=None):
     for w in caught:
         print(w.message)
     swapped = sum(isinstance(m, (te.Linear, te.RMSNorm)) for m in model.modules())
-    print(f"device {device}, params {dtype}, {'eager' if backend is None else f'torch.compile(fullgraph=True, backend={backend!r})'}, "
+    how = "eager" if backend is None else f"torch.compile(fullgraph=True, backend={backend!r})"
+    print(f"device {device}, params {dtype}, {how}, "
           f"Llama {cfg.layers} layers hidden {cfg.hidden}, {cfg.batch}x{cfg.seq} tokens/step, {cfg.steps} steps; "
           f"{swapped} modules converted, recipe {args.recipe}")
     results = {}

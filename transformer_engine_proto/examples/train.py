@@ -201,18 +201,21 @@ def main(argv=None):
     p.add_argument("--plot", default=None, help="write a loss-curve PNG (needs matplotlib)")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--gemm-policy", action="store_true",
-                   help="run each GEMM in FP8 only where predicted faster than bf16 (te.GemmPolicy) and print the choices")
+                   help="run each GEMM in FP8 only where predicted faster than bf16 (te.GemmPolicy) "
+                        "and print the choices")
     args = p.parse_args(argv)
     if args.plot:
         _check_plot_deps()
     device = torch.device(args.device)
-    cfg = Config() if device.type == "cpu" else Config(hidden=1024, ffn=4096, heads=16, layers=4, seq=512, batch=4, lr=1e-3)
+    cfg = Config() if device.type == "cpu" else Config(hidden=1024, ffn=4096, heads=16, layers=4, seq=512, batch=4,
+                                                       lr=1e-3)
     if args.steps is not None:
         cfg.steps = args.steps
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     compile_mode = None if args.no_compile else (args.mode or "default")
     names = list(RECIPES) if args.compare else [args.recipe]
-    print(f"device {device}, params {dtype}, {'eager' if compile_mode is None else 'torch.compile(' + compile_mode + ')'}, "
+    how = "eager" if compile_mode is None else f"torch.compile({compile_mode})"
+    print(f"device {device}, params {dtype}, {how}, "
           f"{cfg.layers} layers hidden {cfg.hidden}, {cfg.batch}x{cfg.seq} tokens/step, {cfg.steps} steps")
     results = {}
     entropy = math.nan

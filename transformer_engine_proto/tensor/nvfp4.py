@@ -199,7 +199,8 @@ class NVFP4TensorStorage(QuantizedTensorStorage):
         data = d[f"{usage}_data"]
         r, c = data.shape
         s = d[f"{usage}_scale_inv"].float()
-        vals = ((data.reshape(r, c // BLOCK, BLOCK) * s.unsqueeze(-1)) / d[f"{usage}_global_encode_scale"]).reshape(r, c)
+        scaled = data.reshape(r, c // BLOCK, BLOCK) * s.unsqueeze(-1)
+        vals = (scaled / d[f"{usage}_global_encode_scale"]).reshape(r, c)
         col = usage == "columnwise"
         if col and d.get("with_rht"):  # undo the Hadamard transform exactly as the dequantize kernel does
             vals = apply_rht(vals, int(d["rht_seed"]), inverse=True)

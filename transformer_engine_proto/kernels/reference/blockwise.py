@@ -30,7 +30,8 @@ def tile_scales(x2d: torch.Tensor, rows: int, fp8_dtype, power_2: bool, epsilon:
     rt, ct = ceil_div(r, rows), ceil_div(c, TILE)
     a = x2d.float().abs()
     a = torch.where(a < math.inf, a, 0.0)  # NaN compares False too
-    if guard_or_true(rt * rows != r) or guard_or_true(ct * TILE != c):  # unknown (a data-dependent row count): pad, maybe by 0
+    # unknown (a data-dependent row count): pad, maybe by 0
+    if guard_or_true(rt * rows != r) or guard_or_true(ct * TILE != c):
         a = F.pad(a, (0, ct * TILE - c, 0, rt * rows - r))
     amax = a.reshape(rt, rows, ct, TILE).amax(dim=(1, 3))
     return scale_from_amax(amax, fp8_max(fp8_dtype), 0, power_2, epsilon)

@@ -234,7 +234,8 @@ def check_given_amax(amax: Optional[torch.Tensor], rht: bool) -> None:
     if amax is None:
         return
     if amax.numel() != 1 or amax.dtype != torch.float32:
-        raise ValueError(f"nvfp4_quantize: amax must be one float32 value, got {amax.dtype} of shape {tuple(amax.shape)}")
+        raise ValueError(f"nvfp4_quantize: amax must be one float32 value, "
+                         f"got {amax.dtype} of shape {tuple(amax.shape)}")
     if rht:
         raise ValueError("nvfp4_quantize: a given amax cannot be combined with the RHT (the columnwise "
                          "amax is the rotated tensor's)")
