@@ -37,8 +37,9 @@ Alignment (checked on H100, torch 2.11, `torch._scaled_mm`): besides the GEMM's 
 the 1x128 A operand needs M % 4 == 0 (else CUBLAS_STATUS_NOT_SUPPORTED), and the 128x128 operand
 needs its reduction-dim tile count % 4 == 0 -- ceil(K/128) for fprop, ceil(N/128) for dgrad --
 else the result is silently wrong (padded scale strides are refused). `F.scaled_mm` (v2) takes
-that scale padded to L4 = round_up(count, 4) instead (notes/scaled_mm.md): a small copy into
-``zeros(Nt, L4)[:, :Kt]`` at the GEMM. 1x128 x 1x128 (wgrad) has no such rule.
+that scale padded to L4 = round_up(count, 4) instead (docs/internals.md, section "`torch._scaled_mm`
+rules the GEMM code follows"): a small copy into ``zeros(Nt, L4)[:, :Kt]`` at the GEMM. 1x128 x
+1x128 (wgrad) has no such rule.
 """
 from __future__ import annotations
 
@@ -273,7 +274,8 @@ class Float8BlockQuantizer(Quantizer):
 
     @classmethod
     def debug_quantizer(cls, fp8_dtype, tensor_name):
-        return Float8BlockQuantizer(fp8_dtype or torch.float8_e4m3fn, block_scaling_dim=2 if tensor_name == "weight" else 1)
+        return Float8BlockQuantizer(fp8_dtype or torch.float8_e4m3fn,
+                                    block_scaling_dim=2 if tensor_name == "weight" else 1)
 
     def buffer_layout(self, shape) -> Dict[str, BufferSpec]:
         m, k = flat_2d(shape)
