@@ -229,7 +229,7 @@ def test_the_shipped_formats_declare_every_capability():
         assert q.row_block() >= 1 and isinstance(q.has_scale_state(), bool)
         assert q.debug_recipe_name() in quant_view.RECIPE_NAMES
         for rule in (q.fsdp_gather_rule(), q.sp_gather_rule()):
-            assert isinstance(rule, GatherRule) and (rule.kind is not None or rule.reason)
+            assert isinstance(rule, GatherRule) and (rule.layout is not None or rule.reason)
         t = q(x)
         assert t.format_name() and t.gemm_native() in ("tensorwise", "blockwise", "block_scaled")
         for reduce_last in (True, False):

@@ -30,7 +30,7 @@ otherwise                   param dtype, quantized after the gather by the modul
 columnwise copy is not derivable from the rowwise one, and FSDP gathers along dim 0 only.)
 
 Each format declares its part in its own module under `tensor/` (`tensor/format_api.py`):
-`fsdp_gather_rule` (the kind, the shard's row multiple, whether uneven shards may be padded, or
+`fsdp_gather_rule` (the layout, the shard's row multiple, whether uneven shards may be padded, or
 why it gathers in high precision), `fsdp_quantize_shard` (what is gathered) and `fsdp_rebuild`
 (the full buffers, and which were built after the gather). This file names no format.
 
@@ -73,8 +73,8 @@ HP = "hp"  # gather in the param dtype; the module quantizes after the gather
 
 # ---- which format a weight gathers in -------------------------------------------------------------
 def gather_format(key: str, shape, world: int) -> Tuple[str, str]:
-    """(kind, why not quantized) for a weight of full `shape` under recipe `key` sharded over `world`
-    ranks along dim 0. kind is the weight format's `fsdp_gather_rule().kind` ("fp8" / "mxfp8" /
+    """(layout, why not quantized) for a weight of full `shape` under recipe `key` sharded over `world`
+    ranks along dim 0. layout is the weight format's `fsdp_gather_rule().layout` ("fp8" / "mxfp8" /
     "blockwise" / "nvfp4"), or "hp" with the reason
     ('' for high precision). Depends on global values only, so every rank decides alike."""
     q = RecipeKey.quantizers(key).weight
@@ -90,18 +90,18 @@ def gather_format(key: str, shape, world: int) -> Tuple[str, str]:
     rows = shape[0]
     shard = -(-rows // world)
     rule = q.fsdp_gather_rule()  # the format's own rule (its module under tensor/)
-    if rule.pads_uneven and rule.kind is not None:
-        return rule.kind, ""  # one scale per tensor: any shard (uneven ones are zero-padded)
+    if rule.pads_uneven and rule.layout is not None:
+        return rule.layout, ""  # one scale per tensor: any shard (uneven ones are zero-padded)
     if rows % world:
         return HP, (f"weight shape {shape}: dim 0 ({rows}) is not divisible by the FSDP world size {world} "
                     f"(uneven shards are padded, which block scales cannot express)")
-    if rule.kind is None:
+    if rule.layout is None:
         return HP, rule.reason
-    block, kind = rule.row_block, rule.kind
+    block, layout = rule.row_block, rule.layout
     if shard % block:
         return HP, (f"weight shape {shape}: the FSDP shard of {shard} rows (dim 0 {rows} / world {world}) is "
-                    f"not a multiple of the {kind} block of {block} rows")
-    return kind, ""
+                    f"not a multiple of the {layout} block of {block} rows")
+    return layout, ""
 
 
 # ---- the wrapper parameter ---------------------------------------------------------------------------
@@ -131,7 +131,7 @@ class FSDPWeight(torch.Tensor):
         self._strict = strict
         self._amax_cache = None  # (inner version, fp32 amax of the whole weight)
         self._fwd_key = None     # recipe of the last forward gather (backward re-gathers alike)
-        self._gathered_as = None  # (kind, key) of the first gather: FSDP reuses the unsharded param
+        self._gathered_as = None  # (layout, key) of the first gather: FSDP reuses the unsharded param
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -169,24 +169,24 @@ class FSDPWeight(torch.Tensor):
         else:
             key = get_fp8_recipe_key()
             self._fwd_key = key
-        kind, reason = gather_format(key, tuple(outer_size), world)
-        if kind == HP and reason:
+        layout, reason = gather_format(key, tuple(outer_size), world)
+        if layout == HP and reason:
             if self._strict:
                 raise ValueError(f"FSDP2 quantized all-gather (strict): {reason}")
             _warn_once(reason)
-        self._check_same_format(kind, key, outer_size)
+        self._check_same_format(layout, key, outer_size)
         recipe = RecipeKey.recipe(key)
         gemm = getattr(module, self._gemm_name) if self._gemm_name else None
         delayed = isinstance(recipe, R.DelayedScaling) and gemm is not None
         if delayed and not in_backward:
             if recipe.reduce_amax:
                 gemm.reduce_pending_amaxes(lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group))
-            if kind != HP:  # the module skips its update for a prequantized weight: do it here
+            if layout != HP:  # the module skips its update for a prequantized weight: do it here
                 gemm.update_scales(recipe)
         rows = -(-outer_size[0] // world)
         x = _pad_rows(self._tensor.to(dtype), rows)
-        meta = (kind, key, tuple(outer_size))
-        if kind == HP:
+        meta = (layout, key, tuple(outer_size))
+        if layout == HP:
             return (x,), meta
         q = RecipeKey.quantizers(key).weight
         scale = None
@@ -200,9 +200,9 @@ class FSDPWeight(torch.Tensor):
         return outputs, meta + tuple(extra)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        kind, key, shape = metadata[:3]
+        layout, key, shape = metadata[:3]
         n = shape[0]
-        if kind == HP:
+        if layout == HP:
             if out is not None:
                 return  # `out` views the all-gather output, already refilled
             (x,) = all_gather_outputs
@@ -213,7 +213,7 @@ class FSDPWeight(torch.Tensor):
         if out is not None:
             if not isinstance(out, QuantizedTensor) or set(out.get_buffers()) != set(bufs):
                 raise RuntimeError(f"FSDP2: the unsharded weight {tuple(shape)} was first gathered in another "
-                                   f"format than {kind!r}; the gather format cannot change after the first "
+                                   f"format than {layout!r}; the gather format cannot change after the first "
                                    "all-gather (keep one recipe, evaluation included)")
             targets = [getattr(out, name) for name in derived]
             with torch.autograd._unsafe_preserve_version_counter(tuple(targets)):
@@ -238,14 +238,14 @@ class FSDPWeight(torch.Tensor):
         # rounding is monotonic, so the amax of the cast weight is the cast of the amax
         return _read_on_this_stream(cache[1]).to(dtype).float().clone()
 
-    def _check_same_format(self, kind: str, key: str, shape) -> None:
+    def _check_same_format(self, layout: str, key: str, shape) -> None:
         if self._gathered_as is None:
-            self._gathered_as = (kind, key)
-        elif self._gathered_as[0] != kind or (kind != HP and self._gathered_as[1] != key):
+            self._gathered_as = (layout, key)
+        elif self._gathered_as[0] != layout or (layout != HP and self._gathered_as[1] != key):
             was, now = (_recipe_name(k) for k in (self._gathered_as[1], key))
             raise RuntimeError(
                 f"FSDP2: weight of shape {tuple(shape)} was first all-gathered as {self._gathered_as[0]!r} "
-                f"({was}), now as {kind!r} ({now}). FSDP2 reuses the unsharded parameter, so the gather "
+                f"({was}), now as {layout!r} ({now}). FSDP2 reuses the unsharded parameter, so the gather "
                 "format cannot change after the first all-gather: keep one recipe (evaluation included)")
 
 

@@ -30,7 +30,7 @@ Anything else (misaligned shards where wgrad needs the columnwise copy, 128x128 
 `input_gather_format` says which; a one-time warning names the reason for a fallback.
 
 Each format declares its part in its own module under `tensor/` (`tensor/format_api.py`):
-`sp_gather_rule` (the kind, the row multiple a shard needs for the columnwise copy, or why it
+`sp_gather_rule` (the layout, the row multiple a shard needs for the columnwise copy, or why it
 gathers in high precision), `sp_quantize_shard` (the parts gathered, the buffers every rank
 shares) and `sp_finish_gather` (buffers built after the gather). This file names no format.
 
@@ -63,9 +63,9 @@ _ALIGN = 16  # bytes: each packed buffer starts aligned, so it can be viewed bac
 
 # ---- which format an input gathers in -------------------------------------------------------------
 def input_gather_format(key: str, local_shape: Sequence[int], world: int, columnwise: bool) -> Tuple[str, str]:
-    """(kind, why not quantized) for gathering an input shard of `local_shape` over `world` ranks
+    """(layout, why not quantized) for gathering an input shard of `local_shape` over `world` ranks
     along dim 0 under recipe `key`; `columnwise`: the GEMM's wgrad needs the columnwise copy.
-    kind is the input format's `sp_gather_rule().kind` ("fp8_current" / "fp8_delayed" / "mxfp8"
+    layout is the input format's `sp_gather_rule().layout` ("fp8_current" / "fp8_delayed" / "mxfp8"
     / "blockwise" / "nvfp4"), or HP with the reason ('' for high precision)."""
     local_shape = tuple(local_shape)
     if len(local_shape) < 2:
@@ -88,11 +88,11 @@ def _row_block(key: str) -> int:
 @torch._dynamo.assume_constant_result
 def _format(key: str, k: int, world: int, columnwise: bool, aligned: bool) -> Tuple[str, str]:
     """Depends on plain values only: a constant to dynamo (runs once at trace time)."""
-    kind, reason = _decide(key, k, columnwise, aligned)
+    layout, reason = _decide(key, k, columnwise, aligned)
     if reason and reason not in _WARNED:
         _WARNED.add(reason)
         warnings.warn(f"sequence parallel: all-gathering the input in high precision: {reason}", stacklevel=2)
-    return kind, reason
+    return layout, reason
 
 
 def _decide(key, k, columnwise, aligned) -> Tuple[str, str]:
@@ -104,12 +104,12 @@ def _decide(key, k, columnwise, aligned) -> Tuple[str, str]:
     except ValueError as e:
         return HP, str(e)
     rule = q.sp_gather_rule()  # the format's own rule (its module under tensor/)
-    if rule.kind is None:
+    if rule.layout is None:
         return HP, rule.reason
     if columnwise and not aligned:
-        return HP, (f"{rule.kind}: the columnwise (wgrad) copy needs the sequence-parallel shard's rows "
+        return HP, (f"{rule.layout}: the columnwise (wgrad) copy needs the sequence-parallel shard's rows "
                     f"(product of the leading dims) to be a multiple of {rule.row_block}")
-    return rule.kind, ""
+    return rule.layout, ""
 
 
 def _gather_parts(parts, group, world: int) -> Dict[str, torch.Tensor]:
@@ -145,7 +145,7 @@ def _stand_in(shape, x: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("te_proto::sp_all_gather_quantized", mutates_args=())
 def sp_all_gather_quantized(x: torch.Tensor, scale: Optional[torch.Tensor], group_name: str, world: int, key: str,
-                            kind: str, columnwise: bool) -> Tuple[torch.Tensor, torch.Tensor, List[torch.Tensor]]:
+                            layout: str, columnwise: bool) -> Tuple[torch.Tensor, torch.Tensor, List[torch.Tensor]]:
     """(stand-in of the gathered input, amax (the all-reduced one for per-tensor formats),
     the gathered input's quantized buffers as (M, K) in flatten order)."""
     q = _input_quantizer(key, columnwise)
@@ -163,7 +163,7 @@ def sp_all_gather_quantized(x: torch.Tensor, scale: Optional[torch.Tensor], grou
 
 
 @sp_all_gather_quantized.register_fake
-def _(x, scale, group_name, world, key, kind, columnwise):
+def _(x, scale, group_name, world, key, layout, columnwise):
     k = x.shape[-1]
     m = math.prod(x.shape[:-1]) * world
     proto = TensorProto((m, k), x.dtype, _input_quantizer(key, columnwise), device=x.device)
@@ -185,9 +185,9 @@ sp_all_gather_quantized.register_autograd(_backward, setup_context=_setup)
 
 
 def all_gather_quantized(x: torch.Tensor, scale: Optional[torch.Tensor], group_name: str, world: int, key: str,
-                         kind: str, columnwise: bool):
+                         layout: str, columnwise: bool):
     """(stand-in of the gathered input, amax, buffers for the Linear op's `inp_quantized`)."""
-    return sp_all_gather_quantized(x, scale, group_name, world, key, kind, columnwise)
+    return sp_all_gather_quantized(x, scale, group_name, world, key, layout, columnwise)
 
 
 # ---- user switch ----------------------------------------------------------------------------------------

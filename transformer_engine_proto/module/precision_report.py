@@ -35,7 +35,7 @@ def pin_gemm_precision(module: torch.nn.Module, *, fprop: Optional[str] = None, 
 
 def _measure(decision, device):
     """{gemm: (bf16 ms, recipe ms)} measured now for the decision's GEMM shapes."""
-    recipe = _recipe_of(decision.kind)
+    recipe = _recipe_of(decision.format_name)
     shapes = gemm_shapes(*decision.shape)
     out = {}
     for g in decision.gemm_ms:
@@ -44,14 +44,14 @@ def _measure(decision, device):
     return out
 
 
-def _recipe_of(kind: str):
-    """The recipe class a cost-table kind names, with TE's defaults (the GEMM speed of a format
+def _recipe_of(format_name: str):
+    """The recipe class a cost-table format_name names, with TE's defaults (the GEMM speed of a format
     does not depend on the recipe's scaling options)."""
     from .. import recipe as R
 
-    cls = getattr(R, kind, None)
+    cls = getattr(R, format_name, None)
     if cls is None:
-        raise ValueError(f"precision_report(measure=True): cannot rebuild recipe {kind!r} to measure it")
+        raise ValueError(f"precision_report(measure=True): cannot rebuild recipe {format_name!r} to measure it")
     return cls()
 
 
@@ -75,7 +75,7 @@ def precision_report(model: torch.nn.Module, measure: bool = False) -> str:
         d = made[m._debug_uid]
         cells = []
         for g in GEMMS:
-            where = BF16 if g in d.high_precision else d.kind
+            where = BF16 if g in d.high_precision else d.format_name
             cells.append(where + ("*" if g in d.pinned else ""))
         row = (f"| {name or type(model).__name__} | {' x '.join(map(str, d.shape))} | {' | '.join(cells)} | "
                f"{d.predicted_ms:.3f} | {d.bf16_ms:.3f} | {d.recipe_ms:.3f} |")

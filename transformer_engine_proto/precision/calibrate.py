@@ -19,7 +19,7 @@ from ..custom_ops.recipe_key import RecipeKey
 from ..gemm import gemm
 from .cost_model import BF16, CostTable
 
-__all__ = ["time_ms", "measure_gemm", "measure_quantize", "recipe_kind", "device_name", "GRID", "calibrate_grid"]
+__all__ = ["time_ms", "measure_gemm", "measure_quantize", "format_name_of", "device_name", "GRID", "calibrate_grid"]
 
 GRID = (256, 512, 1024, 2048, 4096, 8192)
 _QUANTIZE_ROWS = (256, 1024, 4096, 16384)  # x 2048 columns: the quantize sizes of the grid
@@ -33,7 +33,7 @@ def device_name(device: torch.device) -> str:
     return device.type
 
 
-def recipe_kind(recipe) -> str:
+def format_name_of(recipe) -> str:
     """The cost table's name for a recipe: its public recipe class (a derived recipe, e.g. the TP
     amax-reducing one, counts as its base); a CustomRecipe by its repr (measured, never shipped)."""
     if recipe is None:
@@ -129,22 +129,22 @@ def measure_quantize(recipe, role: str, rows: int, cols: int, rowwise: bool, col
 
 def calibrate_grid(recipes, device, table: CostTable, grid=GRID, log=print, save=None) -> CostTable:
     """Fill `table` with fprop-oriented GEMMs over grid^3 for bf16 and each recipe, and the
-    quantizes of every role and usage at the grid's quantize sizes (`save(table)` after each kind)."""
+    quantizes of every role and usage at the grid's quantize sizes (`save(table)` after each format_name)."""
     table.grid = tuple(grid)
     for recipe in [None, *recipes]:
-        kind = recipe_kind(recipe)
+        format_name = format_name_of(recipe)
         for m in grid:
             for n in grid:
                 for k in grid:
-                    table.add_gemm(kind, "fprop", m, n, k, measure_gemm(recipe, "fprop", m, n, k, device))
-        log(f"{kind}: {len(grid) ** 3} GEMMs")
+                    table.add_gemm(format_name, "fprop", m, n, k, measure_gemm(recipe, "fprop", m, n, k, device))
+        log(f"{format_name}: {len(grid) ** 3} GEMMs")
         if recipe is None:
             continue
         for role in _ROLE_OF:
             for rowwise, columnwise in ((True, False), (False, True), (True, True)):
                 for rows in _QUANTIZE_ROWS:
                     ms = measure_quantize(recipe, role, rows, 2048, rowwise, columnwise, device)
-                    table.add_quantize(kind, role, rows * 2048, rowwise, columnwise, ms)
+                    table.add_quantize(format_name, role, rows * 2048, rowwise, columnwise, ms)
         if save is not None:
             save(table)
     return table

@@ -3,7 +3,7 @@
 Times are GPU (or CPU) milliseconds of the library's own calls: `gemm()` on operands of one
 format (or bf16), and the recipe's quantize of one role with given usages. A `CostTable` holds
 measured points keyed exactly; a GEMM it has not measured is predicted from its grid (a full
-cartesian grid of M, N, K sizes, interpolated in log space), and returns None when the kind
+cartesian grid of M, N, K sizes, interpolated in log space), and returns None when the format_name
 has no grid, so the caller measures the point (`calibrate.py`) and adds it.
 
 GEMM shapes are (M, N, K) with K the reduction: fprop (tokens, out, in), dgrad (tokens, in,
@@ -20,7 +20,7 @@ from typing import Dict, Optional, Tuple
 
 __all__ = ["CostTable", "gemm_shapes", "BF16", "shipped_table_path", "cache_path"]
 
-BF16 = "bf16"  # the kind of a high-precision GEMM
+BF16 = "bf16"  # the format_name of a high-precision GEMM
 _TABLES_DIR = os.path.join(os.path.dirname(__file__), "tables")
 
 
@@ -43,17 +43,17 @@ def _interp(xs, x):
 
 @dataclass
 class CostTable:
-    """GEMM and quantize times (ms) of one device, by kind (`BF16` or a recipe class name)."""
+    """GEMM and quantize times (ms) of one device, by format_name (`BF16` or a recipe class name)."""
 
     device: str
-    gemm: Dict[str, Dict[str, float]] = field(default_factory=dict)  # kind -> "gemm:M,N,K" -> ms
-    quantize: Dict[str, Dict[str, float]] = field(default_factory=dict)  # kind -> "role,numel,r,c" -> ms
-    grid: Tuple[int, ...] = ()  # sizes measured for every kind in `gemm` over M x N x K
+    gemm: Dict[str, Dict[str, float]] = field(default_factory=dict)  # format_name -> "gemm:M,N,K" -> ms
+    quantize: Dict[str, Dict[str, float]] = field(default_factory=dict)  # format_name -> "role,numel,r,c" -> ms
+    grid: Tuple[int, ...] = ()  # sizes measured for every format_name in `gemm` over M x N x K
 
     # ---- GEMMs ------------------------------------------------------------------------------
-    def gemm_ms(self, kind: str, gemm: str, m: int, n: int, k: int) -> Optional[float]:
+    def gemm_ms(self, format_name: str, gemm: str, m: int, n: int, k: int) -> Optional[float]:
         """This GEMM measured, else the same (M, N, K) as an fprop (the grid's orientation)."""
-        points = self.gemm.get(kind, {})
+        points = self.gemm.get(format_name, {})
         for name in (gemm, "fprop"):
             exact = points.get(f"{name}:{m},{n},{k}")
             if exact is not None:
@@ -77,18 +77,18 @@ class CostTable:
         over = max(m / g[-1], 1.0) * max(n / g[-1], 1.0) * max(k / g[-1], 1.0)
         return math.exp(log_t) * over
 
-    def add_gemm(self, kind: str, gemm: str, m: int, n: int, k: int, ms: float) -> None:
-        self.gemm.setdefault(kind, {})[f"{gemm}:{m},{n},{k}"] = float(ms)
+    def add_gemm(self, format_name: str, gemm: str, m: int, n: int, k: int, ms: float) -> None:
+        self.gemm.setdefault(format_name, {})[f"{gemm}:{m},{n},{k}"] = float(ms)
 
     # ---- quantizes --------------------------------------------------------------------------
     @staticmethod
     def _qkey(role: str, numel: int, rowwise: bool, columnwise: bool) -> str:
         return f"{role},{numel},{int(rowwise)},{int(columnwise)}"
 
-    def quantize_ms(self, kind: str, role: str, numel: int, rowwise: bool, columnwise: bool) -> Optional[float]:
+    def quantize_ms(self, format_name: str, role: str, numel: int, rowwise: bool, columnwise: bool) -> Optional[float]:
         """Exact point, else interpolated (log-log) between the measured sizes of the same role and
         usages, scaled linearly beyond the largest; None when fewer than two sizes are known."""
-        points = self.quantize.get(kind, {})
+        points = self.quantize.get(format_name, {})
         exact = points.get(self._qkey(role, numel, rowwise, columnwise))
         if exact is not None:
             return exact
@@ -104,8 +104,8 @@ class CostTable:
         i, w = _interp(xs, numel)
         return math.exp((1 - w) * math.log(sizes[i][1]) + w * math.log(sizes[i + 1][1]))
 
-    def add_quantize(self, kind: str, role: str, numel: int, rowwise: bool, columnwise: bool, ms: float) -> None:
-        self.quantize.setdefault(kind, {})[self._qkey(role, numel, rowwise, columnwise)] = float(ms)
+    def add_quantize(self, format_name: str, role: str, numel: int, rowwise: bool, columnwise: bool, ms: float) -> None:
+        self.quantize.setdefault(format_name, {})[self._qkey(role, numel, rowwise, columnwise)] = float(ms)
 
     # ---- persistence ------------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -130,10 +130,10 @@ class CostTable:
 
     def merge(self, other: "CostTable") -> None:
         """Add `other`'s points (its grid only when this table has none)."""
-        for kind, pts in other.gemm.items():
-            self.gemm.setdefault(kind, {}).update(pts)
-        for kind, pts in other.quantize.items():
-            self.quantize.setdefault(kind, {}).update(pts)
+        for format_name, pts in other.gemm.items():
+            self.gemm.setdefault(format_name, {}).update(pts)
+        for format_name, pts in other.quantize.items():
+            self.quantize.setdefault(format_name, {}).update(pts)
         if not self.grid:
             self.grid = other.grid
 

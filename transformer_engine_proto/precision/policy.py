@@ -65,7 +65,7 @@ class GemmPolicy:
 class Decision:
     """One Linear shape's choice: GEMMs run in high precision and the predicted ms."""
 
-    kind: str
+    format_name: str
     shape: Tuple[int, int, int]  # tokens, out, in
     high_precision: frozenset
     pinned: Dict[str, str] = field(hash=False, compare=False)
@@ -151,7 +151,7 @@ class _Costs:
 
     def __init__(self, policy: GemmPolicy, recipe, device: torch.device):
         self.policy, self.recipe, self.device = policy, recipe, device
-        self.kind = calibrate.recipe_kind(recipe)
+        self.format_name = calibrate.format_name_of(recipe)
         self.name = calibrate.device_name(device)
         self.table = cost_table(policy.table, self.name)
         self.measured = False
@@ -168,23 +168,23 @@ class _Costs:
             f"not measure it: measure in one process first (e.g. a single-process step with the same shapes, "
             f"cached in {cache_path(self.name)}), or pass GemmPolicy(table=...)")
 
-    def gemm(self, kind: str, gemm: str, mnk) -> float:
-        ms = self.table.gemm_ms(kind, gemm, *mnk)
+    def gemm(self, format_name: str, gemm: str, mnk) -> float:
+        ms = self.table.gemm_ms(format_name, gemm, *mnk)
         if ms is None:
-            self._missing(f"the {kind} {gemm} GEMM {mnk}")
-            ms = calibrate.measure_gemm(None if kind == BF16 else self.recipe, gemm, *mnk, self.device)
-            self.table.add_gemm(kind, gemm, *mnk, ms)
+            self._missing(f"the {format_name} {gemm} GEMM {mnk}")
+            ms = calibrate.measure_gemm(None if format_name == BF16 else self.recipe, gemm, *mnk, self.device)
+            self.table.add_gemm(format_name, gemm, *mnk, ms)
             self.measured = True
         return ms
 
     def quantize(self, role: str, rows: int, cols: int, rowwise: bool, columnwise: bool) -> float:
         if not (rowwise or columnwise):
             return 0.0
-        ms = self.table.quantize_ms(self.kind, role, rows * cols, rowwise, columnwise)
+        ms = self.table.quantize_ms(self.format_name, role, rows * cols, rowwise, columnwise)
         if ms is None:
-            self._missing(f"the {self.kind} quantize of a {role} ({rows}, {cols})")
+            self._missing(f"the {self.format_name} quantize of a {role} ({rows}, {cols})")
             ms = calibrate.measure_quantize(self.recipe, role, rows, cols, rowwise, columnwise, self.device)
-            self.table.add_quantize(self.kind, role, rows * cols, rowwise, columnwise, ms)
+            self.table.add_quantize(self.format_name, role, rows * cols, rowwise, columnwise, ms)
             self.measured = True
         return ms
 
@@ -196,7 +196,7 @@ class _Costs:
 def _predict(costs: _Costs, m: int, n: int, k: int, q: Dict[str, bool], needed) -> Tuple[float, dict]:
     """Predicted ms of one forward + backward with GEMM g in the recipe's format where q[g]."""
     shapes = gemm_shapes(m, n, k)
-    per_gemm = {g: costs.gemm(costs.kind if q[g] else BF16, g, shapes[g]) for g in needed}
+    per_gemm = {g: costs.gemm(costs.format_name if q[g] else BF16, g, shapes[g]) for g in needed}
     total = sum(per_gemm.values())
     total += costs.quantize("input", m, k, q["fprop"], q["wgrad"] and "wgrad" in needed)
     total += costs.quantize("weight", n, k, q["fprop"], False)
@@ -212,10 +212,10 @@ def decide(policy: Optional[GemmPolicy], recipe, device, m: int, n: int, k: int,
     all three GEMMs count, else fprop only. Which tensors require grad does not enter: a fused
     norm + quantize asks before its output (the GEMM's input) exists, and must get the same answer."""
     needed = GEMMS if training else ("fprop",)
-    kind = calibrate.recipe_kind(recipe)
+    format_name = calibrate.format_name_of(recipe)
     if policy is None:  # pins only
         hp = frozenset(g for g, v in pins.items() if v == HIGH)
-        return Decision(kind, (m, n, k), hp, dict(pins))
+        return Decision(format_name, (m, n, k), hp, dict(pins))
     costs = _Costs(policy, recipe, device)
     choices = []
     for bits in itertools.product((False, True), repeat=len(needed)):
@@ -230,10 +230,10 @@ def decide(policy: Optional[GemmPolicy], recipe, device, m: int, n: int, k: int,
     all_recipe = {g: pins.get(g) != HIGH for g in GEMMS}
     bf16_ms, _ = _predict(costs, m, n, k, all_bf16, needed)
     recipe_ms, _ = _predict(costs, m, n, k, all_recipe, needed)
-    per_fmt = {g: costs.gemm(costs.kind, g, gemm_shapes(m, n, k)[g]) for g in needed}
+    per_fmt = {g: costs.gemm(costs.format_name, g, gemm_shapes(m, n, k)[g]) for g in needed}
     costs.save()
     hp = frozenset(g for g in GEMMS if not q[g])
-    return Decision(kind, (m, n, k), hp, dict(pins), predicted, bf16_ms, recipe_ms,
+    return Decision(format_name, (m, n, k), hp, dict(pins), predicted, bf16_ms, recipe_ms,
                     {g: (costs.gemm(BF16, g, gemm_shapes(m, n, k)[g]), per_fmt[g]) for g in needed})
 
 

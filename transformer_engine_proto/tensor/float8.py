@@ -316,13 +316,13 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
             x, scale, torch.zeros_like(amax), self.fp8_dtype, rowwise, columnwise)
         return data, transpose, scale_inv, amax
 
-    def fused_norm_quantize(self, inp, weight, bias, eps, kind, zero_centered_gamma):
+    def fused_norm_quantize(self, inp, weight, bias, eps, normalization, zero_centered_gamma):
         """The norm with its output's amax taken by the norm kernel itself (no separate pass over
         y). This class only: a subclass may quantize otherwise (AmaxReducingQuantizer all-reduces
         its amax)."""
         if type(self) is not Float8CurrentScalingQuantizer:
             return None
-        return norm_quantize_current(self, inp, weight, bias, eps, kind, zero_centered_gamma)
+        return norm_quantize_current(self, inp, weight, bias, eps, normalization, zero_centered_gamma)
 
     def _scale_from_amax(self, amax):
         return scale_from_amax(amax, fp8_max(self.fp8_dtype), self.margin, self.force_pow_2_scales, self.amax_epsilon)
@@ -341,14 +341,14 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
         return self._pack(data, transpose, scale_inv)
 
 
-def norm_quantize_current(q: Float8CurrentScalingQuantizer, inp, weight, bias, eps: float, kind: str,
+def norm_quantize_current(q: Float8CurrentScalingQuantizer, inp, weight, bias, eps: float, normalization: str,
                           zero_centered_gamma: bool):
     """(y, mu, rsigma, buffers): the norm and `q.quantize(y.reshape(-1, K)).get_buffers()` for a
     `Float8CurrentScalingQuantizer` q in one kernel, the amax taken by the norm kernel itself. The
     buffers are in the quantizer's `buffer_layout` order, the flattening order
     (`TensorProto.inner_names`)."""
     y, mu, rsigma, data, transpose, scale_inv, _ = kernel("norm_fp8_current_quantize", inp.device)(
-        inp, weight, bias, eps, kind, zero_centered_gamma, q.fp8_dtype, q.rowwise_usage,
+        inp, weight, bias, eps, normalization, zero_centered_gamma, q.fp8_dtype, q.rowwise_usage,
         q.columnwise_usage, q.margin, q.force_pow_2_scales, q.amax_epsilon)
     shape = (inp.numel() // inp.shape[-1], inp.shape[-1])
     made = {"_data": data, "_transpose": transpose, "_scale_inv": scale_inv}

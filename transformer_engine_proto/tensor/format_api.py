@@ -37,12 +37,12 @@ class GemmOperand(NamedTuple):
 class GatherRule(NamedTuple):
     """How a quantizer's output all-gathers along dim 0 (FSDP2 weights, sequence-parallel inputs).
 
-    `kind` names the gather layout (the handler in `distributed/fsdp.py` / `distributed/sp_gather.py`
+    `layout` names the gather layout (the handler in `distributed/fsdp.py` / `distributed/sp_gather.py`
     that quantizes a shard and rebuilds the full buffers); None: this setting gathers in high
     precision and quantizes after, `reason` says why. `row_block`: the multiple of rows a shard
     needs (1: any). `pads_uneven`: uneven shards may be zero-padded (one scale per tensor)."""
 
-    kind: Optional[str]
+    layout: Optional[str]
     row_block: int = 1
     reason: str = ""
     pads_uneven: bool = False

@@ -177,13 +177,13 @@ class Quantizer:
 
     def fsdp_gather_rule(self) -> GatherRule:
         """How a GEMM weight of this quantizer all-gathers under FSDP2 (dim-0 shards, both usages
-        needed after the gather): the gather kind and the shard's row multiple, or kind None with
+        needed after the gather): the gather layout and the shard's row multiple, or layout None with
         the reason it gathers in high precision (`distributed/fsdp.py`)."""
         raise missing_capability(self, "fsdp_gather_rule")
 
     def fsdp_quantize_shard(self, x: torch.Tensor, global_amax, scale: Optional[torch.Tensor]):
         """(tensors FSDP2 all-gathers along dim 0, extra per-tensor metadata tensors) for this rank's
-        (M, K) weight shard `x`, for a format whose `fsdp_gather_rule` names a kind. `global_amax()`
+        (M, K) weight shard `x`, for a format whose `fsdp_gather_rule` names a layout. `global_amax()`
         gives the whole weight's amax (all-reduced, cached); `scale` is the module's scale for a
         format with scale state, else None."""
         raise missing_capability(self, "fsdp_quantize_shard")
@@ -196,14 +196,14 @@ class Quantizer:
 
     def sp_gather_rule(self) -> GatherRule:
         """How a GEMM input of this quantizer all-gathers under sequence parallelism: the gather
-        kind and the row multiple a shard needs when the columnwise (wgrad) copy is gathered too,
-        or kind None with the reason (`distributed/sp_gather.py`)."""
+        layout and the row multiple a shard needs when the columnwise (wgrad) copy is gathered too,
+        or layout None with the reason (`distributed/sp_gather.py`)."""
         raise missing_capability(self, "sp_gather_rule")
 
     def sp_quantize_shard(self, x2d: torch.Tensor, scale: Optional[torch.Tensor], all_reduce_max):
         """(parts to all-gather as (buffer name, tensor, the dim along which the rows run), buffers
         identical on every rank, the amax the module records) for this rank's (M, K) input shard,
-        for a format whose `sp_gather_rule` names a kind. `all_reduce_max(t)` all-reduces (max) a
+        for a format whose `sp_gather_rule` names a layout. `all_reduce_max(t)` all-reduces (max) a
         tensor in place over the group (amaxes that set a shared scale); `scale` is the module's
         scale for a format with scale state, else None. The gathered buffers must equal those of
         quantizing the whole input, bit for bit."""
@@ -215,7 +215,7 @@ class Quantizer:
         raise missing_capability(self, "sp_finish_gather")
 
     def fused_norm_quantize(self, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                            eps: float, kind: str, zero_centered_gamma: bool):
+                            eps: float, normalization: str, zero_centered_gamma: bool):
         """Optional: (y, mu, rsigma, buffers in `buffer_layout` order) of a LayerNorm / RMSNorm and
         this quantize of its (M, K) output in one fused kernel, or None (the default): the norm
         runs, then `quantize` (`custom_ops/norm.py`, `te_proto::norm_quantize_fwd`)."""

@@ -235,8 +235,8 @@ def _usable(inp: torch.Tensor) -> bool:
     return inp.numel() > 0
 
 
-def _run_fwd(inp, weight, bias, eps, kind, zero_centered_gamma, with_amax):
-    _ref.check_norm_args(inp, weight, bias, kind)
+def _run_fwd(inp, weight, bias, eps, normalization, zero_centered_gamma, with_amax):
+    _ref.check_norm_args(inp, weight, bias, normalization)
     k = inp.shape[-1]
     m = inp.numel() // k
     x = inp.contiguous()
@@ -250,34 +250,34 @@ def _run_fwd(inp, weight, bias, eps, kind, zero_centered_gamma, with_amax):
     cfg = _tile(k, CONFIG["fwd"])
     _fwd_kernel[(triton.cdiv(m, cfg["ROWS"]),)](
         xk, wk, bk, y_k, mu, rsigma, amax, m, k, float(eps),
-        RMS=kind == "RMSNorm", ZERO_CENTERED=bool(zero_centered_gamma), HAS_BIAS=bias is not None,
+        RMS=normalization == "RMSNorm", ZERO_CENTERED=bool(zero_centered_gamma), HAS_BIAS=bias is not None,
         AMAX=bool(with_amax), X_BF16=x_bf16, W_BF16=w_bf16, B_BF16=b_bf16, OUT=OUT_KIND[inp.dtype],
         SOFT=soft_cast(), enable_fp_fusion=False, **cfg)
     return y, mu, rsigma, amax.view(torch.float32)
 
 
 @triton_kernel("norm_fwd")
-def norm_fwd(inp, weight, bias, eps: float, kind: str, zero_centered_gamma: bool):
+def norm_fwd(inp, weight, bias, eps: float, normalization: str, zero_centered_gamma: bool):
     """(y in inp.dtype, mu fp32, rsigma fp32); mu and rsigma have shape inp.shape[:-1]."""
     if not _usable(inp):
-        return _ref.norm_fwd(inp, weight, bias, eps, kind, zero_centered_gamma)
-    return _run_fwd(inp, weight, bias, eps, kind, zero_centered_gamma, False)[:3]
+        return _ref.norm_fwd(inp, weight, bias, eps, normalization, zero_centered_gamma)
+    return _run_fwd(inp, weight, bias, eps, normalization, zero_centered_gamma, False)[:3]
 
 
 @triton_kernel("norm_fwd_amax")
-def norm_fwd_amax(inp, weight, bias, eps: float, kind: str, zero_centered_gamma: bool):
+def norm_fwd_amax(inp, weight, bias, eps: float, normalization: str, zero_centered_gamma: bool):
     """(y, mu, rsigma, amax): the norm plus max |y| over the finite values of y as stored (fp32 (1,))."""
     if not _usable(inp):
-        return _ref.norm_fwd_amax(inp, weight, bias, eps, kind, zero_centered_gamma)
-    return _run_fwd(inp, weight, bias, eps, kind, zero_centered_gamma, True)
+        return _ref.norm_fwd_amax(inp, weight, bias, eps, normalization, zero_centered_gamma)
+    return _run_fwd(inp, weight, bias, eps, normalization, zero_centered_gamma, True)
 
 
 @triton_kernel("norm_bwd")
-def norm_bwd(grad_out, inp, mu, rsigma, weight, kind: str, zero_centered_gamma: bool, has_bias: bool):
+def norm_bwd(grad_out, inp, mu, rsigma, weight, normalization: str, zero_centered_gamma: bool, has_bias: bool):
     """[dx, dgamma] (+ [dbeta] with a bias); dgamma / dbeta in weight.dtype."""
     if not _usable(inp):
-        return _ref.norm_bwd(grad_out, inp, mu, rsigma, weight, kind, zero_centered_gamma, has_bias)
-    _ref.check_norm_args(inp, weight, None, kind)
+        return _ref.norm_bwd(grad_out, inp, mu, rsigma, weight, normalization, zero_centered_gamma, has_bias)
+    _ref.check_norm_args(inp, weight, None, normalization)
     if grad_out.shape != inp.shape or grad_out.dtype not in _ref.NORM_DTYPES:
         raise ValueError(f"norm_bwd: grad_out {tuple(grad_out.shape)} {grad_out.dtype} does not match "
                          f"input {tuple(inp.shape)}")
@@ -297,7 +297,7 @@ def norm_bwd(grad_out, inp, mu, rsigma, weight, kind: str, zero_centered_gamma: 
     wk, w_bf16 = as_kernel_input(weight.contiguous())
     _bwd_kernel[(programs,)](
         dyk, xk, mu.contiguous(), rsigma.contiguous(), wk, dx_k, dw, db, m, k,
-        RMS=kind == "RMSNorm", ZERO_CENTERED=bool(zero_centered_gamma), HAS_BIAS=bool(has_bias),
+        RMS=normalization == "RMSNorm", ZERO_CENTERED=bool(zero_centered_gamma), HAS_BIAS=bool(has_bias),
         DY_BF16=dy_bf16, X_BF16=x_bf16, W_BF16=w_bf16, OUT=OUT_KIND[inp.dtype], SOFT=soft_cast(),
         ITERS=iters, enable_fp_fusion=False, **cfg)
     grads = [dx, dw.sum(0).to(weight.dtype)]
@@ -307,13 +307,13 @@ def norm_bwd(grad_out, inp, mu, rsigma, weight, kind: str, zero_centered_gamma: 
 
 
 @triton_kernel("norm_fp8_current_quantize")
-def norm_fp8_current_quantize(inp, weight, bias, eps: float, kind: str, zero_centered_gamma: bool,
+def norm_fp8_current_quantize(inp, weight, bias, eps: float, normalization: str, zero_centered_gamma: bool,
                               fp8_dtype, rowwise: bool, columnwise: bool, margin: int = 0,
                               power_2: bool = False, epsilon: float = 0.0):
     """(y, mu, rsigma, data, transpose, scale_inv, amax): the norm writes y and its amax, the cast
     kernel reads that amax (no separate amax pass over y)."""
     fp8_params(fp8_dtype)
-    y, mu, rsigma, amax = norm_fwd_amax(inp, weight, bias, eps, kind, zero_centered_gamma)
+    y, mu, rsigma, amax = norm_fwd_amax(inp, weight, bias, eps, normalization, zero_centered_gamma)
     y2d = y.reshape(-1, y.shape[-1])
     if not _f8._fits(y2d):  # what the unfused quantize of y would do for this shape
         data, transpose, scale_inv, amax = _f8.fp8_quantize_current(y2d, fp8_dtype, rowwise, columnwise,
