@@ -264,7 +264,7 @@ def test_module_called_twice_before_backward(rid, save_original_input, fuse):
     before their backwards) must train, as it does with the other recipes / without fusion.
 
     Fails as of this writing, eager and compiled: mutable state is saved with save_for_backward
-    (custom_ops/linear.py _setup_context: fp8_scales, grad_scale, grad_amax_history, main_grad) and then
+    (custom_ops/linear.py _setup_context: fp8_scale, grad_fp8_scale, grad_amax_history, main_grad) and then
     mutated in place before that backward runs -- by the second forward's delayed-scaling update
     (QuantizedGemm.update_scales: fp8_scale.copy_, grad_fp8_scale.copy_, history roll)
     or by the other call's backward (grad_amax_history[0].copy_, main_grad.add_) -- so backward

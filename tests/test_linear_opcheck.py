@@ -62,7 +62,7 @@ def _delayed_state(recipe):
     return torch.tensor([96.0, 12.0]), torch.tensor([2048.0]), [torch.tensor([3.0, 1.0]), torch.tensor([1.0])]
 
 
-def _cache_buffers(recipe, plan, weight, fp8_scales):
+def _cache_buffers(recipe, plan, weight, fp8_scale):
     """The weight cache the module would hold: the plan's cached_weight() proto, filled by
     quantizing the weight (checked against the proto's layout: the central invariant)."""
     proto = plan.cached_weight()
@@ -70,7 +70,7 @@ def _cache_buffers(recipe, plan, weight, fp8_scales):
         return []
     q = proto.quantizer
     if isinstance(recipe, R.DelayedScaling):
-        q = dataclasses.replace(q, scale=fp8_scales[1:2].clone(), amax=torch.zeros(1))
+        q = dataclasses.replace(q, scale=fp8_scale[1:2].clone(), amax=torch.zeros(1))
     real = q.quantize(weight.detach()).get_buffers()
     fake = proto.create_buffers()
     assert list(real) == list(fake)
@@ -88,13 +88,13 @@ def fwd_args(recipe, *, bias, input_rg, weight_rg, cache_mode=L.CACHE_OFF, save_
     x = torch.randn(TOKENS, IN, generator=g, dtype=dtype).requires_grad_(input_rg)
     w = (torch.randn(OUT, IN, generator=g, dtype=dtype) * 0.1).requires_grad_(weight_rg)
     b = torch.randn(OUT, generator=g, dtype=dtype).requires_grad_() if bias else None
-    fp8_scales, grad_scale, grad_amax_state = _delayed_state(recipe)
+    fp8_scale, grad_fp8_scale, grad_amax_state = _delayed_state(recipe)
     fuse = fuse_wgrad_accumulation and weight_rg
     call = L.LinearCall(input_rg, weight_rg, bias, save_original_input, fuse, cache_mode)
     plan = L._plan(key, x, w, call)
-    cache = _cache_buffers(recipe, plan, w, fp8_scales) if recipe is not None else []
+    cache = _cache_buffers(recipe, plan, w, fp8_scale) if recipe is not None else []
     main_grad = torch.zeros(OUT, IN, dtype=torch.float32) if fuse else None
-    return (x, w, b, fp8_scales, grad_scale, grad_amax_state, cache, main_grad, key, call.flags, [])
+    return (x, w, b, fp8_scale, grad_fp8_scale, grad_amax_state, cache, main_grad, key, call.flags, [])
 
 
 GRAD_COMBOS = list(itertools.product([False, True], repeat=3))  # (bias, input_rg, weight_rg)
@@ -172,7 +172,7 @@ def bwd_args(recipe, *, bias, input_rg, weight_rg, cache_mode=L.CACHE_OFF, save_
     """Run linear_fwd for real, then assemble linear_bwd's argument list as `_backward` does."""
     a = fwd_args(recipe, bias=bias, input_rg=input_rg, weight_rg=weight_rg, cache_mode=cache_mode,
                  save_original_input=save_original_input, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
-    (x, w, b, scales, grad_scale, _grad_amax_state, cache, main_grad, key, flags, _prequantized) = a
+    (x, w, b, scales, grad_fp8_scale, _grad_amax_state, cache, main_grad, key, flags, _prequantized) = a
     call = L.LinearCall.of(flags)
     with torch.no_grad():
         _, _, saved, _ = torch.ops.te_proto.linear_fwd(*a)
@@ -181,7 +181,7 @@ def bwd_args(recipe, *, bias, input_rg, weight_rg, cache_mode=L.CACHE_OFF, save_
     raw_w = w.detach() if plan.saves_raw_weight() else None
     used_cache = cache if call.cache_mode == L.CACHE_USE and call.input_requires_grad else []
     grad_out = torch.randn(TOKENS, OUT, generator=torch.Generator().manual_seed(1), dtype=x.dtype)
-    return (grad_out, [s.detach() for s in saved], raw_inp, raw_w, used_cache, scales, grad_scale,
+    return (grad_out, [s.detach() for s in saved], raw_inp, raw_w, used_cache, scales, grad_fp8_scale,
             main_grad, key, list(x.shape), list(w.shape), w.dtype, flags)
 
 

@@ -34,7 +34,7 @@ from .row_padding import gemm_rows, pad_rows, unpad_rows
 
 __all__ = ["linear", "LinearPlan", "LinearCall", "CACHE_OFF", "CACHE_FILL", "CACHE_USE"]
 
-# Delayed scaling state: fp8_scales (2,) for input/weight, used in forward only; grad_scale (1,)
+# Delayed scaling state: fp8_scale (2,) for input/weight, used in forward only; grad_fp8_scale (1,)
 # is saved for backward, which records the grad amax into `grad_amax_state` (delayed_scaling.py).
 
 
@@ -265,7 +265,7 @@ def _quantize_shared(plan: LinearPlan, inp: torch.Tensor, x2d: torch.Tensor) -> 
 # ---- forward ----------------------------------------------------------------------------------
 @torch.library.custom_op("te_proto::linear_fwd", mutates_args=())
 def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-               fp8_scales: Optional[torch.Tensor], grad_scale: Optional[torch.Tensor],
+               fp8_scale: Optional[torch.Tensor], grad_fp8_scale: Optional[torch.Tensor],
                grad_amax_state: List[torch.Tensor], weight_cache: List[torch.Tensor],
                main_grad: Optional[torch.Tensor], key: str, flags: int,
                inp_quantized: List[torch.Tensor]
@@ -286,7 +286,7 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         # its columnwise copy is saved for wgrad, or rebuilt in backward (recompute_tags.py)
         with recomputed_in_backward(plan.saved_input() is not None and recompute_saved_input()):
             if plan.delayed:
-                iq, amaxes[0] = _bind_delayed(iq, fp8_scales, 0)
+                iq, amaxes[0] = _bind_delayed(iq, fp8_scale, 0)
                 xq = iq.quantize(pad_rows(x2d, plan.input_rows), internal=True)
             else:
                 xq = _quantize_shared(plan, inp, x2d)
@@ -296,7 +296,7 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         wq = plan.weight_quantizer()  # None: forward reads the bf16 weight only
         if wq is not None:
             if plan.delayed:
-                wq, amaxes[1] = _bind_delayed(wq, fp8_scales, 1)
+                wq, amaxes[1] = _bind_delayed(wq, fp8_scale, 1)
             wq = wq.quantize(weight, internal=True)
     if plan.delayed:  # a tensor only backward quantizes: record its amax here (forward_amax_roles)
         for role in plan.forward_amax_roles():
@@ -316,7 +316,7 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
 
 @linear_fwd.register_fake
-def _linear_fwd_fake(inp, weight, bias, fp8_scales, grad_scale, grad_amax_state, weight_cache, main_grad, key,
+def _linear_fwd_fake(inp, weight, bias, fp8_scale, grad_fp8_scale, grad_amax_state, weight_cache, main_grad, key,
                      flags, inp_quantized):
     plan = _plan(key, inp, weight, LinearCall.of(flags), inp_quantized)
     cache_mode = plan.call.cache_mode
@@ -336,7 +336,7 @@ def _linear_fwd_fake(inp, weight, bias, fp8_scales, grad_scale, grad_amax_state,
 @torch.library.custom_op("te_proto::linear_bwd", mutates_args=())
 def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[torch.Tensor],
                weight: Optional[torch.Tensor], weight_cache: List[torch.Tensor],
-               fp8_scales: Optional[torch.Tensor], grad_scale: Optional[torch.Tensor],
+               fp8_scale: Optional[torch.Tensor], grad_fp8_scale: Optional[torch.Tensor],
                main_grad: Optional[torch.Tensor], key: str, in_shape: List[int], weight_shape: List[int],
                weight_dtype: torch.dtype, flags: int) -> List[torch.Tensor]:
     """[dgrad] [wgrad (fp32 when it is accumulated into main_grad)] [dbias] [grad amax (delayed)]."""
@@ -355,7 +355,7 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
         wq = plan.dgrad_weight().quantizer
         with recomputed_in_backward():
             if plan.delayed:  # the forward's scale (snapshot); this amax was recorded in forward
-                wq = wq.with_scale_state(_scale_slot(fp8_scales, 1), torch.zeros(1, device=dy.device))
+                wq = wq.with_scale_state(_scale_slot(fp8_scale, 1), torch.zeros(1, device=dy.device))
             w = wq.quantize(weight, internal=True)
     else:
         w = weight
@@ -366,13 +366,13 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
     gq = plan.grad_quantizer()  # None for bias-only or both GEMMs in high precision
     if gq is not None:
         if plan.delayed:
-            gq = gq.with_scale_state(grad_scale, grad_amax)
+            gq = gq.with_scale_state(grad_fp8_scale, grad_amax)
         dy_q = gq.quantize(pad_rows(dy, rows), internal=True)
     if plan.wgrad_q and call.save_original_input:  # kept in backward, as the weight's quantize
         iq = plan.quantizers.input.with_usage(rowwise=False, columnwise=True)
         with recomputed_in_backward():
             if plan.delayed:  # reuse the forward's scale; the amax was recorded in forward
-                iq = iq.with_scale_state(_scale_slot(fp8_scales, 0), torch.zeros(1, device=dy.device))
+                iq = iq.with_scale_state(_scale_slot(fp8_scale, 0), torch.zeros(1, device=dy.device))
             x = iq.quantize(pad_rows(x, rows), internal=True)
     grads = []
     dgrad_q, wgrad_q = plan.dgrad_q, plan.wgrad_q  # dy_q holds the usages of these two
@@ -399,7 +399,7 @@ def backward_tail(grads: List[torch.Tensor], dy: torch.Tensor, bias_requires_gra
 
 
 @linear_bwd.register_fake
-def _linear_bwd_fake(grad_out, saved, inp, weight, weight_cache, fp8_scales, grad_scale, main_grad,
+def _linear_bwd_fake(grad_out, saved, inp, weight, weight_cache, fp8_scale, grad_fp8_scale, main_grad,
                      key, in_shape, weight_shape, weight_dtype, flags):
     call = LinearCall.of(flags)
     plan = make_plan(key, tuple(in_shape), tuple(weight_shape), grad_out.dtype, weight_dtype, call, False)
@@ -458,7 +458,7 @@ def _setup_context(ctx, inputs, output):
     # the buffers backward writes into (grad amax state, main_grad) are kept by reference, not
     # saved, so a module applied twice before its backwards does not trip autograd's version check.
     clone = lambda t: None if t is None else t.clone()  # noqa: E731
-    state = (raw_inp, raw_w, clone(a["fp8_scales"]), clone(a["grad_scale"]))
+    state = (raw_inp, raw_w, clone(a["fp8_scale"]), clone(a["grad_fp8_scale"]))
     ctx.has = tuple(t is not None for t in state)
     ctx.grad_amax_state, ctx.main_grad = list(a["grad_amax_state"]), a["main_grad"]
     tensors = [t for t in state if t is not None]
@@ -473,12 +473,12 @@ def _backward(ctx, grad_out, _grad_amaxes, _grad_saved, _grad_cache):
     saved, tensors = tensors[:ctx.n_saved], tensors[ctx.n_saved:]
     cache, tensors = tensors[:ctx.n_cache], tensors[ctx.n_cache:]
     it = iter(tensors)
-    raw_inp, raw_w, scales, grad_scale = (next(it) if h else None for h in ctx.has)
+    raw_inp, raw_w, scales, grad_fp8_scale = (next(it) if h else None for h in ctx.has)
     main_grad = ctx.main_grad
     args = ctx.args
     backward_op = getattr(ctx, "backward_op", linear_bwd)
     grads = backward_op(grad_out.contiguous(), saved=saved, inp=raw_inp, weight=raw_w, weight_cache=cache,
-                        fp8_scales=scales, grad_scale=grad_scale, main_grad=main_grad, **args)
+                        fp8_scale=scales, grad_fp8_scale=grad_fp8_scale, main_grad=main_grad, **args)
     dgrad, wgrad, dbias = finish_backward(ctx.call, grads, ctx.grad_amax_state, main_grad)
     # one grad per linear_fwd argument, by name: None for the others (a list of Nones for a list)
     grads_by_name = dict(inp=dgrad, weight=wgrad, bias=dbias, grad_amax_state=[None] * len(ctx.grad_amax_state),
@@ -494,13 +494,13 @@ inline_in_inductor(torch.ops.te_proto.linear_bwd.default, linear_bwd._init_fn)
 _linear_fwd_call = eager_function(linear_fwd, _setup_context, _backward, linear_bwd._init_fn, non_differentiable=(1,))
 
 
-def linear(inp, weight, bias=None, *, key: str, fp8_scales=None, grad_scale=None, grad_amax_state=(),
+def linear(inp, weight, bias=None, *, key: str, fp8_scale=None, grad_fp8_scale=None, grad_amax_state=(),
            weight_cache=(),
            main_grad=None, cache_mode: int = CACHE_OFF, save_original_input: bool = False,
            fuse_wgrad_accumulation: bool = False, inp_quantized=()):
     """y = inp @ weight.T + bias through the custom ops. Returns (y, amaxes, new_weight_cache)."""
     flags = call_flags(inp, weight, bias, cache_mode, save_original_input, fuse_wgrad_accumulation)
-    args = (inp, weight, bias, fp8_scales, grad_scale, list(grad_amax_state), list(weight_cache), main_grad, key,
+    args = (inp, weight, bias, fp8_scale, grad_fp8_scale, list(grad_amax_state), list(weight_cache), main_grad, key,
             flags, list(inp_quantized))
     out, amaxes, _, cache = _linear_fwd_call(*args)
     return out, amaxes, cache

@@ -174,7 +174,7 @@ def _kept(t, source: torch.Tensor):
 # ---- forward ----------------------------------------------------------------------------------------
 @torch.library.custom_op("te_proto_debug::linear_fwd", mutates_args=(), tags=_TAGS)
 def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-               fp8_scales: Optional[torch.Tensor], grad_scale: Optional[torch.Tensor],
+               fp8_scale: Optional[torch.Tensor], grad_fp8_scale: Optional[torch.Tensor],
                grad_amax_state: List[torch.Tensor], main_grad: Optional[torch.Tensor], layer_name: str, key: str,
                flags: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     call = LinearCall.of(flags)
@@ -183,8 +183,8 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     q = RecipeKey.quantizers(key)
     delayed = _delayed(q.input)
     amaxes = torch.zeros(2 if delayed else 0, dtype=torch.float32, device=inp.device)
-    iq = _bind(q.input, fp8_scales[0:1], amaxes[0:1]) if delayed else q.input
-    wq = _bind(q.weight, fp8_scales[1:2], amaxes[1:2]) if delayed else q.weight
+    iq = _bind(q.input, fp8_scale[0:1], amaxes[0:1]) if delayed else q.input
+    wq = _bind(q.weight, fp8_scale[1:2], amaxes[1:2]) if delayed else q.weight
     x2d = inp.reshape(-1, inp.shape[-1])
     xs = calls.input_tensor("activation", x2d, iq, True, weight_requires_grad, (amaxes, 0) if delayed else None)
     ws = calls.input_tensor("weight", weight, wq, True, input_requires_grad, (amaxes, 1) if delayed else None)
@@ -203,7 +203,7 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
 
 @linear_fwd.register_fake
-def _linear_fwd_fake(inp, weight, bias, fp8_scales, grad_scale, grad_amax_state, main_grad, layer_name, key, flags):
+def _linear_fwd_fake(inp, weight, bias, fp8_scale, grad_fp8_scale, grad_amax_state, main_grad, layer_name, key, flags):
     delayed = _delayed(RecipeKey.quantizers(key).input)
     return (inp.new_empty(tuple(inp.shape[:-1]) + (weight.shape[0],)),
             inp.new_empty(2 if delayed else 0, dtype=torch.float32), torch.empty(1, dtype=torch.int64, device="cpu"))
@@ -211,7 +211,7 @@ def _linear_fwd_fake(inp, weight, bias, fp8_scales, grad_scale, grad_amax_state,
 
 # ---- backward ---------------------------------------------------------------------------------------
 @torch.library.custom_op("te_proto_debug::linear_bwd", mutates_args=(), tags=_TAGS)
-def linear_bwd(grad_out: torch.Tensor, token: torch.Tensor, grad_scale: Optional[torch.Tensor], layer_name: str,
+def linear_bwd(grad_out: torch.Tensor, token: torch.Tensor, grad_fp8_scale: Optional[torch.Tensor], layer_name: str,
                key: str, in_shape: List[int], weight_shape: List[int], weight_dtype: torch.dtype,
                flags: int) -> List[torch.Tensor]:
     """[dgrad] [wgrad] [dbias] [grad amax (delayed scaling)]."""
@@ -228,7 +228,7 @@ def linear_bwd(grad_out: torch.Tensor, token: torch.Tensor, grad_scale: Optional
     dy = grad_out.reshape(-1, grad_out.shape[-1])
     grads = []
     if input_requires_grad or weight_requires_grad:
-        gq = _bind(q.grad_output, grad_scale, grad_amax) if delayed else q.grad_output
+        gq = _bind(q.grad_output, grad_fp8_scale, grad_amax) if delayed else q.grad_output
         gs = calls.input_tensor("gradient", dy, gq, input_requires_grad, weight_requires_grad,
                                 (grad_amax, 0) if delayed else None)
         if input_requires_grad:
@@ -242,18 +242,18 @@ def linear_bwd(grad_out: torch.Tensor, token: torch.Tensor, grad_scale: Optional
 
 
 @linear_bwd.register_fake
-def _linear_bwd_fake(grad_out, token, grad_scale, layer_name, key, in_shape, weight_shape, weight_dtype, flags):
+def _linear_bwd_fake(grad_out, token, grad_fp8_scale, layer_name, key, in_shape, weight_shape, weight_dtype, flags):
     return fake_backward_grads(grad_out, LinearCall.of(flags), in_shape, weight_shape, weight_dtype,
                                _delayed(RecipeKey.quantizers(key).input))
 
 
-_FWD_ARGS = ("inp", "weight", "bias", "fp8_scales", "grad_scale", "grad_amax_state", "main_grad", "layer_name",
+_FWD_ARGS = ("inp", "weight", "bias", "fp8_scale", "grad_fp8_scale", "grad_amax_state", "main_grad", "layer_name",
              "key", "flags")
 
 
 def _setup_context(ctx, inputs, output):
     a = dict(zip(_FWD_ARGS, inputs))
-    state_tensors = (a["grad_scale"], a["main_grad"])
+    state_tensors = (a["grad_fp8_scale"], a["main_grad"])
     ctx.has = tuple(t is not None for t in state_tensors)
     ctx.grad_amax_state = list(a["grad_amax_state"])  # written by backward: by reference (custom_ops/linear.py)
     ctx.save_for_backward(output[2], *[t for t in state_tensors if t is not None])
@@ -265,9 +265,9 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_out, _grad_amaxes, _grad_token):
     token, *rest = ctx.saved_tensors
     it = iter(rest)
-    grad_scale, main_grad = (next(it) if h else None for h in ctx.has)
+    grad_fp8_scale, main_grad = (next(it) if h else None for h in ctx.has)
     args = ctx.args
-    grads = linear_bwd(grad_out.contiguous(), token, grad_scale, **args)
+    grads = linear_bwd(grad_out.contiguous(), token, grad_fp8_scale, **args)
     dgrad, wgrad, dbias = finish_backward(ctx.call, grads, ctx.grad_amax_state, main_grad)
     return (dgrad, wgrad, dbias, None, None, [None] * len(ctx.grad_amax_state)) + (None,) * (len(_FWD_ARGS) - 6)
 
@@ -275,12 +275,12 @@ def _backward(ctx, grad_out, _grad_amaxes, _grad_token):
 linear_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def debug_linear(inp, weight, bias=None, *, layer_name: str, key: str, fp8_scales=None, grad_scale=None,
+def debug_linear(inp, weight, bias=None, *, layer_name: str, key: str, fp8_scale=None, grad_fp8_scale=None,
                  grad_amax_state=(), weight_cache=(), main_grad=None, cache_mode: int = 0,
                  save_original_input: bool = False, fuse_wgrad_accumulation: bool = False):
     """`custom_ops.linear.linear`'s signature and results (y, amaxes, new weight cache) on the debug path.
     The quantized-weight cache is neither read nor filled: the weight is quantized every call."""
     flags = call_flags(inp, weight, bias, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
-    out, amaxes, _ = linear_fwd(inp, weight, bias, fp8_scales, grad_scale, list(grad_amax_state), main_grad, layer_name,
+    out, amaxes, _ = linear_fwd(inp, weight, bias, fp8_scale, grad_fp8_scale, list(grad_amax_state), main_grad, layer_name,
                                 key, flags)
     return out, amaxes, []

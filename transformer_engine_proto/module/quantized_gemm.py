@@ -176,8 +176,8 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
             _check_stored_weight_precision(op_key)
         out, amaxes, new_cache = (debug_linear or linear_ops.linear)(
             inp, weight, bias, key=op_key,
-            fp8_scales=self.fp8_scale if delayed else None,
-            grad_scale=self.grad_fp8_scale if delayed else None,
+            fp8_scale=self.fp8_scale if delayed else None,
+            grad_fp8_scale=self.grad_fp8_scale if delayed else None,
             grad_amax_state=self.grad_amax_state() if delayed else (),
             weight_cache=cache, main_grad=main_grad, cache_mode=cache_mode,
             save_original_input=save_original_input, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
