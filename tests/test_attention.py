@@ -6,6 +6,7 @@ from attention_ref import ref_allowed, ref_attention
 from torch._dynamo.utils import counters
 
 import transformer_engine_proto as te
+from transformer_engine_proto import recipe as R
 from transformer_engine_proto.module.rope import apply_rotary_pos_emb
 
 MASKS = ["no_mask", "causal", "causal_bottom_right", "padding", "padding_causal", "padding_causal_bottom_right"]
@@ -199,6 +200,47 @@ def test_dpa_errors_name_the_layer_and_problem():
         m(q, q, q)
     with pytest.raises(ValueError, match="needs attention_mask or cu_seqlens"):
         m(q, q[:, :, :2], q[:, :, :2])
+
+
+FP8_ATTENTION_FLAGS = {"fp8_dpa": dict(fp8_dpa=True), "fp8_mha": dict(fp8_mha=True),
+                       "both": dict(fp8_dpa=True, fp8_mha=True)}
+
+
+def fp8_attention_refusal(call, recipe, who):
+    """`call()` under `recipe` raises NotImplementedError whose first line names the layer, the
+    flags the recipe sets and the way out."""
+    on = [f for f in ("fp8_dpa", "fp8_mha") if getattr(recipe, f)]
+    with te.autocast(recipe=recipe), pytest.raises(NotImplementedError) as info:
+        call()
+    first = str(info.value).splitlines()[0]
+    assert first.startswith(f"{who}: the te.autocast recipe {type(recipe).__name__} sets "
+                            + " and ".join(f"{f}=True" for f in on)), first
+    assert "attention runs in high precision" in first, first
+    assert first.endswith("Build the recipe with " + ", ".join(f"{f}=False" for f in on)
+                          + "; its other settings still apply to the Linear layers"), first
+
+
+@pytest.mark.parametrize("flags", FP8_ATTENTION_FLAGS.values(), ids=FP8_ATTENTION_FLAGS.keys())
+@pytest.mark.parametrize("recipe_cls", [R.DelayedScaling, R.Float8CurrentScaling, R.MXFP8BlockScaling,
+                                        R.Float8BlockScaling, R.NVFP4BlockScaling])
+def test_dpa_refuses_a_recipe_asking_for_fp8_attention(recipe_cls, flags):
+    """FP8 attention is not implemented: a recipe asking for it is an error, not a silent
+    high-precision run."""
+    m = te.DotProductAttention(4, 8, name="attn0")
+    q = torch.randn(5, 2, 4, 8)
+    fp8_attention_refusal(lambda: m(q, q, q), recipe_cls(**flags), "DotProductAttention attn0")
+
+
+@pytest.mark.parametrize("flags", FP8_ATTENTION_FLAGS.values(), ids=FP8_ATTENTION_FLAGS.keys())
+def test_dpa_refuses_fp8_attention_under_compile(flags):
+    """The same error, first line first, from a fullgraph compile; a graph traced under a recipe
+    without the flags does not hide it (the recipe is guarded)."""
+    m = te.DotProductAttention(4, 8, name="attn0")
+    cm = _compiled(m)
+    q = torch.randn(5, 2, 4, 8)
+    with te.autocast(recipe=R.Float8CurrentScaling()):
+        torch.testing.assert_close(cm(q, q, q), m(q, q, q), rtol=0, atol=0)
+    fp8_attention_refusal(lambda: cm(q, q, q), R.Float8CurrentScaling(**flags), "DotProductAttention attn0")
 
 
 # ---- RoPE ----------------------------------------------------------------------------------------

@@ -237,6 +237,23 @@ def test_transformer_layer_every_mask_type_and_old_state_dict():
     assert torch.equal(fresh(x), layer(x))
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
+def test_mha_refuses_a_recipe_asking_for_fp8_attention(compiled):
+    """Refused by MultiheadAttention itself (its name, before any projection runs), and so by
+    the TransformerLayer built on it; eager and under a fullgraph compile."""
+    from test_attention import fp8_attention_refusal
+
+    m = te.MultiheadAttention(H, HEADS, num_gqa_groups=GROUPS, attention_dropout=0.0, name="mha0")
+    layer = te.TransformerLayer(H, 128, HEADS, hidden_dropout=0.0, attention_dropout=0.0, name="block0")
+    x = torch.randn(S, B, H)
+    for mod, who in ((m, "MultiheadAttention mha0"), (layer, "MultiheadAttention block0.self_attention")):
+        if compiled:
+            torch._dynamo.reset()
+        fn = torch.compile(mod, fullgraph=True, backend="aot_eager") if compiled else mod
+        for flags in (dict(fp8_mha=True), dict(fp8_dpa=True)):
+            fp8_attention_refusal(lambda fn=fn: fn(x), te.recipe.Float8CurrentScaling(**flags), who)
+
+
 def test_mha_errors_name_the_layer_and_problem():
     with pytest.raises(NotImplementedError, match="userbuffers.*ub_overlap_ag"):
         te.MultiheadAttention(H, HEADS, ub_overlap_ag=True)

@@ -1,12 +1,13 @@
 """`DotProductAttention`: TE's core attention (softmax(Q K^T * scale + mask) V) on torch's SDPA.
 
 Attention runs in the inputs' precision (bf16 / fp32; TE's default `fp8_dpa=False`) through
-`F.scaled_dot_product_attention`: `is_causal=True` for plain top-left causal masks, no mask for
-"no_mask", and otherwise an explicit boolean mask built on the device from token positions
-(padding, bottom-right causal, sliding windows, "arbitrary", and the document mask of packed "thd"
-input). Building it needs no host sync and no data-dependent Python, so every case traces with
-`torch.compile(fullgraph=True)`; `cu_seqlens` is a tensor input, so a new split of the same token
-count reuses the compiled graph.
+`F.scaled_dot_product_attention`; a recipe asking for FP8 attention (`fp8_dpa` / `fp8_mha`) is
+refused in forward (`check_no_fp8_attention`) rather than run in high precision unnoticed.
+Masks: `is_causal=True` for plain top-left causal masks, no mask for "no_mask", and otherwise an
+explicit boolean mask built on the device from token positions (padding, bottom-right causal,
+sliding windows, "arbitrary", and the document mask of packed "thd" input). Building it needs no
+host sync and no data-dependent Python, so every case traces with `torch.compile(fullgraph=True)`;
+`cu_seqlens` is a tensor input, so a new split of the same token count reuses the compiled graph.
 
 Why not FlexAttention: on torch 2.13 CPU `flex_attention` has no backward ("FlexAttention does not
 support backward on CPU"), so it cannot train here; the explicit mask costs O(s_q * s_kv) bools per
@@ -24,11 +25,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from ..autocast import get_fp8_recipe
 from ..errors import raise_error, shape_str
 from .base import TransformerEngineBaseModule
 from .rope import token_positions
 
-__all__ = ["DotProductAttention", "ATTN_MASK_TYPES", "QKV_FORMATS", "attention_mask_from_positions"]
+__all__ = ["DotProductAttention", "ATTN_MASK_TYPES", "QKV_FORMATS", "attention_mask_from_positions",
+           "check_no_fp8_attention"]
 
 ATTN_MASK_TYPES = ("no_mask", "padding", "causal", "padding_causal", "causal_bottom_right",
                    "padding_causal_bottom_right", "arbitrary")
@@ -44,6 +47,19 @@ def canonical_mask_type(who: str, mask_type: str) -> str:
     if mask_type not in ATTN_MASK_TYPES:
         raise_error(ValueError, f"{who}: attn_mask_type must be one of {ATTN_MASK_TYPES}, got {mask_type!r}")
     return mask_type
+
+
+def check_no_fp8_attention(who: str) -> None:
+    """Refuse an autocast recipe with `fp8_dpa` / `fp8_mha` set: FP8 attention is not implemented,
+    and running attention in high precision instead would hide that the flag has no effect."""
+    recipe = get_fp8_recipe()
+    flags = [f for f in ("fp8_dpa", "fp8_mha") if getattr(recipe, f, False)]
+    if flags:
+        on, off = " and ".join(f"{f}=True" for f in flags), ", ".join(f"{f}=False" for f in flags)
+        raise_error(NotImplementedError, f"{who}: the te.autocast recipe {type(recipe).__name__} sets {on}, but FP8 "
+                                         f"attention is not implemented here: attention runs in high precision "
+                                         f"(the inputs' dtype). Build the recipe with {off}; its other settings "
+                                         "still apply to the Linear layers")
 
 
 def check_window(who: str, window_size) -> Tuple[int, int]:
@@ -167,8 +183,8 @@ class DotProductAttention(TransformerEngineBaseModule):
     name : str, default = None
         The layer's name in the debug tools' configs; None gives `dot_product_attention_<n>`.
 
-    Any other keyword is a `TypeError`. A recipe's `fp8_dpa` / `fp8_mha` do not apply here:
-    attention always runs in the inputs' precision."""
+    Any other keyword is a `TypeError`. Attention always runs in the inputs' precision: forward
+    raises `NotImplementedError` when the active `te.autocast` recipe sets `fp8_dpa` or `fp8_mha`."""
 
     def __init__(self, num_attention_heads: int, kv_channels: Union[int, Tuple[int, int]],
                  num_gqa_groups: Optional[int] = None, attention_dropout: float = 0.0, qkv_format: str = "sbhd",
@@ -183,7 +199,8 @@ class DotProductAttention(TransformerEngineBaseModule):
         if unsupported:
             raise TypeError(f"{who}: unsupported arguments {sorted(unsupported)}")
         if cp_group is not None or cp_global_ranks is not None or cp_stream is not None:
-            raise NotImplementedError(f"{who}: context parallelism (cp_group, cp_global_ranks, cp_stream) is not supported")
+            raise NotImplementedError(f"{who}: context parallelism (cp_group, cp_global_ranks, cp_stream) "
+                                      "is not supported")
         if softmax_type != "vanilla" or return_max_logit:
             raise NotImplementedError(f"{who}: softmax_type={softmax_type!r} / return_max_logit are not supported "
                                       "(only the vanilla softmax)")
@@ -210,7 +227,8 @@ class DotProductAttention(TransformerEngineBaseModule):
         self.attn_mask_type = canonical_mask_type(who, attn_mask_type)
         self.window_size = check_window(who, window_size)
         self.bottom_right_diagonal = bottom_right_diagonal
-        self.attention_type, self.layer_number, self.sequence_parallel = attention_type, layer_number, sequence_parallel
+        self.attention_type, self.layer_number = attention_type, layer_number
+        self.sequence_parallel = sequence_parallel
         self.softmax_scale = (softmax_scale if softmax_scale is not None
                               else self.hidden_size_per_attention_head_k ** -0.5)
 
@@ -231,7 +249,8 @@ class DotProductAttention(TransformerEngineBaseModule):
         hq, hk, hv = q.shape[-2], k.shape[-2], v.shape[-2]
         if hq != self.heads_per_partition or hk != self.groups_per_partition or hv != hk:
             raise_error(ValueError, f"{who}: expected {self.heads_per_partition} query heads and "
-                                    f"{self.groups_per_partition} key/value heads (num_gqa_groups), got {hq}, {hk}, {hv}")
+                                    f"{self.groups_per_partition} key/value heads (num_gqa_groups), "
+                                    f"got {hq}, {hk}, {hv}")
         dk, dv = self.hidden_size_per_attention_head_k, self.hidden_size_per_attention_head_v
         if q.shape[-1] != dk or k.shape[-1] != dk or v.shape[-1] != dv:
             raise_error(ValueError, f"{who}: head dims must be kv_channels={self.kv_channels}, got q {q.shape[-1]}, "
@@ -311,6 +330,8 @@ class DotProductAttention(TransformerEngineBaseModule):
 
         Every check reads only types, shapes and dtypes (no host sync) and raises through
         `raise_error`, so under torch.compile(fullgraph=True) too the user gets our type and message.
+        An active `te.autocast` recipe with `fp8_dpa` or `fp8_mha` set is a `NotImplementedError`
+        (FP8 attention is not implemented).
 
         Parameters
         ----------
@@ -351,6 +372,7 @@ class DotProductAttention(TransformerEngineBaseModule):
         who = self._who()
         if unsupported:
             raise_error(TypeError, f"{who}: unsupported forward arguments {', '.join(sorted(unsupported))}")
+        check_no_fp8_attention(who)
         if core_attention_bias_type != "no_bias" or core_attention_bias is not None or alibi_slopes is not None:
             raise_error(NotImplementedError, f"{who}: attention bias / ALiBi (core_attention_bias_type="
                                              f"{core_attention_bias_type!r}) is not supported")
@@ -359,7 +381,7 @@ class DotProductAttention(TransformerEngineBaseModule):
         fmt = qkv_format or self.qkv_format
         if fmt not in QKV_FORMATS:
             raise_error(ValueError, f"{who}: qkv_format must be one of {QKV_FORMATS}, got {fmt!r}")
-        mask_type = canonical_mask_type(who, attn_mask_type) if attn_mask_type is not None else self.attn_mask_type
+        mask_type = self.attn_mask_type if attn_mask_type is None else canonical_mask_type(who, attn_mask_type)
         window = check_window(who, window_size) if window_size is not None else self.window_size
         if bottom_right_diagonal is None:
             bottom_right_diagonal = self.bottom_right_diagonal
@@ -368,7 +390,8 @@ class DotProductAttention(TransformerEngineBaseModule):
             mask_type = _THD_MASK.get(mask_type, mask_type)
         self._check_mask(attention_mask, mask_type, fmt, query_layer, key_layer, cu_seqlens_q, cu_seqlens_kv)
         if cu_seqlens_q is not None and (cu_seqlens_q.dim() != 1 or cu_seqlens_kv is None
-                                         or cu_seqlens_kv.shape != cu_seqlens_q.shape or cu_seqlens_q.is_floating_point()):
+                                         or cu_seqlens_kv.shape != cu_seqlens_q.shape
+                                         or cu_seqlens_q.is_floating_point()):
             raise_error(ValueError, f"{who}: cu_seqlens_q and cu_seqlens_kv must be integer tensors of one shape "
                                     "[batch + 1]")
         args = (query_layer, key_layer, value_layer, attention_mask, fmt, cu_seqlens_q, cu_seqlens_kv,
@@ -408,7 +431,8 @@ class DotProductAttention(TransformerEngineBaseModule):
                 offset = len_kv[idx] - len_q[idx]
         elif "padding" in mask_type:
             if attention_mask is not None:
-                mq, mkv = attention_mask if isinstance(attention_mask, (tuple, list)) else (attention_mask, attention_mask)
+                pair = isinstance(attention_mask, (tuple, list))
+                mq, mkv = attention_mask if pair else (attention_mask, attention_mask)
                 q_valid, kv_valid = ~mq[:, 0, 0], ~mkv[:, 0, 0]  # [b, 1, 1, s] -> [b, s]
             else:
                 q_valid = q_pos[None, :] < cu_q.diff()[:, None]
@@ -432,7 +456,8 @@ class DotProductAttention(TransformerEngineBaseModule):
 
     def _attend(self, q, k, v, attention_mask, fmt, cu_q, cu_kv, pad_q, pad_kv, mask_type, window, bottom_right):
         q, k, v = _to_bhsd(q, fmt), _to_bhsd(k, fmt), _to_bhsd(v, fmt)
-        mask, causal = self._mask(q, k, attention_mask, fmt, cu_q, cu_kv, pad_q, pad_kv, mask_type, window, bottom_right)
+        mask, causal = self._mask(q, k, attention_mask, fmt, cu_q, cu_kv, pad_q, pad_kv, mask_type, window,
+                                  bottom_right)
         row_ok = None
         if mask is not None:
             # rows no key may attend: attend anywhere (no NaN), then zero the output

@@ -1,7 +1,8 @@
 """`MultiheadAttention`: QKV projection -> RoPE -> DotProductAttention -> output projection.
 
 QKV and the output projection are our quantized `LayerNormLinear` / `Linear`, so every recipe
-applies to them; attention itself runs in high precision (`DotProductAttention`).
+applies to them; attention itself runs in high precision (`DotProductAttention`), so forward
+refuses a recipe with `fp8_dpa` / `fp8_mha` set before any projection runs.
 
 Submodules: `qkv` (self attention: one fused GEMM to h*d + 2*g*d features, a LayerNormLinear with
 `input_layernorm=True`, else a Linear) or `query` + `key_value` (cross attention: the query from
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import raise_error, shape_str
-from .attention import DotProductAttention
+from .attention import DotProductAttention, check_no_fp8_attention
 from .base import TransformerEngineBaseModule
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
@@ -125,7 +126,8 @@ class MultiheadAttention(TransformerEngineBaseModule):
     softmax_type : str, default = "vanilla"
         Only "vanilla" (`NotImplementedError` otherwise).
 
-    Any other keyword is a `TypeError`."""
+    Any other keyword is a `TypeError`. FP8 attention is not implemented: forward raises
+    `NotImplementedError` when the active `te.autocast` recipe sets `fp8_dpa` or `fp8_mha`."""
 
     def __init__(self, hidden_size: int, num_attention_heads: int, kv_channels: Optional[int] = None,
                  attention_dropout: float = 0.1, layernorm_epsilon: float = 1e-5, init_method=None,
@@ -147,7 +149,8 @@ class MultiheadAttention(TransformerEngineBaseModule):
         who = f"MultiheadAttention {self.name}"
         if unsupported:
             raise TypeError(f"{who}: unsupported arguments {sorted(unsupported)}")
-        ub = [n for n, v in zip(_UB, (ub_overlap_ag, ub_overlap_rs, ub_overlap_rs_dgrad, ub_bulk_dgrad, ub_bulk_wgrad)) if v]
+        ub_flags = (ub_overlap_ag, ub_overlap_rs, ub_overlap_rs_dgrad, ub_bulk_dgrad, ub_bulk_wgrad)
+        ub = [n for n, v in zip(_UB, ub_flags) if v]
         if ub:
             raise NotImplementedError(f"{who}: userbuffers overlap ({', '.join(ub)}) is not supported")
         if qk_norm_type is not None:
@@ -160,10 +163,12 @@ class MultiheadAttention(TransformerEngineBaseModule):
                                  f"{num_attention_heads} (or pass kv_channels)")
             kv_channels = hidden_size // num_attention_heads
         if not isinstance(kv_channels, int) or kv_channels <= 0:
-            raise ValueError(f"{who}: kv_channels must be a positive int (one head dim for q, k and v), got {kv_channels!r}")
+            raise ValueError(f"{who}: kv_channels must be a positive int (one head dim for q, k and v), "
+                             f"got {kv_channels!r}")
         tp = dist.get_world_size(tp_group) if tp_group is not None else (tp_size or 1)
         if tp > 1 and not set_parallel_mode:
-            raise ValueError(f"{who}: tp_size={tp} needs set_parallel_mode=True (column-parallel QKV, row-parallel proj)")
+            raise ValueError(f"{who}: tp_size={tp} needs set_parallel_mode=True "
+                             "(column-parallel QKV, row-parallel proj)")
         self.core_attention = DotProductAttention(
             num_attention_heads, kv_channels, num_gqa_groups, attention_dropout, qkv_format, attn_mask_type,
             window_size, bottom_right_diagonal, sequence_parallel, tp_size or 1, None, tp_group, layer_number,
@@ -261,8 +266,11 @@ class MultiheadAttention(TransformerEngineBaseModule):
             Accepted; rows no key may attend are zeros either way.
         pad_between_seqs : bool, default = None
             True: RoPE positions come from the padded `cu_seqlens_*_padded`.
+
+        An active `te.autocast` recipe with `fp8_dpa` or `fp8_mha` set is a `NotImplementedError`.
         """
         who = f"MultiheadAttention {self.name}"
+        check_no_fp8_attention(who)
         self._check_input(hidden_states, self.hidden_size, "hidden_states")
         rank = 2 if self.qkv_format == "thd" else 3
         if hidden_states.dim() != rank:
@@ -290,8 +298,9 @@ class MultiheadAttention(TransformerEngineBaseModule):
             q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb, rotary_pos_emb)
             cu_q = cu_seqlens_q_padded if pad_between_seqs else cu_seqlens_q
             cu_kv = cu_seqlens_kv_padded if pad_between_seqs else cu_seqlens_kv
-            q = apply_rotary_pos_emb(q, q_emb, self.qkv_format, interleaved=self.rotary_pos_interleaved, cu_seqlens=cu_q)
-            k = apply_rotary_pos_emb(k, k_emb, self.qkv_format, interleaved=self.rotary_pos_interleaved, cu_seqlens=cu_kv)
+            inter = self.rotary_pos_interleaved
+            q = apply_rotary_pos_emb(q, q_emb, self.qkv_format, interleaved=inter, cu_seqlens=cu_q)
+            k = apply_rotary_pos_emb(k, k_emb, self.qkv_format, interleaved=inter, cu_seqlens=cu_kv)
         ctx = self.core_attention(
             q, k, v, attention_mask=attention_mask, qkv_format=self.qkv_format, cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
