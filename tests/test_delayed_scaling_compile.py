@@ -76,3 +76,52 @@ def test_recipe_options_match_eager_under_inductor(device, recipe):
 def test_reduce_overhead_matches_eager(history, algo):
     _run(R.DelayedScaling(amax_history_len=history, amax_compute_algo=algo), "cuda", mode="reduce-overhead",
          steps=4)
+
+
+# ---- TE's callable options: the amax from a function of the history, the scale from a function --------
+def _mean_of_history(history):
+    return history.mean(0)
+
+
+def _half_headroom(amax, scale, fp8_max, recipe):
+    return torch.where(amax > 0, fp8_max / amax / 2.0, scale)
+
+
+CALLABLE_RECIPES = [
+    R.DelayedScaling(amax_history_len=4, amax_compute_algo=_mean_of_history),
+    R.DelayedScaling(amax_history_len=2, scaling_factor_compute_algo=_half_headroom),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", CALLABLE_RECIPES, ids=["amax_compute_algo", "scaling_factor_compute_algo"])
+def test_callable_options_match_eager_under_inductor(device, recipe):
+    _run(recipe, device)
+
+
+@pytest.mark.parametrize("recipe", CALLABLE_RECIPES, ids=["amax_compute_algo", "scaling_factor_compute_algo"])
+def test_callable_options_set_the_scale_they_compute(recipe):
+    """After a step's update the scale is the callables' result on the history that step saw."""
+    torch.manual_seed(0)
+    m = Linear(64, 32)
+    fwd_max = 448.0
+    for step in range(3):
+        history = m.gemm.amax_history[: recipe.amax_history_len].clone()
+        scale = m.gemm.fp8_scale.clone()
+        with autocast(recipe=recipe):
+            y = m(torch.randn(16, 64) * (step + 1))
+        y.sum().backward()
+        if recipe.scaling_factor_compute_algo is None:
+            amax = _mean_of_history(history)
+            want = torch.where(amax > 0, torch.tensor(fwd_max) / amax, scale)
+        else:
+            want = _half_headroom(history.amax(0), scale, fwd_max, recipe)
+        assert torch.equal(m.gemm.fp8_scale, want), (step, m.gemm.fp8_scale, want)
+    assert (m.gemm.fp8_scale != 1).all()  # the rule ran on recorded amaxes, not only on the initial zeros
+
+
+def test_callable_options_are_checked():
+    with pytest.raises(ValueError, match=r"amax_compute_algo must be 'max', 'most_recent' or a callable"):
+        R.DelayedScaling(amax_compute_algo="mean")
+    with pytest.raises(TypeError, match=r"scaling_factor_compute_algo must be None or a callable"):
+        R.DelayedScaling(scaling_factor_compute_algo=2.0)

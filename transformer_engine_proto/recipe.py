@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
@@ -131,17 +131,24 @@ class DelayedScaling(Recipe):
     margin: int = 0
     fp8_format: Format = Format.HYBRID
     amax_history_len: int = 1024
-    amax_compute_algo: str = "max"
+    # "max", "most_recent", or f(amax_history (history_len, n)) -> amax (n,)
+    amax_compute_algo: Union[str, Callable] = "max"
+    # None (fp8_max / amax / 2**margin, kept where amax is 0 or not finite), or
+    # f(amax, scale, fp8_max, recipe) -> new scale: the user's rule, applied as it is
+    scaling_factor_compute_algo: Optional[Callable] = None
     reduce_amax: bool = True
     fp8_dpa: bool = False
     fp8_mha: bool = False
 
     def __post_init__(self):
         _check_format(self.fp8_format)
-        if self.amax_compute_algo not in ("max", "most_recent"):
+        if not callable(self.amax_compute_algo) and self.amax_compute_algo not in ("max", "most_recent"):
             raise ValueError(
-                f"amax_compute_algo must be 'max' or 'most_recent', got {self.amax_compute_algo!r}"
+                f"amax_compute_algo must be 'max', 'most_recent' or a callable, got {self.amax_compute_algo!r}"
             )
+        if self.scaling_factor_compute_algo is not None and not callable(self.scaling_factor_compute_algo):
+            raise TypeError("scaling_factor_compute_algo must be None or a callable (amax, scale, fp8_max, recipe) "
+                            f"-> scale, got {type(self.scaling_factor_compute_algo).__name__}")
         if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int) \
                 or self.amax_history_len < 1:
             raise ValueError(f"amax_history_len must be an int >= 1, got {self.amax_history_len!r}")

@@ -157,10 +157,17 @@ def fold_pending_grad_amax(history: torch.Tensor, state: Sequence[torch.Tensor])
 
 # ---- the rules -------------------------------------------------------------------------------
 def _update_from_history(scale, amax_history, recipe: R.DelayedScaling, fp8_max: float) -> None:
-    """TE's rule: scale from the max (or most recent) amax of the history, kept where that amax
-    is 0 or non-finite; then roll the history so slot 0 is free for this step's amax."""
+    """TE's rule: scale from the max (or most recent, or the recipe's function of the) amax
+    history, kept where that amax is 0 or non-finite, or the recipe's own scaling function; then
+    roll the history so slot 0 is free for this step's amax."""
     history = amax_history[: recipe.amax_history_len]
-    amax = history.amax(0) if recipe.amax_compute_algo == "max" else history[0]
+    algo = recipe.amax_compute_algo
+    amax = history.amax(0) if algo == "max" else history[0] if algo == "most_recent" else algo(history)
+    if recipe.scaling_factor_compute_algo is not None:
+        new = recipe.scaling_factor_compute_algo(amax, scale, fp8_max, recipe)
+        scale.copy_(saved_state(new.to(scale.dtype).expand_as(scale)))
+        _roll(history)
+        return
     # the correctly rounded quotient, as TE; then the margin as an exact power-of-two product (the
     # same bits as TE's division by 2**margin, and no fp32 division for inductor to approximate)
     new = true_div(fp8_max, amax)
@@ -170,6 +177,10 @@ def _update_from_history(scale, amax_history, recipe: R.DelayedScaling, fp8_max:
     # finite, new lies in [0, inf], so `new < inf` is its finiteness test
     ok = (amax > 0) & (amax < math.inf) & (new < math.inf)
     scale.copy_(saved_state(torch.where(ok, new, scale)))  # backward reads this step's scale
+    _roll(history)
+
+
+def _roll(history: torch.Tensor) -> None:
     history.copy_(torch.roll(history, -1, 0))
     history[0].zero_()
 
