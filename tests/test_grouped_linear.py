@@ -314,6 +314,90 @@ def test_inductor_nvfp4_tensor_splits(capture_scalars):
     assert graph_breaks() == 0 and unique_graphs() == 1
 
 
+def _fused_pair(use_grouped_tensor, start):
+    """A bf16 GroupedLinear with fuse_wgrad_accumulation and its loop of te.Linear (also fused),
+    every weight's main_grad starting at `start` (fp32)."""
+    torch.manual_seed(0)
+    g = te.GroupedLinear(N, K, OUT, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True,
+                         use_grouped_tensor=use_grouped_tensor, name="experts")
+    refs = [te.Linear(K, OUT, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True) for _ in range(N)]
+    with torch.no_grad():
+        for i, r in enumerate(refs):
+            r.weight.copy_(getattr(g, f"weight{i}"))
+            r.bias.copy_(getattr(g, f"bias{i}").normal_())
+    for w in g.weights + [r.weight for r in refs]:
+        w.main_grad = start.clone()
+    return g, refs
+
+
+@pytest.mark.parametrize("use_grouped_tensor", [None, False], ids=["grouped_mm", "expert_loop"])
+def test_fuse_wgrad_accumulation_adds_into_main_grad_like_linear(use_grouped_tensor):
+    """Both paths add each expert's wgrad into its main_grad over steps and leave `.grad` None,
+    as a loop of te.Linear(fuse_wgrad_accumulation=True) does: bitwise on the expert loop (the
+    same GEMMs); on the grouped_mm path main_grad is the start plus the grouped GEMM's own bf16
+    wgrads (what it gives as `.grad` without fusing), within bf16 rounding of Linear's fp32 wgrad."""
+    if use_grouped_tensor is None and not grouped_mm_supported(torch.device("cpu"), torch.bfloat16, K, OUT):
+        pytest.skip("torch._grouped_mm does not run here")
+    start = torch.randn(OUT, K)
+    g, refs = _fused_pair(use_grouped_tensor, start)
+    plain = copy.deepcopy(g)
+    plain.fuse_wgrad_accumulation = False
+    expected = [start.clone() for _ in range(N)]
+    tol = dict(rtol=0, atol=0) if use_grouped_tensor is False else dict(rtol=2 ** -7, atol=1e-2)  # bf16 kernels
+    torch.manual_seed(1)
+    for splits in SPLITS[:2]:
+        x, dy = torch.randn(96, K, dtype=torch.bfloat16), torch.randn(96, OUT, dtype=torch.bfloat16)
+        y, dx = _step(lambda t, splits=splits: g(t, splits), x, dy)
+        y_ref, dx_ref = _step(lambda t, splits=splits: _ref_loop(refs, t, splits), x, dy)
+        _step(lambda t, splits=splits: plain(t, splits), x, dy)
+        for i, w in enumerate(plain.weights):
+            expected[i] += w.grad.float()
+            w.grad = None
+        torch.testing.assert_close(y, y_ref, **tol)
+        torch.testing.assert_close(dx, dx_ref, **tol)
+    for i, r in enumerate(refs):
+        w = getattr(g, f"weight{i}")
+        assert w.grad is None and r.weight.grad is None
+        assert not torch.equal(w.main_grad, start)
+        torch.testing.assert_close(getattr(g, f"bias{i}").grad, r.bias.grad, **tol)
+        if use_grouped_tensor is False:
+            assert torch.equal(w.main_grad, r.weight.main_grad)
+        else:
+            assert torch.equal(w.main_grad, expected[i])
+            torch.testing.assert_close(w.main_grad, r.weight.main_grad, rtol=2 ** -7,
+                                       atol=2 ** -7 * r.weight.main_grad.abs().max().item())
+
+
+def test_fuse_wgrad_accumulation_grouped_mm_compiled_equals_eager():
+    """The grouped_mm path's main_grad accumulation in one fullgraph graph, bitwise eager's."""
+    if not grouped_mm_supported(torch.device("cpu"), torch.bfloat16, K, OUT):
+        pytest.skip("torch._grouped_mm does not run here")
+    start = torch.zeros(OUT, K)
+    g, _ = _fused_pair(None, start)
+    ge = copy.deepcopy(g)
+    for a, b in zip(g.weights, ge.weights):
+        a.main_grad, b.main_grad = start.clone(), start.clone()
+    fresh_dynamo()
+    cg = torch.compile(g, fullgraph=True, backend="aot_eager")
+    torch.manual_seed(1)
+    for splits in SPLITS[:2]:
+        x, dy = torch.randn(96, K, dtype=torch.bfloat16), torch.randn(96, OUT, dtype=torch.bfloat16)
+        _step(lambda t, splits=splits: cg(t, splits), x, dy)
+        _step(lambda t, splits=splits: ge(t, splits), x, dy)
+    for a, b in zip(g.weights, ge.weights):
+        assert a.grad is None and torch.equal(a.main_grad, b.main_grad) and a.main_grad.abs().sum() > 0
+    assert graph_breaks() == 0
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "aot_eager"])
+def test_fuse_wgrad_accumulation_without_main_grad_names_the_weight(compiled):
+    g = te.GroupedLinear(N, K, OUT, params_dtype=torch.bfloat16, fuse_wgrad_accumulation=True, name="experts")
+    fresh_dynamo()
+    fn = torch.compile(g, fullgraph=True, backend="aot_eager") if compiled else g
+    with pytest.raises(RuntimeError, match="experts: fuse_wgrad_accumulation=True needs weight0.main_grad"):
+        fn(torch.randn(96, K, dtype=torch.bfloat16), [32, 0, 64])
+
+
 def test_unsupported_arguments_are_errors():
     with pytest.raises(TypeError, match="unsupported arguments \\['ub_overlap_ag'\\]"):
         te.GroupedLinear(2, K, OUT, ub_overlap_ag=True)

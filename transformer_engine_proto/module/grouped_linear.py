@@ -5,7 +5,9 @@ expert; expert i multiplies its `m_splits[i]` rows by `weight{i}`. Two paths:
 
 - high precision with `torch._grouped_mm` (bf16, on CPU or CUDA sm90+, feature dims
   whose rows are 16-byte multiples): one grouped GEMM over an int32 offsets tensor. The splits
-  stay data: no host sync, nothing for torch.compile to specialize on.
+  stay data: no host sync, nothing for torch.compile to specialize on. With
+  `fuse_wgrad_accumulation` the stacked weights' gradient is added into each weight's
+  `main_grad` (`_StackIntoMainGrad`) instead of `.grad`, as the expert loop's GEMMs do.
 - every recipe (and high precision where the grouped kernel does not apply): a loop over the
   experts, each through its own `QuantizedGemm` (so delayed scaling keeps per-expert amax
   history and scales), exactly what a loop of per-expert `te.Linear` computes. The loop slices
@@ -36,6 +38,7 @@ from .. import kernels
 from ..autocast import get_fp8_recipe
 from ..errors import raise_error, shape_str
 from .base import TransformerEngineBaseModule
+from .fp8_state import FP8StateCheckpoint
 from .linear import _init_weight
 from .quantized_gemm import QuantizedGemm
 
@@ -104,7 +107,26 @@ def _at_least_one_row(x: torch.Tensor, m) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, 0, 0, torch.sym_max(m, 1) - m))
 
 
-class GroupedLinear(TransformerEngineBaseModule):
+class _StackIntoMainGrad(torch.autograd.Function):
+    """`torch.stack` of the first `n` tensors (the weights); the rest are their `main_grad`
+    buffers (None for a weight that needs no gradient). Backward adds each weight's gradient
+    into its `main_grad` and gives the weight none: `fuse_wgrad_accumulation` as a `Linear`
+    backward does it (`.grad` stays None), for the one grouped GEMM over all experts."""
+
+    @staticmethod
+    def forward(ctx, n: int, *tensors):
+        ctx.main_grads = tensors[n:]
+        return torch.stack(tensors[:n])
+
+    @staticmethod
+    def backward(ctx, grad):
+        for main_grad, g in zip(ctx.main_grads, grad.unbind(0)):
+            if main_grad is not None:
+                main_grad.add_(g)
+        return (None,) * (1 + 2 * len(ctx.main_grads))
+
+
+class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
     """Drop-in for `transformer_engine.pytorch.GroupedLinear`: `num_gemms` experts, each
     y_i = x_i W_i^T + b_i on its own rows. Parameters `weight0..weight{n-1}` ([out, in]) and
     `bias0..bias{n-1}` as TE names them. Arguments after `out_features` are keyword-only.
@@ -129,9 +151,10 @@ class GroupedLinear(TransformerEngineBaseModule):
         Called as `init_method(weight)` on each expert's weight. None is `nn.Linear`'s
         Kaiming-uniform init (TE's: a normal with std 0.023).
     fuse_wgrad_accumulation : bool, default = False
-        Add each expert's weight gradient into its `main_grad` (an fp32 buffer the caller sets)
-        instead of producing `.grad`. Only the per-expert loop does: the high-precision
-        `torch._grouped_mm` path (see `use_grouped_tensor`) ignores it and produces `.grad`.
+        Add each expert's weight gradient into its `main_grad` (an fp32 buffer the caller sets;
+        forward raises a RuntimeError without it) instead of producing `.grad`, on both paths.
+        The `torch._grouped_mm` path adds the grouped GEMM's bf16 weight gradient; the per-expert
+        loop, like `Linear`, computes it in fp32.
     save_original_input : bool, default = False
         Save each expert's high-precision input for backward instead of its quantized copy (the
         per-expert loop).
@@ -322,8 +345,13 @@ class GroupedLinear(TransformerEngineBaseModule):
                 total += s
                 ends.append(total)
             offsets = torch.tensor(ends, dtype=torch.int32, device=inp.device)
-        weights = torch.stack(self.weights)  # [n, out, in]
-        out = torch._grouped_mm(inp, weights.transpose(-2, -1), offs=offsets)
+        weights = self.weights
+        if self.fuse_wgrad_accumulation and any(w.requires_grad for w in weights):
+            main_grads = [self._main_grad(i, w) if w.requires_grad else None for i, w in enumerate(weights)]
+            stacked = _StackIntoMainGrad.apply(len(weights), *weights, *main_grads)  # [n, out, in]
+        else:
+            stacked = torch.stack(weights)  # [n, out, in]
+        out = torch._grouped_mm(inp, stacked.transpose(-2, -1), offs=offsets)
         if with_bias:
             # each row's expert: the first offset past the row
             rows = torch.arange(tokens, device=inp.device, dtype=torch.int32)
@@ -331,6 +359,13 @@ class GroupedLinear(TransformerEngineBaseModule):
             # added in fp32, so the bias grad (a per-expert sum over its rows) accumulates in fp32 as in Linear
             out = (out.float() + torch.stack(self.biases).float()[expert]).to(out.dtype)
         return out
+
+    def _main_grad(self, i: int, weight: torch.Tensor) -> torch.Tensor:
+        main_grad = getattr(weight, "main_grad", None)
+        if main_grad is None:
+            raise_error(RuntimeError, f"{self.name}: fuse_wgrad_accumulation=True needs weight{i}.main_grad "
+                                      "(an fp32 buffer) to be set")
+        return main_grad
 
     def _expert_loop(self, inp, splits, sizes, tokens, with_bias: bool, is_first_microbatch) -> torch.Tensor:
         """One quantized GEMM per expert on its slice of the tokens (what a loop of te.Linear does)."""
