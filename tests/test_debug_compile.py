@@ -39,7 +39,8 @@ class Net(torch.nn.Module):
 
 WINDOWED = {
     "stats": {"enabled": True, "layers": {"layer_types": ["fc1"]},
-              "transformer_engine": {"LogTensorStats": {"enabled": True, "stats": ["max", "std", "l2_norm", "dynamic_range"],
+              "transformer_engine": {"LogTensorStats": {"enabled": True,
+                                                        "stats": ["max", "std", "l2_norm", "dynamic_range"],
                                                         "tensors": ["activation", "gradient", "weight", "output"],
                                                         "start_end_list": [[2, 3], [6, 6]]},
                                      "LogFp8TensorStats": {"enabled": True, "tensors": ["activation", "gradient"],
@@ -140,7 +141,8 @@ def test_fast_path_graph_is_unchanged(tmp_path):
 @pytest.mark.parametrize("backend", backend_params(ci=()))  # MXFP8: inductor compiles for minutes
 def test_compiled_dumps_equal_eager(tmp_path, backend):
     cfg = {"d": {"enabled": True, "layers": {"layer_name_regex_pattern": "^fc1$"},
-                 "transformer_engine": {"DumpTensors": {"enabled": True, "tensors": ["activation", "gradient", "weight"],
+                 "transformer_engine": {"DumpTensors": {"enabled": True,
+                                                        "tensors": ["activation", "gradient", "weight"],
                                                         "dump_quantized_internals": True, "freq": 2}}}}
     _fresh()
     torch.manual_seed(3)

@@ -69,7 +69,7 @@ def test_getting_started_example(tmp_path):
     assert {it for _, it, _ in lines} == {2, 3, 4, 5}
     assert {n for n, _, _ in lines} == {f"{qkv.name}_activation_{s}" for s in ("max", "min", "mean", "std", "l1_norm")}
     want = direct_stats(ln_out)
-    for name, it, value in lines:
+    for name, _it, value in lines:
         stat = name[len(f"{qkv.name}_activation_"):]
         assert_close(value, want[stat], name, rel=1e-4, abs_=1e-4)  # the log keeps 4 decimals
 
@@ -475,7 +475,8 @@ def test_bad_config_errors_name_the_entry(tmp_path, features, message):
 
 def test_bad_config_in_a_session_fails_at_first_forward(tmp_path):
     cfg = {"sec": {"enabled": True, "layers": {"layer_types": ["lin"]},
-                   "transformer_engine": {"LogTensorStats": {"enabled": True, "stats": ["max"], "tensors": ["activation"],
+                   "transformer_engine": {"LogTensorStats": {"enabled": True, "stats": ["max"],
+                                                             "tensors": ["activation"],
                                                              "start_end_list": [[5, 9], [0, 3]]}}}}
     m = te.Linear(16, 16, name="lin")
     with debug_session(tmp_path, cfg):

@@ -59,7 +59,10 @@ class RowScaledStorage(QuantizedTensorStorage):
         return None  # no scaled-GEMM kernel: always emulated
 
     def debug_usage_view(self, x2d, columnwise):
-        data, s = (self._col_data, self._col_scale_inv) if columnwise else (self._data.reshape(x2d.shape), self._scale_inv)
+        if columnwise:
+            data, s = self._col_data, self._col_scale_inv
+        else:
+            data, s = self._data.reshape(x2d.shape), self._scale_inv
         xs = x2d.t() if columnwise else x2d
         return UsageView(xs, data.float() * s, data.float().abs() == E4M3_MAX, s.float())
 
@@ -156,7 +159,8 @@ def test_a_sixth_format_gemm_gathers_and_debug_decoding():
     kind, why = gather_format(key, (64, 64), 2)
     assert kind == "hp" and "toy_row_scaled" in why
     with pytest.warns(UserWarning, match="toy_row_scaled"):
-        assert input_gather_format(key, (8, 4, 64), 2, True) == (HP, "toy_row_scaled: the columnwise scales span all rows")
+        got = input_gather_format(key, (8, 4, 64), 2, True)
+    assert got == (HP, "toy_row_scaled: the columnwise scales span all rows")
 
     assert quant_view.recipe_name(q) == "toy_row_scaled" and "toy_row_scaled" in quant_view.RECIPE_NAMES
     assert isinstance(quant_view.new_quantizer("toy_row_scaled", None, "weight"), RowScaledQuantizer)

@@ -53,9 +53,9 @@ def saved_storages(fn, params=()):
 def plan_bytes(rid, m, x, save_original_input=False):
     """What the plan says a call saves: protos, raw input, delayed-scaling scale snapshots."""
     key = RecipeKey.of(RECIPES[rid])
+    bias_rg = m.bias is not None and m.bias.requires_grad
     plan = L.make_plan(key, tuple(x.shape), tuple(m.weight.shape), x.dtype, m.weight.dtype,
-                       L.LinearCall(x.requires_grad, m.weight.requires_grad, m.bias is not None and m.bias.requires_grad,
-                                    save_original_input), False)
+                       L.LinearCall(x.requires_grad, m.weight.requires_grad, bias_rg, save_original_input), False)
     n = sum(_proto_bytes(p) for p in plan.saved_protos())
     if plan.saves_raw_input():
         n += _bytes(x)

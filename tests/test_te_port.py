@@ -190,7 +190,8 @@ def test_recipe_state_delayed_scaling_binds_each_slot():
 
 def test_recipe_state_roles_and_formats():
     roles = [QuantizerRole(tensor_type="weight"), QuantizerRole(tensor_type="input")]
-    qs = RecipeState.create(recipe.Float8BlockScaling(), mode="forward", num_quantizers=2, roles=roles).make_quantizers()
+    state = RecipeState.create(recipe.Float8BlockScaling(), mode="forward", num_quantizers=2, roles=roles)
+    qs = state.make_quantizers()
     assert [q.block_scaling_dim for q in qs] == [2, 1]
     nv = RecipeState.create(recipe.NVFP4BlockScaling(), mode="backward", num_quantizers=1).make_quantizers()[0]
     assert nv.stochastic_rounding and nv.with_rht

@@ -94,7 +94,8 @@ def norm_quantize_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[to
     recipe's row block, as linear_fwd expects (custom_ops/row_padding.py)."""
     q = _input_quantizer(key, columnwise)
     with recomputed_in_backward(columnwise and recompute_saved_input()):  # saved columnwise: rebuilt instead
-        fused = q.fused_norm_quantize(inp, weight, bias, eps, normalization, zero_centered_gamma)  # the format's own kernel
+        # the format's own kernel
+        fused = q.fused_norm_quantize(inp, weight, bias, eps, normalization, zero_centered_gamma)
         if fused is not None:
             return fused
         out, mu, rsigma = kernel("norm_fwd", inp.device)(inp, weight, bias, eps, normalization, zero_centered_gamma)

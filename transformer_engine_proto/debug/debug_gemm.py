@@ -281,6 +281,6 @@ def debug_linear(inp, weight, bias=None, *, layer_name: str, key: str, fp8_scale
     """`custom_ops.linear.linear`'s signature and results (y, amaxes, new weight cache) on the debug path.
     The quantized-weight cache is neither read nor filled: the weight is quantized every call."""
     flags = call_flags(inp, weight, bias, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
-    out, amaxes, _ = linear_fwd(inp, weight, bias, fp8_scale, grad_fp8_scale, list(grad_amax_state), main_grad, layer_name,
-                                key, flags)
+    out, amaxes, _ = linear_fwd(inp, weight, bias, fp8_scale, grad_fp8_scale, list(grad_amax_state), main_grad,
+                                layer_name, key, flags)
     return out, amaxes, []

@@ -93,7 +93,10 @@ def _looks_like_norm(m: nn.Module) -> bool:
     return "layernorm" in name or "rmsnorm" in name
 
 
-def _norm_spec(m: nn.Module) -> Union[None, str, Tuple[type, int, Optional[float], nn.Parameter, Optional[nn.Parameter]]]:
+_NormSpec = Tuple[type, int, Optional[float], nn.Parameter, Optional[nn.Parameter]]
+
+
+def _norm_spec(m: nn.Module) -> Union[None, str, _NormSpec]:
     """None: not a norm; a str: a norm we do not convert, and why; else
     (te class, hidden size, eps, weight, bias) of a norm whose math we reproduce: elementwise
     affine, normalized over the last dim only."""

@@ -9,9 +9,10 @@ division (what torch computes on CPU), so y is the reference's to about one ulp 
 
 - forward: a program normalizes ROWS rows. A row of K <= BLOCK stays in registers; a longer row
   is read in BLOCK-wide chunks three times (sum, centred sum of squares, output; RMSNorm skips
-  the first): the re-reads of a 32 KiB row come from L1/L2. With AMAX the program max-reduces |y| over the finite values of y as
-  rounded to the output dtype (what a quantize of y reads) and `atomic_max`es it into an
-  int32-viewed fp32 buffer, as `float8._amax_kernel` does (float order is integer order for |y|).
+  the first): the re-reads of a 32 KiB row come from L1/L2. With AMAX the program max-reduces |y|
+  over the finite values of y as rounded to the output dtype (what a quantize of y reads) and
+  `atomic_max`es it into an int32-viewed fp32 buffer, as `float8._amax_kernel` does (float order
+  is integer order for |y|).
 - backward: dx per row; dgamma / dbeta as one fp32 partial row per program (a program owns
   ITERS consecutive row tiles; ITERS a power of two so that a new M rarely recompiles), summed
   afterwards by torch: deterministic, no atomics. A row longer than BLOCK is read twice (the two
