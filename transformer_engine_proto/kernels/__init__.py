@@ -58,12 +58,14 @@ def available_backends(name: str):
     return sorted(b for (n, b) in _KERNELS if n == name)
 
 
-def kernel(name: str, device=None) -> Callable:
-    """The implementation of `name` for tensors on `device`."""
+def kernel(name: str, device=None, reference: bool = False) -> Callable:
+    """The implementation of `name` for tensors on `device`; `reference=True`: the pure-torch
+    reference whatever the backend, for a caller whose settings only the reference implements
+    (NVFP4's row scaling and 4over6), so no fast kernel runs without them."""
     if not _loaded:
         _load_reference()
     mode = _backend if _backend is not None else get_backend()
-    if mode == "triton" and device is not None:
+    if mode == "triton" and device is not None and not reference:
         device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
         for backend in _PREFERENCE.get(device_type, ()):
             fn = _KERNELS.get((name, backend))
