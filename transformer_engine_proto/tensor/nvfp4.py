@@ -6,6 +6,12 @@ M (optionally after the random Hadamard transform, for wgrad): `_columnwise_data
 `_columnwise_scale_inv` (K, M/16), `_amax_columnwise` (1,). All buffers are 2D over (M, K), so a
 view that keeps the last dim leaves them untouched. With 2D (16x16) blocks the two usages hold
 the same rounded values, so each can be derived exactly from the other.
+
+TE's two encoding options (kernels/reference/nvfp4.py says what they do) are quantizer settings:
+`row_scaled_nvfp4` (the amaxes become (M,) rowwise and (K,) columnwise) and `nvfp4_use_4over6`
+with `nvfp4_4over6_err_mode` and `nvfp4_e4m3_max`. Only the reference kernels implement them, so
+a quantizer with either asks the dispatcher for the reference (`kernel(..., reference=True)`) on
+every device; the storage keeps `row_scaled_nvfp4` and `nvfp4_e4m3_max`, which its dequantize needs.
 """
 from __future__ import annotations
 
@@ -19,10 +25,13 @@ from ..kernels import kernel
 from ..kernels.reference.common import abs_max, transpose_2d, true_div
 from ..kernels.reference.nvfp4 import (
     BLOCK,
+    E4M3_BOUNDS,
+    FOUR_OVER_SIX_MODES,
     apply_rht,
     global_encode_scale,
     quantize_blocks,
     rht_matrix,
+    row_abs_max,
     transpose_2d_blocks,
     unpack_fp4,
     unpack_fp4_codes,
@@ -45,8 +54,17 @@ class NVFP4TensorStorage(QuantizedTensorStorage):
         ("_amax_columnwise", "amax_columnwise"),
     )
     # The layout settings dequantize/relayout need, kept even without a quantizer.
-    _META_FIELDS = ("with_2d_quantization", "with_rht", "rht_seed")
+    _META_FIELDS = ("with_2d_quantization", "with_rht", "rht_seed", "row_scaled_nvfp4", "nvfp4_e4m3_max")
     _LOGICAL_SHAPE_BUFFERS = ()
+    # Defaults of the fields added with TE's encoding options: tensors pickled, and constructor
+    # calls written, before them still load and build (as plain NVFP4).
+    row_scaled_nvfp4 = False
+    nvfp4_e4m3_max = 448
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("row_scaled_nvfp4", False)
+        kwargs.setdefault("nvfp4_e4m3_max", 448)
+        super().__init__(**kwargs)
 
     _fp4_dtype = DType.kFloat4E2M1  # TE's attribute
 
@@ -60,12 +78,32 @@ class NVFP4TensorStorage(QuantizedTensorStorage):
     def has_columnwise(self) -> bool:
         return self._columnwise_data is not None
 
+    def _plain_decode(self) -> bool:
+        """One S_enc per usage with the 448 bound: what the fast dequantize kernels implement."""
+        return not self.row_scaled_nvfp4 and self.nvfp4_e4m3_max == 448
+
+    def _dequantize_2d(self, rowwise_data, rowwise_scale_inv, amax_rowwise, columnwise_data,
+                       columnwise_scale_inv, amax_columnwise, rht, rht_seed, dtype):
+        """(M, K) values in `dtype`, rounded once: `nvfp4_dequantize_to`, or for the row-scaled /
+        256-bound encodings the reference dequantize (which alone decodes them), then `.to`."""
+        dev = (rowwise_data if rowwise_data is not None else columnwise_data).device
+        args = (rowwise_data, rowwise_scale_inv, amax_rowwise, columnwise_data, columnwise_scale_inv,
+                amax_columnwise, rht, rht_seed)
+        if self._plain_decode():
+            return kernel("nvfp4_dequantize_to", dev)(*args, dtype=dtype)  # no fp32 round trip
+        return kernel("nvfp4_dequantize", dev, reference=True)(
+            *args, row_scaled=self.row_scaled_nvfp4, e4m3_max=self.nvfp4_e4m3_max).to(dtype)
+
+    def _encode_scale(self, amax):
+        """S_enc of a usage: (1,), or (rows, 1) for a row-scaled tensor."""
+        enc = global_encode_scale(amax, self.nvfp4_e4m3_max)
+        return enc.reshape(-1, 1) if self.row_scaled_nvfp4 else enc
+
     def _dequantize(self, dtype):
-        dev = (self._rowwise_data if self._rowwise_data is not None else self._columnwise_data).device
-        values = kernel("nvfp4_dequantize_to", dev)(  # one rounding to dtype, no fp32 round trip
+        values = self._dequantize_2d(
             self._rowwise_data, self._rowwise_scale_inv, self._amax_rowwise,
             self._columnwise_data, self._columnwise_scale_inv, self._amax_columnwise,
-            self.with_rht, self.rht_seed, dtype=dtype,
+            self.with_rht, self.rht_seed, dtype,
         )
         return values.reshape(self._shape)
 
@@ -122,16 +160,19 @@ class NVFP4TensorStorage(QuantizedTensorStorage):
     FORMAT_NAME = "nvfp4"
 
     def gemm_native(self):
-        return "block_scaled"
+        # a row-scaled operand has one decode factor per row, which the GEMM's single per-tensor
+        # second-level scale cannot carry: always emulated
+        return None if self.row_scaled_nvfp4 else "block_scaled"
 
     def gemm_operand(self, reduce_last):
         """Both usages K-major as stored (the columnwise copy holds rows of x^T), E4M3 block scales
-        and the per-tensor decode factor 1/S_enc; the RHT rotates the columnwise copy only."""
+        and the per-tensor decode factor 1/S_enc; the RHT rotates the columnwise copy only. None
+        for a row-scaled tensor (see `gemm_native`), also when the other operand asks."""
         usage = "rowwise" if reduce_last else "columnwise"
         data = getattr(self, f"_{usage}_data")
-        if data is None:
+        if data is None or self.row_scaled_nvfp4:
             return None
-        decode = true_div(1.0, global_encode_scale(getattr(self, f"_amax_{usage}")))  # correctly rounded
+        decode = true_div(1.0, global_encode_scale(getattr(self, f"_amax_{usage}"), self.nvfp4_e4m3_max))
         rht = self.rht_seed if self.with_rht and not reduce_last else None
         return GemmOperand(data.view(torch.float4_e2m1fn_x2), getattr(self, f"_{usage}_scale_inv"), (1, BLOCK),
                            global_scale=decode, rht_seed=rht)
@@ -159,9 +200,8 @@ class NVFP4TensorStorage(QuantizedTensorStorage):
 
     def _stored_columnwise(self, dtype) -> torch.Tensor:
         """x^T (K, M) as stored (after the RHT, if any), dequantized to `dtype`."""
-        return kernel("nvfp4_dequantize_to", self._columnwise_data.device)(
-            self._columnwise_data, self._columnwise_scale_inv, self._amax_columnwise, None, None, None,
-            dtype=dtype)
+        return self._dequantize_2d(self._columnwise_data, self._columnwise_scale_inv, self._amax_columnwise,
+                                   None, None, None, False, 0, dtype)
 
     def debug_usage_view(self, x2d, columnwise):
         if columnwise:
@@ -173,14 +213,16 @@ class NVFP4TensorStorage(QuantizedTensorStorage):
             data, s, amax, xs = self._rowwise_data, self._rowwise_scale_inv, self._amax_rowwise, x2d
         vals = unpack_fp4(data)
         r, c = vals.shape
-        enc = global_encode_scale(amax)
-        dq = ((vals.reshape(r, c // BLOCK, BLOCK) * s.float().unsqueeze(-1)) / enc).reshape(r, c)
+        enc = self._encode_scale(amax)
+        enc3 = enc.unsqueeze(-1) if self.row_scaled_nvfp4 else enc
+        dq = ((vals.reshape(r, c // BLOCK, BLOCK) * s.float().unsqueeze(-1)) / enc3).reshape(r, c)
         sat = (unpack_fp4_codes(data) & 7) == 7
         return UsageView(xs, dq, sat, s.float() / enc)
 
     def debug_internals(self):
         out = dict(with_rht=bool(self.with_rht), rht_seed=int(self.rht_seed),
-                   with_2d_quantization=bool(self.with_2d_quantization))
+                   with_2d_quantization=bool(self.with_2d_quantization),
+                   row_scaled_nvfp4=bool(self.row_scaled_nvfp4), nvfp4_e4m3_max=int(self.nvfp4_e4m3_max))
         for usage in ("rowwise", "columnwise"):
             data = getattr(self, f"_{usage}_data")
             if data is None:
@@ -189,7 +231,7 @@ class NVFP4TensorStorage(QuantizedTensorStorage):
             out[f"{usage}_data"] = unpack_fp4(data)
             out[f"{usage}_scale_inv"] = getattr(self, f"_{usage}_scale_inv")
             out[f"amax_{usage}"] = amax
-            out[f"{usage}_global_encode_scale"] = global_encode_scale(amax)
+            out[f"{usage}_global_encode_scale"] = global_encode_scale(amax, self.nvfp4_e4m3_max)
         if self.with_rht and self._columnwise_data is not None:
             out["rht_matrix"] = rht_matrix(self.rht_seed, self._columnwise_data.device)
         return out
@@ -200,7 +242,10 @@ class NVFP4TensorStorage(QuantizedTensorStorage):
         r, c = data.shape
         s = d[f"{usage}_scale_inv"].float()
         scaled = data.reshape(r, c // BLOCK, BLOCK) * s.unsqueeze(-1)
-        vals = (scaled / d[f"{usage}_global_encode_scale"]).reshape(r, c)
+        enc = d[f"{usage}_global_encode_scale"]
+        if d.get("row_scaled_nvfp4"):  # one S_enc per row
+            enc = enc.reshape(-1, 1, 1)
+        vals = (scaled / enc).reshape(r, c)
         col = usage == "columnwise"
         if col and d.get("with_rht"):  # undo the Hadamard transform exactly as the dequantize kernel does
             vals = apply_rht(vals, int(d["rht_seed"]), inverse=True)
@@ -212,26 +257,63 @@ class NVFP4Tensor(NVFP4TensorStorage, QuantizedTensor):
 
 
 @te_constructor(("fp4_dtype", "rowwise", "columnwise", "with_amax_reduction", "amax_reduction_group", "with_rht",
-                 "with_post_rht_amax", "with_2d_quantization", "stochastic_rounding"),
+                 "with_post_rht_amax", "with_2d_quantization", "stochastic_rounding", "row_scaled_nvfp4",
+                 "nvfp4_use_4over6", "nvfp4_e4m3_max", "nvfp4_4over6_err_mode"),
                 te_only={"fp4_dtype": (torch.float4_e2m1fn_x2,), "with_amax_reduction": (False,),
                          "amax_reduction_group": (None,), "with_post_rht_amax": (False, True),
-                         "row_scaled_nvfp4": (False,), "nvfp4_use_4over6": (False,),
                          "with_random_sign_mask": (True,)})
 @dataclass(frozen=True)
 class NVFP4Quantizer(Quantizer):
     """NVFP4 settings. 2D (16x16) blocks are for weights; the RHT (columnwise only) and
-    stochastic rounding are for gradients. `rht_seed` fixes the RHT's random sign vector."""
+    stochastic rounding are for gradients. `rht_seed` fixes the RHT's random sign vector.
+
+    TE's encoding options (kernels/reference/nvfp4.py): `row_scaled_nvfp4`, one amax per row (1D
+    blocks, no RHT or stochastic rounding); `nvfp4_use_4over6`, each block's map-to-4 or map-to-6
+    scale by `nvfp4_4over6_err_mode` ("MAE" / "MSE"), with `nvfp4_e4m3_max` (448 or 256) the
+    block-scale bound in S_enc (no RHT or stochastic rounding). As in TE, the bound is 448 and the
+    error mode unused without 4over6; they are normalized then, so equal encodings compare equal."""
 
     with_2d_quantization: bool = False
     with_rht: bool = False
     stochastic_rounding: bool = False
     rht_seed: int = 0
+    row_scaled_nvfp4: bool = False
+    nvfp4_use_4over6: bool = False
+    nvfp4_e4m3_max: int = 448
+    nvfp4_4over6_err_mode: str = "MAE"
 
     def __post_init__(self):
         if self.with_2d_quantization and self.with_rht:
             raise ValueError("NVFP4Quantizer: with_rht cannot be combined with with_2d_quantization (2D 16x16 blocks)")
         if not isinstance(self.rht_seed, int):
             raise TypeError(f"NVFP4Quantizer.rht_seed must be an int, got {type(self.rht_seed).__name__}")
+        for name in ("row_scaled_nvfp4", "nvfp4_use_4over6"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"NVFP4Quantizer.{name} must be a bool, got {getattr(self, name)!r}")
+        mode = self.nvfp4_4over6_err_mode
+        if not isinstance(mode, str) or mode.upper() not in FOUR_OVER_SIX_MODES:
+            raise ValueError(f"NVFP4Quantizer.nvfp4_4over6_err_mode must be one of {FOUR_OVER_SIX_MODES}, got {mode!r}")
+        if isinstance(self.nvfp4_e4m3_max, bool) or self.nvfp4_e4m3_max not in E4M3_BOUNDS:
+            raise ValueError(f"NVFP4Quantizer.nvfp4_e4m3_max must be one of {E4M3_BOUNDS}, got {self.nvfp4_e4m3_max!r}")
+        if self.nvfp4_use_4over6 and (self.with_rht or self.stochastic_rounding):
+            raise ValueError("NVFP4Quantizer: nvfp4_use_4over6 cannot be combined with with_rht or "
+                             "stochastic_rounding (TE has no such kernel either)")
+        if self.row_scaled_nvfp4 and (self.with_rht or self.with_2d_quantization or self.stochastic_rounding):
+            raise ValueError("NVFP4Quantizer: row_scaled_nvfp4 cannot be combined with with_rht, "
+                             "with_2d_quantization or stochastic_rounding (TE has no such kernel either)")
+        on = self.nvfp4_use_4over6
+        object.__setattr__(self, "nvfp4_4over6_err_mode", mode.upper() if on else "MAE")
+        object.__setattr__(self, "nvfp4_e4m3_max", int(self.nvfp4_e4m3_max) if on else 448)
+
+    def _reference_only(self) -> bool:
+        """Whether a setting only the reference kernels implement is on."""
+        return self.row_scaled_nvfp4 or self.nvfp4_use_4over6
+
+    def _kernel_options(self) -> dict:
+        """The reference quantize's keywords for the row-scaled / 4over6 settings."""
+        return dict(row_scaled=self.row_scaled_nvfp4,
+                    four_over_six=self.nvfp4_4over6_err_mode if self.nvfp4_use_4over6 else None,
+                    e4m3_max=self.nvfp4_e4m3_max)
 
     @property
     def dtype(self) -> DType:
@@ -244,7 +326,8 @@ class NVFP4Quantizer(Quantizer):
 
     def metadata(self):
         return {"with_2d_quantization": self.with_2d_quantization, "with_rht": self.with_rht,
-                "rht_seed": self.rht_seed}
+                "rht_seed": self.rht_seed, "row_scaled_nvfp4": self.row_scaled_nvfp4,
+                "nvfp4_e4m3_max": self.nvfp4_e4m3_max}
 
     def check_shape(self, shape) -> None:
         m, k = flat_2d(shape)
@@ -270,9 +353,11 @@ class NVFP4Quantizer(Quantizer):
         return GatherRule("nvfp4", BLOCK)  # rowwise gathered, columnwise by exact 16x16 relayout
 
     def fsdp_quantize_shard(self, x, global_amax, scale):
-        """Packed data + E4M3 scales of 16x16 blocks with the whole weight's (all-reduced) amax."""
+        """Packed data + E4M3 scales of 16x16 blocks with the whole weight's (all-reduced) amax
+        (4over6 decides per tile, so a shard of whole tiles decides as the whole weight does)."""
         amax = global_amax()
-        data, scale = kernel("nvfp4_quantize", x.device)(x, True, False, two_d=True, amax=amax)[:2]
+        data, scale = kernel("nvfp4_quantize", x.device, reference=self._reference_only())(
+            x, True, False, two_d=True, amax=amax, **self._kernel_options())[:2]
         return (data, scale.view(torch.uint8)), (amax,)
 
     def fsdp_rebuild(self, outputs, extra, rows):
@@ -290,19 +375,36 @@ class NVFP4Quantizer(Quantizer):
 
     def sp_quantize_shard(self, x2d, scale, all_reduce_max):
         """The kernel's math with global amaxes (rowwise, and columnwise after the RHT), one
-        all-reduce; the pure-torch reference (no fused kernel takes a global amax)."""
+        all-reduce; the pure-torch reference (no fused kernel takes a global amax). 4over6 decides
+        per block, so whole blocks decide alike on a shard. Row-scaled: the rows' amaxes are the
+        shard's own (gathered with the rows), the columnwise ones (one per column of x) and the
+        recorded amax are all-reduced."""
         f = x2d.float()
         xt = transpose_2d(f) if self.columnwise_usage else None
         if xt is not None and self.with_rht:
             xt = apply_rht(xt, self.rht_seed)
-        amaxes = torch.cat([abs_max(t, finite=True) for t in (f, xt) if t is not None])  # as the quantize
-        all_reduce_max(amaxes)
-        data, s = quantize_blocks(f, amaxes[0:1], False)
-        parts, same = [("_rowwise_data", data, 0), ("_rowwise_scale_inv", s, 0)], {"_amax_rowwise": amaxes[0:1].clone()}
+        opts = dict(row_scaled=self.row_scaled_nvfp4, e4m3_max=self.nvfp4_e4m3_max,
+                    four_over_six=self.nvfp4_4over6_err_mode if self.nvfp4_use_4over6 else None)
+        if self.row_scaled_nvfp4:
+            amaxes = torch.cat([abs_max(f, finite=True)] + ([] if xt is None else [row_abs_max(xt)]))
+            all_reduce_max(amaxes)
+            row_amax = row_abs_max(f)
+            amax_row, amax_col = row_amax, (amaxes[1:] if xt is not None else None)
+        else:
+            amaxes = torch.cat([abs_max(t, finite=True) for t in (f, xt) if t is not None])  # as the quantize
+            all_reduce_max(amaxes)
+            amax_row, amax_col = amaxes[0:1], (amaxes[1:2] if xt is not None else None)
+        data, s = quantize_blocks(f, amax_row, False, **opts)
+        parts = [("_rowwise_data", data, 0), ("_rowwise_scale_inv", s, 0)]
+        if self.row_scaled_nvfp4:
+            parts.append(("_amax_rowwise", amax_row, 0))
+            same = {}
+        else:
+            same = {"_amax_rowwise": amax_row.clone()}
         if xt is not None:
-            data, s = quantize_blocks(xt, amaxes[1:2], False)
+            data, s = quantize_blocks(xt, amax_col, False, **opts)
             parts += [("_columnwise_data", data, 1), ("_columnwise_scale_inv", s, 1)]
-            same["_amax_columnwise"] = amaxes[1:2].clone()
+            same["_amax_columnwise"] = amax_col.clone()
         return parts, same, amaxes[0:1].clone()
 
     def sp_finish_gather(self, bufs):
@@ -316,6 +418,7 @@ class NVFP4Quantizer(Quantizer):
 
     def buffer_layout(self, shape) -> Dict[str, BufferSpec]:
         m, k = flat_2d(shape)
+        row_amax, col_amax = ((m,), (k,)) if self.row_scaled_nvfp4 else ((1,), (1,))
         out = {}
         if self.rowwise_usage:
             out["_rowwise_data"] = BufferSpec((m, k // 2), torch.uint8)
@@ -324,16 +427,21 @@ class NVFP4Quantizer(Quantizer):
             out["_columnwise_data"] = BufferSpec((k, m // 2), torch.uint8)
             out["_columnwise_scale_inv"] = BufferSpec((k, m // BLOCK), torch.float8_e4m3fn)
         if self.rowwise_usage:
-            out["_amax_rowwise"] = BufferSpec((1,), torch.float32)
+            out["_amax_rowwise"] = BufferSpec(row_amax, torch.float32)
         if self.columnwise_usage:
-            out["_amax_columnwise"] = BufferSpec((1,), torch.float32)
+            out["_amax_columnwise"] = BufferSpec(col_amax, torch.float32)
         return out
 
     def _quantize_buffers(self, x, rand=None, rand_columnwise=None):
-        bufs = kernel("nvfp4_quantize", x.device)(
-            x, self.rowwise_usage, self.columnwise_usage, self.with_2d_quantization, self.with_rht,
-            self.rht_seed, self.stochastic_rounding, rand, rand_columnwise,
-        )
+        if self._reference_only():  # the fast kernels know neither setting
+            bufs = kernel("nvfp4_quantize", x.device, reference=True)(
+                x, self.rowwise_usage, self.columnwise_usage, self.with_2d_quantization,
+                **self._kernel_options())
+        else:
+            bufs = kernel("nvfp4_quantize", x.device)(
+                x, self.rowwise_usage, self.columnwise_usage, self.with_2d_quantization, self.with_rht,
+                self.rht_seed, self.stochastic_rounding, rand, rand_columnwise,
+            )
         names = [attr for attr, _ in NVFP4TensorStorage._FLATTEN_TENSOR_BUFFERS]
         return {name: buf for name, buf in zip(names, bufs) if buf is not None}
 
