@@ -214,12 +214,23 @@ class Float8BlockScaling(Recipe):
                 raise ValueError(f"{name} must be 1 (1x128 tiles) or 2 (128x128), got {getattr(self, name)}")
 
 
+_NVFP4_4OVER6_SCOPES = ("none", "weights", "activations", "all")
+_NVFP4_4OVER6_ERR_MODES = ("MAE", "MSE")
+
+
 @dataclass(frozen=True)
 class NVFP4BlockScaling(Recipe):
     """NVFP4: E2M1 values, an E4M3 scale per 16 values and one FP32 global amax per tensor.
 
     Defaults follow TE: weights use 2D 16x16 blocks, gradients use stochastic rounding, and the
     columnwise (wgrad) operands of activations and gradients get a random Hadamard transform.
+
+    TE's encoding options (kernels/reference/nvfp4.py says what they do), off by default:
+    `row_scaled_activation` gives the input quantizer one amax per row; `nvfp4_4over6` ("none",
+    "weights", "activations", "all") picks per block between a map-to-4 and a map-to-6 scale for
+    those roles (gradients never), by `nvfp4_4over6_err_mode` ("MAE" / "MSE"), with S_enc bounded
+    by 256 instead of 448 for the roles `nvfp4_4over6_e4m3_use_256` names. Neither has an RHT
+    kernel in TE, so with the input among their roles they need `disable_rht=True`.
     """
 
     fp4_format: Format = Format.E2M1
@@ -229,6 +240,10 @@ class NVFP4BlockScaling(Recipe):
     disable_2d_quantization: bool = False
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    row_scaled_activation: bool = False
+    nvfp4_4over6: str = "none"
+    nvfp4_4over6_e4m3_use_256: str = "all"
+    nvfp4_4over6_err_mode: str = "MAE"
 
     def __post_init__(self):
         if self.fp4_format == "E2M1":  # the string this package took before TE's Format.E2M1
@@ -236,6 +251,25 @@ class NVFP4BlockScaling(Recipe):
         if self.fp4_format is not Format.E2M1:
             raise ValueError(f"NVFP4 supports fp4_format=Format.E2M1 only, got {self.fp4_format!r}")
         _check_format(self.fp8_format)
+        if not isinstance(self.row_scaled_activation, bool):
+            raise TypeError(f"NVFP4BlockScaling.row_scaled_activation must be a bool, "
+                            f"got {self.row_scaled_activation!r}")
+        for name in ("nvfp4_4over6", "nvfp4_4over6_e4m3_use_256"):
+            if getattr(self, name) not in _NVFP4_4OVER6_SCOPES:
+                raise ValueError(f"NVFP4BlockScaling.{name} must be one of {_NVFP4_4OVER6_SCOPES}, "
+                                 f"got {getattr(self, name)!r}")
+        mode = self.nvfp4_4over6_err_mode
+        if not isinstance(mode, str) or mode.upper() not in _NVFP4_4OVER6_ERR_MODES:
+            raise ValueError(f"NVFP4BlockScaling.nvfp4_4over6_err_mode must be one of {_NVFP4_4OVER6_ERR_MODES}, "
+                             f"got {mode!r}")
+        object.__setattr__(self, "nvfp4_4over6_err_mode", mode.upper())  # TE upper-cases its variable too
+        if not self.disable_rht:
+            if self.row_scaled_activation:
+                raise ValueError("NVFP4BlockScaling: row_scaled_activation=True needs disable_rht=True (row-scaled "
+                                 "NVFP4 has no random Hadamard transform, in TE either)")
+            if self.nvfp4_4over6 in ("activations", "all"):
+                raise ValueError(f"NVFP4BlockScaling: nvfp4_4over6={self.nvfp4_4over6!r} needs disable_rht=True "
+                                 "(4over6 has no random Hadamard transform, in TE either)")
 
     # TE's per-role view of the switches above (what each role's quantizer does)
     @property

@@ -83,14 +83,27 @@ def quantizers_for_recipe(recipe: Optional[R.Recipe]) -> RoleQuantizers:
     if isinstance(recipe, R.NVFP4BlockScaling):
         rht = not recipe.disable_rht
         return RoleQuantizers(
-            NVFP4Quantizer(with_rht=rht),
-            NVFP4Quantizer(with_2d_quantization=not recipe.disable_2d_quantization),
+            NVFP4Quantizer(with_rht=rht, row_scaled_nvfp4=recipe.row_scaled_activation,
+                           **_nvfp4_4over6(recipe, "input")),
+            NVFP4Quantizer(with_2d_quantization=not recipe.disable_2d_quantization,
+                           **_nvfp4_4over6(recipe, "weight")),
             NVFP4Quantizer(with_rht=rht, stochastic_rounding=not recipe.disable_stochastic_rounding),
         )
     if isinstance(recipe, R.CustomRecipe):
         return _custom_quantizers(recipe)
     R.require_recipe(recipe, "recipe quantizers")
     raise TypeError(f"unknown recipe {type(recipe).__name__}; expected one of the transformer_engine_proto.recipe classes")
+
+
+def _nvfp4_4over6(recipe: R.NVFP4BlockScaling, role: str) -> dict:
+    """The 4over6 settings of the input or weight quantizer (TE: "activations" names the input,
+    "weights" the weight; gradients never use it): on where `nvfp4_4over6` names the role, with
+    S_enc bounded by 256 where `nvfp4_4over6_e4m3_use_256` names it too."""
+    scope = "weights" if role == "weight" else "activations"
+    on = recipe.nvfp4_4over6 in ("all", scope)
+    use_256 = on and recipe.nvfp4_4over6_e4m3_use_256 in ("all", scope)
+    return dict(nvfp4_use_4over6=on, nvfp4_e4m3_max=256 if use_256 else 448,
+                nvfp4_4over6_err_mode=recipe.nvfp4_4over6_err_mode)
 
 
 def _custom_quantizers(recipe: R.CustomRecipe) -> RoleQuantizers:
