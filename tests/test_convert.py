@@ -159,22 +159,29 @@ def test_bf16_llama():
 
 
 def test_state_dict_round_trips_with_the_unconverted_model():
-    """A converted model's checkpoint loads into the plain HF model (norms included) and back."""
+    """A converted model's checkpoint, its `_extra_state` entries (the FP8 state, TE's layout) left
+    out, loads into the plain HF model (norms included) with strict=True, and back."""
     model = _convert_quiet(_llama(), convert_norms=True)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)  # norms away from their init of ones
+    with te.autocast(recipe=R.DelayedScaling(amax_history_len=4)):
+        model(input_ids=_ids(), labels=_ids()).loss.backward()  # some FP8 state to carry
+    model.zero_grad(set_to_none=True)
+    state = model.state_dict()
+    extra = [k for k in state if k.endswith("._extra_state")]
+    assert extra and all(k.endswith(("_proj._extra_state", "lm_head._extra_state")) for k in extra)
     plain = _llama()
-    result = plain.load_state_dict(model.state_dict(), strict=False)
-    assert result.missing_keys == []
-    assert result.unexpected_keys and all(".gemm." in k for k in result.unexpected_keys)
+    plain.load_state_dict({k: v for k, v in state.items() if k not in extra})  # strict
     ids = _ids()
     with torch.no_grad():
         torch.testing.assert_close(plain(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-6, atol=1e-6)
     fresh = _convert_quiet(_llama(), convert_norms=True)
-    result = fresh.load_state_dict(plain.state_dict(), strict=False)
-    assert result.unexpected_keys == [] and all(".gemm." in k for k in result.missing_keys)
+    fresh.load_state_dict(plain.state_dict())  # strict: no FP8 state, so it starts fresh
     assert all(torch.equal(p, q) for p, q in zip(fresh.parameters(), model.parameters()))
+    fresh.load_state_dict(state)  # the converted checkpoint, FP8 state included
+    q, q_fresh = model.model.layers[0].self_attn.q_proj.gemm, fresh.model.layers[0].self_attn.q_proj.gemm
+    assert torch.equal(q.amax_history, q_fresh.amax_history) and torch.equal(q.fp8_scale, q_fresh.fp8_scale)
 
 
 def test_to_dtype_after_conversion_equals_converting_a_bf16_model():

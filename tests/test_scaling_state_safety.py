@@ -135,12 +135,25 @@ def test_nan_skipped_under_compile(fresh_warning, backend):
     torch.testing.assert_close(model.weight.grad, eager.weight.grad, rtol=0, atol=0, equal_nan=True)
 
 
-def test_state_dict_has_the_counter_and_old_checkpoints_load():
+def test_the_counter_is_checkpointed_and_buffer_checkpoints_load():
+    """The counter travels in `_extra_state`; a checkpoint that holds the state as the GEMM's own
+    entries (`gemm.fp8_scale`, ...), with or without the counter, loads with strict=True."""
     model = te.Linear(32, 32)
-    sd = model.state_dict()
-    assert "gemm.nonfinite_amax_count" in sd
-    del sd["gemm.nonfinite_amax_count"]
-    te.Linear(32, 32).load_state_dict(sd)  # strict: a checkpoint from before the counter
+    with torch.no_grad():
+        model.gemm.nonfinite_amax_count.copy_(torch.tensor([1, 0, 2]))
+        model.gemm.fp8_scale.copy_(torch.tensor([3.0, 5.0]))
+    loaded = te.Linear(32, 32)
+    loaded.load_state_dict(model.state_dict())
+    assert torch.equal(loaded.gemm.nonfinite_amax_count, model.gemm.nonfinite_amax_count)
+    old = {"weight": model.weight.detach(), "bias": model.bias.detach()}
+    old.update({f"gemm.{n}": b for n, b in model.gemm.named_buffers() if not n.startswith("weight_cache")})
+    for drop in (None, "gemm.nonfinite_amax_count"):
+        sd = {k: v for k, v in old.items() if k != drop}
+        fresh = te.Linear(32, 32)
+        fresh.load_state_dict(sd)  # strict
+        assert torch.equal(fresh.gemm.fp8_scale, model.gemm.fp8_scale)
+        want = torch.zeros(3, dtype=torch.int64) if drop else model.gemm.nonfinite_amax_count
+        assert torch.equal(fresh.gemm.nonfinite_amax_count, want)
 
 
 def _scaling_buffers(model):

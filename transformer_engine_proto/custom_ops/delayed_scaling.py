@@ -9,6 +9,7 @@ stay that module's.
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from typing import Callable, List, Sequence
@@ -23,6 +24,8 @@ __all__ = ["DelayedScalingState", "DEFAULT_HISTORY_LEN", "record_grad_amax", "fo
 
 DEFAULT_HISTORY_LEN = 1024
 _NONFINITE_ROLES = ("input", "weight", "grad")
+_STATE = ("fp8_scale", "amax_history", "grad_fp8_scale", "grad_amax_history", "grad_amax_pending", "grad_amax_seen",
+          "nonfinite_amax_count")
 _nonfinite_warned = False  # one warning per process (the counters keep counting)
 
 
@@ -30,17 +33,20 @@ class DelayedScalingState:
     """The delayed-scaling buffers and their updates, for an `nn.Module` that owns one GEMM."""
 
     def _register_delayed_state(self, device) -> None:
-        self.register_buffer("fp8_scale", torch.ones(2, device=device))
-        self.register_buffer("amax_history", torch.zeros(DEFAULT_HISTORY_LEN, 2, device=device))
-        self.register_buffer("grad_fp8_scale", torch.ones(1, device=device))
-        self.register_buffer("grad_amax_history", torch.zeros(DEFAULT_HISTORY_LEN, 1, device=device))
+        # not in this module's state dict: the owning TE module checkpoints them in TE's layout
+        # (its `_extra_state`, module/fp8_state.py)
+        buffer = functools.partial(self.register_buffer, persistent=False)
+        buffer("fp8_scale", torch.ones(2, device=device))
+        buffer("amax_history", torch.zeros(DEFAULT_HISTORY_LEN, 2, device=device))
+        buffer("grad_fp8_scale", torch.ones(1, device=device))
+        buffer("grad_amax_history", torch.zeros(DEFAULT_HISTORY_LEN, 1, device=device))
         # backward's gradient amax waits here until the next forward folds it into the history
         # (`record_grad_amax`): [amax, generation], and the generation last folded
-        self.register_buffer("grad_amax_pending", torch.zeros(2, device=device))
-        self.register_buffer("grad_amax_seen", torch.zeros(1, device=device))
+        buffer("grad_amax_pending", torch.zeros(2, device=device))
+        buffer("grad_amax_seen", torch.zeros(1, device=device))
         # inf/NaN amaxes skipped per role (input, weight, grad): counted in-graph, reported once by
         # `poll_nonfinite` at autocast entry
-        self.register_buffer("nonfinite_amax_count", torch.zeros(3, dtype=torch.int64, device=device))
+        buffer("nonfinite_amax_count", torch.zeros(3, dtype=torch.int64, device=device))
         self._nonfinite_poll = None  # CUDA: (host copy, event) of a count copy in flight
 
     def grad_amax_state(self) -> List[torch.Tensor]:
@@ -55,16 +61,18 @@ class DelayedScalingState:
                 self.amax_history = _longer(self.amax_history, recipe.amax_history_len)
                 self.grad_amax_history = _longer(self.grad_amax_history, recipe.amax_history_len)
 
-    def _adopt_checkpoint_history(self, state_dict, prefix: str) -> None:
-        """Before loading: a checkpoint without the non-finite counter loads with a zero count, and
-        one written with another history length sets this module's length."""
-        state_dict.setdefault(prefix + "nonfinite_amax_count", torch.zeros_like(self.nonfinite_amax_count))
-        for name in ("amax_history", "grad_amax_history"):
-            saved, mine = state_dict.get(prefix + name), getattr(self, name)
-            if isinstance(saved, torch.Tensor) and saved.dim() == 2 and saved.shape[1:] == mine.shape[1:] \
-                    and saved.shape[0] != mine.shape[0]:
-                with torch.inference_mode(False):
-                    setattr(self, name, mine.new_zeros(saved.shape))
+    def _load_buffer_checkpoint(self, state_dict, prefix: str) -> None:
+        """Checkpoints written when this state was in the module's own state dict (`gemm.fp8_scale`,
+        ...): their entries are taken out of `state_dict` and loaded, a history with its length."""
+        with torch.no_grad(), torch.inference_mode(False):
+            for name in _STATE:
+                saved = state_dict.pop(prefix + name, None)
+                if not isinstance(saved, torch.Tensor):
+                    continue
+                mine = getattr(self, name)
+                if saved.dim() == 2 and saved.shape[1:] == mine.shape[1:] and saved.shape[0] != mine.shape[0]:
+                    setattr(self, name, mine.new_zeros(saved.shape))  # the checkpoint's history length
+                getattr(self, name).copy_(saved)
 
     # ---- in-graph: the step's update and amax records ------------------------------------------
     def update_scales(self, recipe: R.DelayedScaling) -> None:

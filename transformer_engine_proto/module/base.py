@@ -61,6 +61,7 @@ class TransformerEngineBaseModule(GemmOwner, nn.Module):
         return [(gemm, self._tp_group_name, self.parallel_mode) for gemm, _ in self.gemm_weights()]
 
     def prepare_for_recipe(self, recipe) -> None:
+        self._last_recipe = recipe
         for gemm, weight in self.gemm_weights():
             gemm.prepare_for_recipe(recipe, weight)
             if isinstance(recipe, DelayedScaling):

@@ -38,6 +38,7 @@ from .. import kernels
 from ..autocast import get_fp8_recipe
 from ..errors import raise_error, shape_str
 from .base import TransformerEngineBaseModule
+from .fp8_state import FP8StateCheckpoint
 from .linear import _init_weight
 from .quantized_gemm import QuantizedGemm
 
@@ -125,7 +126,7 @@ class _StackIntoMainGrad(torch.autograd.Function):
         return (None,) * (1 + 2 * len(ctx.main_grads))
 
 
-class GroupedLinear(TransformerEngineBaseModule):
+class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
     """Drop-in for `transformer_engine.pytorch.GroupedLinear`: `num_gemms` experts, each
     y_i = x_i W_i^T + b_i on its own rows. Parameters `weight0..weight{n-1}` ([out, in]) and
     `bias0..bias{n-1}` as TE names them. Arguments after `out_features` are keyword-only.

@@ -9,6 +9,7 @@ from torch import nn
 
 from ..distributed import tp as _tp
 from .base import TransformerEngineBaseModule
+from .fp8_state import FP8StateCheckpoint
 from .quantized_gemm import QuantizedGemm
 from .quantized_params import quantize_new_weights
 
@@ -61,7 +62,7 @@ class ParallelLinearMixin:
                                               None if self.return_bias else self.bias)
 
 
-class Linear(ParallelLinearMixin, TransformerEngineBaseModule):
+class Linear(FP8StateCheckpoint, ParallelLinearMixin, TransformerEngineBaseModule):
     """Drop-in for `transformer_engine.pytorch.Linear`.
 
     Tensor parallelism (TE's arguments): `parallel_mode="column"` keeps the [out/tp_size, in] weight

@@ -10,6 +10,7 @@ from ..autocast import get_fp8_recipe_key
 from ..custom_ops.norm import NORMALIZATIONS, norm, norm_quantize
 from ..distributed import tp as _tp
 from .base import TransformerEngineBaseModule
+from .fp8_state import FP8StateCheckpoint
 
 __all__ = ["LayerNorm", "RMSNorm", "NormParams", "NormFusedModule", "init_norm_parameters"]
 
@@ -47,7 +48,7 @@ class NormParams(nn.Module):
                              self.zero_centered_gamma, get_fp8_recipe_key(), columnwise)
 
 
-class NormFusedModule(TransformerEngineBaseModule):
+class NormFusedModule(FP8StateCheckpoint, TransformerEngineBaseModule):
     """Base of LayerNormLinear / LayerNormMLP: TE's parameter names and output packing."""
 
     norm: NormParams

@@ -64,7 +64,7 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         return super()._apply(same_dtype, recurse)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        self._adopt_checkpoint_history(state_dict, prefix)
+        self._load_buffer_checkpoint(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def __getstate__(self):
