@@ -61,7 +61,7 @@ def make_variant(variant: str, args, device, dtype):
     recipe = C.make_recipe(variant.split(":", 1)[1])
     model = te.convert_model(model, recipe=recipe)
     # +rc: the Linears' quantized inputs (and the norms) recomputed in backward, not saved
-    te.ops.recompute_tags.set_recompute_saved_input("+rc" in variant)
+    te.custom_ops.recompute_tags.set_recompute_saved_input("+rc" in variant)
     if "+soi" in variant:  # Linears save their raw input; backward quantizes it (save_original_input)
         skip = ("down_proj", "lm_head") if "+soi-attn" in variant else ()  # +soi-attn: attention + gate/up only
         for name, m in model.named_modules():
