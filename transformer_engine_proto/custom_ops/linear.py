@@ -346,7 +346,10 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
                                                              call.cache_mode)
     dy = grad_out.reshape(-1, grad_out.shape[-1])
     saved_q = iter(_split(saved, plan.saved_protos()))
-    x = next(saved_q) if plan.saved_input() is not None else inp.reshape(-1, in_shape[-1]) if weight_requires_grad else None
+    if plan.saved_input() is not None:
+        x = next(saved_q)
+    else:
+        x = inp.reshape(-1, in_shape[-1]) if weight_requires_grad else None
     if not input_requires_grad:
         w = None
     elif cache_mode == CACHE_USE and plan.dgrad_q:

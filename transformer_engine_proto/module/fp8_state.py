@@ -148,8 +148,8 @@ class _Unpickler(pickle.Unpickler):
     ours). A checkpoint is data: any other global is refused."""
 
     _ALLOWED = {("collections", "OrderedDict"), ("torch._utils", "_rebuild_tensor_v2"), ("torch", "Size"),
-                ("torch", "FloatTensor"), ("torch", "LongTensor"), ("copyreg", "_reconstructor"), ("builtins", "object"), ("builtins", "set"),
-                ("builtins", "frozenset")}
+                ("torch", "FloatTensor"), ("torch", "LongTensor"), ("copyreg", "_reconstructor"),
+                ("builtins", "object"), ("builtins", "set"), ("builtins", "frozenset")}
 
     def find_class(self, module, name):
         if (module, name) == ("torch.storage", "_load_from_bytes"):

@@ -32,9 +32,8 @@ from ..tensor.recipe_quantizers import GEMMS
 from . import calibrate
 from .cost_model import BF16, CostTable, cache_path, gemm_shapes, shipped_table_path
 
-__all__ = ["GemmPolicy", "Decision", "key_with_policy_precision", "policy_key", "policy_from_key", "decisions", "pins_key",
-           "with_default_pins",
-           "HIGH", "RECIPE", "cost_table"]
+__all__ = ["GemmPolicy", "Decision", "key_with_policy_precision", "policy_key", "policy_from_key", "decisions",
+           "pins_key", "with_default_pins", "HIGH", "RECIPE", "cost_table"]
 
 HIGH, RECIPE = "high_precision", "recipe"  # pinned values
 _PIN_NAMES = {"bf16": HIGH, "high_precision": HIGH, "high": HIGH, "fp8": RECIPE, "recipe": RECIPE,

@@ -92,7 +92,8 @@ def quantizers_for_recipe(recipe: Optional[R.Recipe]) -> RoleQuantizers:
     if isinstance(recipe, R.CustomRecipe):
         return _custom_quantizers(recipe)
     R.require_recipe(recipe, "recipe quantizers")
-    raise TypeError(f"unknown recipe {type(recipe).__name__}; expected one of the transformer_engine_proto.recipe classes")
+    raise TypeError(f"unknown recipe {type(recipe).__name__}; "
+                    "expected one of the transformer_engine_proto.recipe classes")
 
 
 def _nvfp4_4over6(recipe: R.NVFP4BlockScaling, role: str) -> dict:
