@@ -201,32 +201,58 @@ def _registered(namespace: str):
 
 
 def _features_in_dirs(feature_dirs) -> set:
-    """Names of the classes registered with `Registry.register_feature(namespace="transformer_engine")`
-    in the .py files of the user's `feature_dirs`, read with `ast` (nothing is imported: nvdlfw_inspect
-    imports them itself when the session starts, after this check)."""
-    import ast
+    """Names of the classes registered in the `transformer_engine` namespace by the .py files of the
+    user's `feature_dirs`, read with `ast` (nothing is imported: nvdlfw_inspect imports them itself
+    when the session starts, after this check). Both of TE's forms count: the decorator
+    `@Registry.register_feature(namespace="transformer_engine")` and the call
+    `Registry.register_feature(namespace="transformer_engine")(MyFeature)`, also through a name
+    bound to the `register_feature(...)` result. A file that does not parse is skipped
+    (nvdlfw_inspect reports it when it loads the file)."""
     import os
 
-    dirs = [feature_dirs] if isinstance(feature_dirs, str) else list(feature_dirs)
+    dirs = [feature_dirs] if isinstance(feature_dirs, (str, os.PathLike)) else list(feature_dirs)
     names = set()
     for d in dirs:
         for root, _, files in os.walk(d):
             for fname in files:
                 if not fname.endswith(".py"):
                     continue
-                with open(os.path.join(root, fname)) as f:
-                    tree = ast.parse(f.read(), fname)
-                for node in ast.walk(tree):
-                    if isinstance(node, ast.ClassDef) and any(_registers_te(dec) for dec in node.decorator_list):
-                        names.add(node.name)
+                try:
+                    with open(os.path.join(root, fname), encoding="utf-8") as f:
+                        tree = ast.parse(f.read(), fname)
+                except (SyntaxError, UnicodeDecodeError, ValueError):
+                    continue
+                names |= _registered_in(tree)
     return names
 
 
-def _registers_te(dec) -> bool:
-    """`@...register_feature(namespace="transformer_engine")` (a namespace given as a literal)."""
-    if not (isinstance(dec, ast.Call) and getattr(dec.func, "attr", getattr(dec.func, "id", "")) == "register_feature"):
+def _registered_in(tree) -> set:
+    """Class names a module's `ast` registers in the `transformer_engine` namespace."""
+    registrars = set()  # names bound to a `register_feature(namespace="transformer_engine")` result
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and _registers_te(node.value, ()):
+            registrars.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and any(_registers_te(dec, registrars) for dec in node.decorator_list):
+            names.add(node.name)
+        elif isinstance(node, ast.Call) and node.args and _registers_te(node.func, registrars):
+            cls = node.args[0]
+            name = getattr(cls, "id", getattr(cls, "attr", None))
+            if name is not None:
+                names.add(name)
+    return names
+
+
+def _registers_te(node, registrars) -> bool:
+    """`register_feature(namespace="transformer_engine")` (through any attribute path, a namespace
+    given as a literal or not), or a name bound to one (`registrars`)."""
+    if isinstance(node, ast.Name) and node.id in registrars:
+        return True
+    func = getattr(node, "func", None)
+    if not (isinstance(node, ast.Call) and getattr(func, "attr", getattr(func, "id", "")) == "register_feature"):
         return False
-    spaces = [k.value for k in dec.keywords if k.arg == "namespace"] + list(dec.args[:1])
+    spaces = [k.value for k in node.keywords if k.arg == "namespace"] + list(node.args[:1])
     return all(getattr(n, "value", "transformer_engine") == "transformer_engine" for n in spaces)
 
 
@@ -271,7 +297,9 @@ def _validate(config, feature_dirs) -> None:
             _fail(where, f"must be a mapping, got {sec!r}")
         if "enabled" not in sec or not isinstance(sec["enabled"], bool):
             _fail(where + ["enabled"], "required, true or false")
-        if sec["enabled"] and "layers" not in sec:
+        if not sec["enabled"]:
+            continue  # a disabled section is never parsed (nor by TE): its features need nothing
+        if "layers" not in sec:
             _fail(where, "missing `layers`")
         layers = sec.get("layers")
         if layers is not None:
@@ -291,7 +319,8 @@ def _validate(config, feature_dirs) -> None:
                 _check_feature(w, feature, cfg)
             elif feature not in custom:
                 _fail(w, f"unknown feature; known: {sorted(FEATURE_KEYS)}"
-                         + (f" and custom {sorted(custom)}" if custom else ""))
+                         + (f" and custom {sorted(custom)}" if custom else "")
+                         + " (a feature of your own: pass its directory in `feature_dirs`)")
 
 
 def check_session_config(manager) -> None:
