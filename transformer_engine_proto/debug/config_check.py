@@ -86,12 +86,20 @@ def _check_windows(where, cfg):
 def _check_params(where, feature, cfg, spec, tensor=None):
     if "stats" in cfg:
         st = cfg["stats"]
-        if not isinstance(st, list) or not all(isinstance(s, str) for s in st):
-            _fail(where + ["stats"], f"must be a list of stat names, got {st!r}")
-        if feature == "LogTensorStats":
-            bad = [s for s in st if s not in stats.HP_STATS]
+        if feature == "LogTensorStats":  # names, or `{max_blockwise_dynamic_range: {...}}` entries
+            if not isinstance(st, list):
+                _fail(where + ["stats"], f"must be a list of stats, got {st!r}")
+            bad = [s for s in st if isinstance(s, str) and s not in stats.HP_STATS]
             if bad:
-                _fail(where + ["stats"], f"unsupported stats {bad}; supported: {list(stats.HP_STATS)}")
+                _fail(where + ["stats"], f"unsupported stats {bad}; supported: {list(stats.HP_STATS)} and "
+                                         "`max_blockwise_dynamic_range: {block_size: <int>, dims: 1 or 2}`")
+            for s in st:
+                try:
+                    stats.parse_hp_stat(s)
+                except ValueError as e:
+                    _fail(where + ["stats"], str(e))
+        elif not isinstance(st, list) or not all(isinstance(s, str) for s in st):
+            _fail(where + ["stats"], f"must be a list of stat names, got {st!r}")
         else:
             for s in st:
                 try:

@@ -21,9 +21,14 @@ class LogTensorStats(TEConfigAPIMapper):
 
     Parameters
     ----------
-    stats: List[str]
+    stats: List[str | Dict]
         min, max, mean, std, l1_norm, l2_norm, cur_amax (max |x|),
-        dynamic_range (log2(amax) - log2(smallest non-zero |x|))
+        dynamic_range (log2(amax) - log2(smallest non-zero |x|)),
+        max_blockwise_dynamic_range (the largest dynamic_range of one block; written as a mapping,
+        `- max_blockwise_dynamic_range: {block_size: 32, dims: 1}`, both keys optional: dims 1
+        blocks are block_size consecutive elements of a row, dims 2 block_size x block_size tiles;
+        for activation and weight, which GEMMs also read transposed, the transposed blocks count
+        too; logged as `max_blockwise_dynamic_range_block_size_<b>_dims_<d>[_max_over_orientations]`)
     tensors/tensors_struct: List[str]
         activation, gradient, weight, output, wgrad, dgrad
     freq: Optional[int], default = 1
@@ -54,7 +59,11 @@ class LogTensorStats(TEConfigAPIMapper):
                           freq: 2
                           start_end_list: [[0, 20], [80, 100]]
                         - tensor: weight
-                          stats: [dynamic_range]
+                          stats:
+                            - dynamic_range
+                            - max_blockwise_dynamic_range:
+                                block_size: 32
+                                dims: 1
     """
 
     def _get_supported_stats_list(self):
@@ -68,10 +77,11 @@ class LogTensorStats(TEConfigAPIMapper):
     def inspect_tensor(self, config: Dict, layer_name: str, tensor_name: str, iteration: int, tensor=None,
                        tp_group=None, **kwargs):
         requested = config.get("stats", [])
-        bad = [s for s in requested if s not in stats.HP_STATS]
-        if bad:
-            raise ValueError(f"LogTensorStats ({layer_name}, {tensor_name}): unsupported stats {bad}; "
-                             f"supported: {list(stats.HP_STATS)}")
+        for s in requested:
+            try:
+                stats.parse_hp_stat(s, tensor_name)
+            except ValueError as e:
+                raise ValueError(f"LogTensorStats ({layer_name}, {tensor_name}): {e}") from None
         if tensor is None:
             return None
         stats.feed_tensor(layer_name, tensor_name, requested, tensor, iteration, tp_group)
