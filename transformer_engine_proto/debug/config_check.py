@@ -26,6 +26,7 @@ _DISABLE_LAYER = {"structure": None, "tensors": None, "params": ()}
 FEATURE_KEYS: Dict[str, Dict[str, Any]] = {
     "LogTensorStats": {"structure": "tensors", "tensors": ALL_TENSORS, "params": ("stats",) + _WINDOW},
     "LogFp8TensorStats": {"structure": "tensors", "tensors": IN_TENSORS, "params": ("stats",) + _WINDOW},
+    "LogNvfp4TensorStats": {"structure": "tensors", "tensors": IN_TENSORS, "params": ("stats",) + _WINDOW},
     "DumpTensors": {"structure": "tensors", "tensors": ALL_TENSORS, "params": _DUMP + _WINDOW},
     "DisableFp8Gemm": _DISABLE_GEMM, "DisableFP8GEMM": _DISABLE_GEMM, "DisableQuantizationGEMM": _DISABLE_GEMM,
     "DisableFp8Layer": _DISABLE_LAYER, "DisableFP8Layer": _DISABLE_LAYER, "DisableQuantizationLayer": _DISABLE_LAYER,
@@ -100,6 +101,10 @@ def _check_params(where, feature, cfg, spec, tensor=None):
                     _fail(where + ["stats"], str(e))
         elif not isinstance(st, list) or not all(isinstance(s, str) for s in st):
             _fail(where + ["stats"], f"must be a list of stat names, got {st!r}")
+        elif feature == "LogNvfp4TensorStats":
+            bad = [s for s in st if s not in stats.NVFP4_STATS]
+            if bad:
+                _fail(where + ["stats"], f"unsupported stats {bad}; supported: {list(stats.NVFP4_STATS)}")
         else:
             for s in st:
                 try:
