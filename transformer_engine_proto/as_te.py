@@ -37,8 +37,8 @@ _MARK = "__transformer_engine_proto_alias__"
 _ROOTS = ("transformer_engine", "transformer_engine_torch")
 _NAMESPACES = ("transformer_engine", "transformer_engine.common")
 
-_FEATURES = ("api", "log_tensor_stats", "log_fp8_tensor_stats", "disable_fp8_gemm", "disable_fp8_layer",
-             "per_tensor_scaling", "fake_quant", "dump_tensors")
+_FEATURES = ("api", "log_tensor_stats", "log_fp8_tensor_stats", "log_nvfp4_tensor_stats", "disable_fp8_gemm",
+             "disable_fp8_layer", "per_tensor_scaling", "fake_quant", "dump_tensors")
 
 # TE module name -> the module of this package that holds TE's names from it
 ALIASES = {
@@ -71,6 +71,8 @@ ALIASES = {
     **{f"transformer_engine.debug.features.{f}": f"{_PKG}.debug.features.{f}" for f in _FEATURES},
     "transformer_engine.debug.features.disable_quantization_gemm": f"{_PKG}.debug.features.disable_fp8_gemm",
     "transformer_engine.debug.features.disable_quantization_layer": f"{_PKG}.debug.features.disable_fp8_layer",
+    "transformer_engine.debug.pytorch": f"{_PKG}.debug.pytorch",
+    "transformer_engine.debug.pytorch.debug_state": f"{_PKG}.debug.pytorch.debug_state",  # TEDebugState
     "transformer_engine_torch": f"{_PKG}.constants",  # `tex.DType`: TE's dtype tags, same values
 }
 
