@@ -4,7 +4,8 @@ TE code ports by changing one import: `import transformer_engine_proto as te` gi
 `te.Linear`, `te.LayerNormLinear`, `te.LayerNormMLP`, `te.LayerNorm`, `te.RMSNorm`,
 `te.DotProductAttention`, `te.MultiheadAttention`, `te.RotaryPositionEmbedding`, `te.TransformerLayer`,
 `te.GroupedLinear`, `te.autocast` / `te.fp8_autocast` and `te.recipe`, `te.checkpoint` (activation
-recompute), `te.make_graphed_callables` (CUDA graphs); `te.convert_model(model)` swaps any model's
+recompute), `te.make_graphed_callables` (CUDA graphs), `te.ops` (TE's fusible operations:
+`te.ops.Sequential`, `te.ops.Linear`, ...); `te.convert_model(model)` swaps any model's
 `nn.Linear` (and norms) for them in place.
 """
 from . import (  # noqa: F401
@@ -12,6 +13,7 @@ from . import (  # noqa: F401
                            quantization,
                            recipe,  # noqa: F401
 )
+from . import ops_api as ops  # noqa: F401  (te.ops: TE's fusible operations)
 from .autocast import autocast, fp8_autocast, get_fp8_recipe, is_fp8_enabled  # noqa: F401
 from .capabilities import (  # noqa: F401
                            get_device_compute_capability,

@@ -1,0 +1,42 @@
+"""`te.ops`: Transformer Engine's fusible-operation API (`transformer_engine.pytorch.ops`).
+
+    model = te.ops.Sequential(
+        te.ops.LayerNorm(1024), te.ops.Linear(1024, 8192), te.ops.SwiGLU(), te.ops.Linear(4096, 1024))
+    with te.autocast(recipe=recipe):
+        y = model(x)
+
+The operations are ordinary modules: each GEMM runs through a `QuantizedGemm` as in `te.Linear`
+(every recipe, delayed-scaling state, quantized weights), autograd makes the backward, and a
+`Sequential` compiles into one graph with torch.compile, where inductor fuses what TE's fuser
+fuses by hand. Not built yet: the collectives (`AllGather`, `AllReduce`, `ReduceScatter`),
+tensor parallelism inside `BasicLinear` / `Linear`, TE's hand-fused operations and the
+`register_*_fusion` hooks, `GroupedLinear`, `L2Normalization`, the scaled / clamped GLU variants,
+and user operations written against TE's `op_forward` / `op_backward` contract.
+"""
+from . import basic  # noqa: F401
+from .activations import GEGLU, GELU, GLU, QGEGLU, QGELU, ReGLU, ReLU, SiLU, SReGLU, SReLU, SwiGLU  # noqa: F401
+from .extra_tensors import AddExtraInput, MakeExtraOutput  # noqa: F401
+from .linear import BasicLinear, Bias, Linear  # noqa: F401
+from .norms import LayerNorm, RMSNorm  # noqa: F401
+from .op import BasicOperation, FusedOperation, FusibleOperation  # noqa: F401
+from .quantize import Quantize  # noqa: F401
+from .sequential import Sequential  # noqa: F401
+from .shape_ops import ConstantScale, Dropout, Identity, Reshape  # noqa: F401
+
+__all__ = ["Sequential", "Linear", "BasicOperation", "FusedOperation", "FusibleOperation", *basic.__all__]
+
+# TE names not built yet: an AttributeError that says so, instead of a bare missing attribute
+_NOT_BUILT = {
+    **dict.fromkeys(("AllGather", "AllReduce", "ReduceScatter"), "the collectives"),
+    **dict.fromkeys(("register_forward_fusion", "register_backward_fusion", "register_forward_backward_fusion",
+                     "fused"), "TE's hand-fused operations (torch.compile fuses a Sequential instead)"),
+    **dict.fromkeys(("GroupedLinear", "L2Normalization"), "this operation"),
+    **dict.fromkeys(("ClampedSwiGLU", "ScaledSwiGLU", "SiTUGLU", "ScaledSiTUGLU", "ScaledClampedQGeGLU",
+                     "ScaledSReLU"), "the scaled / clamped activation variants"),
+}
+
+
+def __getattr__(name: str):
+    if name in _NOT_BUILT:
+        raise AttributeError(f"te.ops.{name} is not built yet ({_NOT_BUILT[name]}); see docs/modules.md")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,127 @@
+"""Activation operations with TE's definitions: element-wise `GELU` (tanh approximation), `QGELU`,
+`ReLU`, `SReLU`, `SiLU`, and the gated `GLU`, `GEGLU`, `QGEGLU`, `ReGLU`, `SReGLU`, `SwiGLU`.
+
+A gated op splits its input's last dim into halves (a, b) and returns act(a) * b: TE gates the
+first half, where `torch.nn.functional.glu` gates the second. Each op computes in float32 and
+rounds once to the input's dtype, as TE's kernels do; autograd derives the backward.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import raise_error
+from .op import BasicOperation
+
+__all__ = ["GELU", "GEGLU", "GLU", "QGELU", "QGEGLU", "ReLU", "ReGLU", "SReLU", "SReGLU", "SiLU", "SwiGLU"]
+
+
+def _gelu(x):
+    return F.gelu(x, approximate="tanh")
+
+
+def _qgelu(x):
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _srelu(x):
+    return torch.square(F.relu(x))
+
+
+class _Activation(BasicOperation):
+    """An element-wise activation (`_GATED`: of the first half, times the second half)."""
+
+    _FN: Callable = staticmethod(lambda x: x)
+    _GATED = False
+
+    def __init__(self, *, cache_quantized_input: bool = False) -> None:
+        super().__init__()
+        if cache_quantized_input:
+            raise NotImplementedError(
+                f"{type(self).__name__}: cache_quantized_input=True (saving the input in FP8 for backward) "
+                "is not supported; the input is saved in its own precision")
+        self.cache_quantized_input = False
+
+    def _gate_layout(self, x: torch.Tensor) -> torch.Tensor:
+        """The input as [gates | values] along the last dim (SwiGLU's interleaved layout overrides)."""
+        return x
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (TE's name)
+        """The activation, in the input's dtype.
+
+        Parameters
+        ----------
+        input : torch.Tensor
+            Any shape; gated ops halve the last dim, which must be even.
+        """
+        x = input.float()
+        if not self._GATED:
+            return type(self)._FN(x).to(input.dtype)
+        if input.dim() < 1 or input.shape[-1] % 2:
+            raise_error(ValueError, f"{type(self).__name__}: a gated activation needs an even last dim")
+        a, b = self._gate_layout(x).chunk(2, dim=-1)
+        return (type(self)._FN(a) * b).to(input.dtype)
+
+
+_ARGS_DOC = """
+    Parameters
+    ----------
+    cache_quantized_input : bool, default = False
+        TE's FP8 copy of the input saved for backward: True is a `NotImplementedError` (the input
+        is saved in its own precision).
+    """
+
+
+def _activation(name: str, fn, gated: bool, what: str):
+    cls = type(name, (_Activation,), {"_FN": staticmethod(fn), "_GATED": gated, "__module__": __name__,
+                                      "__qualname__": name})
+    cls.__doc__ = what + "\n" + _ARGS_DOC
+    return cls
+
+
+GELU = _activation("GELU", _gelu, False, "GELU, tanh approximation (TE's `ops.GELU`).")
+QGELU = _activation("QGELU", _qgelu, False, "Quick GELU, x * sigmoid(1.702 x) (TE's `ops.QGELU`).")
+ReLU = _activation("ReLU", F.relu, False, "max(x, 0) (TE's `ops.ReLU`).")
+SReLU = _activation("SReLU", _srelu, False, "Squared ReLU, max(x, 0)^2 (TE's `ops.SReLU`).")
+SiLU = _activation("SiLU", F.silu, False, "x * sigmoid(x) (TE's `ops.SiLU`).")
+GLU = _activation("GLU", torch.sigmoid, True, "sigmoid(a) * b for input halves (a, b) (TE's `ops.GLU`; "
+                                              "`torch.nn.functional.glu` gates the other half).")
+GEGLU = _activation("GEGLU", _gelu, True, "GELU(a) * b for input halves (a, b), tanh GELU (TE's `ops.GEGLU`).")
+QGEGLU = _activation("QGEGLU", _qgelu, True, "QGELU(a) * b for input halves (a, b) (TE's `ops.QGEGLU`).")
+ReGLU = _activation("ReGLU", F.relu, True, "max(a, 0) * b for input halves (a, b) (TE's `ops.ReGLU`).")
+SReGLU = _activation("SReGLU", _srelu, True, "max(a, 0)^2 * b for input halves (a, b) (TE's `ops.SReGLU`).")
+
+
+class SwiGLU(_Activation):
+    """SiLU(a) * b for input halves (a, b), TE's `ops.SwiGLU` (the first half is gated).
+
+    Parameters
+    ----------
+    cache_quantized_input : bool, default = False
+        TE's FP8 copy of the input saved for backward: True is a `NotImplementedError` (the input
+        is saved in its own precision).
+    glu_interleave_size : int, default = None
+        TE's block-interleaved layout: the last dim alternates blocks of this many gates and
+        values ([a1 a2 b1 b2 a3 a4 b3 b4] for 2) instead of all gates then all values.
+    """
+
+    _FN = staticmethod(F.silu)
+    _GATED = True
+
+    def __init__(self, *, cache_quantized_input: bool = False, glu_interleave_size: Optional[int] = None) -> None:
+        super().__init__(cache_quantized_input=cache_quantized_input)
+        if glu_interleave_size is not None and (not isinstance(glu_interleave_size, int) or glu_interleave_size <= 0):
+            raise ValueError(f"SwiGLU: glu_interleave_size must be a positive int or None, got {glu_interleave_size!r}")
+        self.glu_interleave_size = glu_interleave_size
+
+    def _gate_layout(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.glu_interleave_size
+        if s is None:
+            return x
+        n = x.shape[-1]
+        if n % (2 * s):
+            raise_error(ValueError, f"SwiGLU: the last dim must be a multiple of 2 * glu_interleave_size ({2 * s})")
+        blocks = x.reshape(*x.shape[:-1], n // (2 * s), 2, s)
+        return blocks.transpose(-3, -2).reshape(x.shape)
