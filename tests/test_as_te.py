@@ -103,7 +103,7 @@ for name, target in as_te.ALIASES.items():
     assert functools.reduce(getattr, name.split(".")[1:], sys.modules[name.split(".")[0]]) is mod, name
 
 # TE modules not implemented here, and our own files under a TE name: an error, never a second load
-for missing in ("transformer_engine.pytorch.ops", "transformer_engine.jax",
+for missing in ("transformer_engine.pytorch.ops.fused", "transformer_engine.jax",
                 "transformer_engine.pytorch.module.normalization", "transformer_engine.pytorch.custom_ops"):
     try:
         importlib.import_module(missing)
