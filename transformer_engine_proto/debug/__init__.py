@@ -11,9 +11,10 @@
         debug_api.step()                          # logs the stats, moves the iteration on
     debug_api.end_debug()
 
-Features (namespace `transformer_engine`): LogTensorStats, LogFp8TensorStats, DisableFp8Gemm,
-DisableFp8Layer, PerTensorScaling, FakeQuant, DumpTensors, plus user features written against
-`transformer_engine_proto.debug.features.api.TEConfigAPIMapper`.
+Features (namespace `transformer_engine`): LogTensorStats, LogFp8TensorStats, LogNvfp4TensorStats,
+DisableFp8Gemm, DisableFp8Layer, PerTensorScaling, FakeQuant, DumpTensors, plus user features
+written against `transformer_engine_proto.debug.features.api.TEConfigAPIMapper`. TE's
+`TEDebugState` is in `debug.pytorch.debug_state`.
 
 How it runs: a layer with no active feature in a step runs its normal fast path (without a debug
 session, the module code is exactly the normal one). A layer with one runs its GEMMs through the
