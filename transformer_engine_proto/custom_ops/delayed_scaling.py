@@ -61,18 +61,22 @@ class DelayedScalingState:
                 self.amax_history = _longer(self.amax_history, recipe.amax_history_len)
                 self.grad_amax_history = _longer(self.grad_amax_history, recipe.amax_history_len)
 
+    def load_state(self, name: str, saved: torch.Tensor) -> None:
+        """State buffer `name` from a checkpoint's tensor (any device / dtype); a history takes the
+        checkpoint's length."""
+        mine = getattr(self, name)
+        with torch.no_grad(), torch.inference_mode(False):
+            if saved.dim() == 2 and saved.shape[1:] == mine.shape[1:] and saved.shape[0] != mine.shape[0]:
+                setattr(self, name, mine.new_zeros(saved.shape))
+            getattr(self, name).copy_(saved)
+
     def _load_buffer_checkpoint(self, state_dict, prefix: str) -> None:
         """Checkpoints written when this state was in the module's own state dict (`gemm.fp8_scale`,
-        ...): their entries are taken out of `state_dict` and loaded, a history with its length."""
-        with torch.no_grad(), torch.inference_mode(False):
-            for name in _STATE:
-                saved = state_dict.pop(prefix + name, None)
-                if not isinstance(saved, torch.Tensor):
-                    continue
-                mine = getattr(self, name)
-                if saved.dim() == 2 and saved.shape[1:] == mine.shape[1:] and saved.shape[0] != mine.shape[0]:
-                    setattr(self, name, mine.new_zeros(saved.shape))  # the checkpoint's history length
-                getattr(self, name).copy_(saved)
+        ...): their entries are taken out of `state_dict` and loaded."""
+        for name in _STATE:
+            saved = state_dict.pop(prefix + name, None)
+            if isinstance(saved, torch.Tensor):
+                self.load_state(name, saved)
 
     # ---- in-graph: the step's update and amax records ------------------------------------------
     def update_scales(self, recipe: R.DelayedScaling) -> None:

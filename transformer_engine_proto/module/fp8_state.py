@@ -7,7 +7,6 @@ the module's `_extra_state` (a pickled dict in a uint8 tensor). Here each GEMM's
 `QuantizedGemm` (non-persistent buffers, custom_ops/delayed_scaling.py); this mixin presents it in
 TE's layout, so a TE checkpoint loads here, ours loads in TE, and a converted model's state dict
 (without its `_extra_state` entries) loads into the unconverted model with `strict=True`.
-The output and grad_input slots, which neither uses, are scale 1 and amax 0.
 """
 from __future__ import annotations
 
@@ -46,11 +45,11 @@ class FP8StateCheckpoint:
         fwd_scale, fwd_hist, bwd_scale, bwd_hist = [], [], [], []
         ours = {name: [] for name in _OURS}
         for gemm, _ in self.gemm_weights():
-            one = gemm.fp8_scale.new_ones(1)
-            fwd_scale += [gemm.fp8_scale, one]
-            fwd_hist += [gemm.amax_history, gemm.amax_history.new_zeros(gemm.amax_history.shape[0], 1)]
-            bwd_scale += [gemm.grad_fp8_scale, one]
-            bwd_hist += [gemm.grad_amax_history, gemm.grad_amax_history.new_zeros(gemm.grad_amax_history.shape[0], 1)]
+            # each way's last slot (output, grad_input) is TE's and unused here: scale 1, amax 0
+            for scales, hists, scale, hist in ((fwd_scale, fwd_hist, gemm.fp8_scale, gemm.amax_history),
+                                               (bwd_scale, bwd_hist, gemm.grad_fp8_scale, gemm.grad_amax_history)):
+                scales += [scale, scale.new_ones(1)]
+                hists += [hist, hist.new_zeros(hist.shape[0], 1)]
             for name in _OURS:
                 ours[name].append(getattr(gemm, name))
         cpu = lambda ts, dim=0: torch.cat([t.detach() for t in ts], dim).cpu()  # noqa: E731
@@ -99,15 +98,13 @@ class FP8StateCheckpoint:
             self._last_recipe = recipe  # TE's fp8_meta["recipe"]; one from TE's classes may lack our fields
         ours = state.get("te_proto", {})
         for i, gemm in enumerate(gemms):
-            with torch.no_grad(), torch.inference_mode(False):
-                gemm.fp8_scale.copy_(state["scale_fwd"][_FWD * i:_FWD * i + 2])
-                gemm.grad_fp8_scale.copy_(state["scale_bwd"][_BWD * i:_BWD * i + 1])
-                gemm.amax_history = _as_state(state["amax_history_fwd"][:, _FWD * i:_FWD * i + 2], gemm.amax_history)
-                gemm.grad_amax_history = _as_state(state["amax_history_bwd"][:, _BWD * i:_BWD * i + 1],
-                                                   gemm.grad_amax_history)
-                for name in _OURS:
-                    if name in ours:
-                        getattr(gemm, name).copy_(ours[name][i])
+            gemm.load_state("fp8_scale", state["scale_fwd"][_FWD * i:_FWD * i + 2])
+            gemm.load_state("grad_fp8_scale", state["scale_bwd"][_BWD * i:_BWD * i + 1])
+            gemm.load_state("amax_history", state["amax_history_fwd"][:, _FWD * i:_FWD * i + 2])
+            gemm.load_state("grad_amax_history", state["amax_history_bwd"][:, _BWD * i:_BWD * i + 1])
+            for name in _OURS:
+                if name in ours:
+                    gemm.load_state(name, ours[name][i])
 
 
 def _data_only(recipe):
@@ -123,11 +120,6 @@ def _same_rows(histories):
     checkpoint may have left them apart)."""
     rows = max(h.shape[0] for h in histories)
     return [h if h.shape[0] == rows else torch.cat([h, h.new_zeros(rows - h.shape[0], h.shape[1])]) for h in histories]
-
-
-def _as_state(saved: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
-    """The checkpoint's history (its length) as this module's float32 state on its device."""
-    return saved.to(device=mine.device, dtype=mine.dtype).contiguous().clone()
 
 
 class _Pickler(pickle.Pickler):
