@@ -40,11 +40,7 @@ class LinearCall:
     @functools.cached_property
     def flags(self) -> int:
         """The op's `flags` argument."""
-        bits = 0
-        for i, name in enumerate(_BOOLS):
-            bits |= bool(getattr(self, name)) << i
-        return bits | self.cache_mode << _CACHE_SHIFT
-
+        return _pack([getattr(self, name) for name in _BOOLS], self.cache_mode)
 
 
 def call_flags(inp: torch.Tensor, weight: torch.Tensor, bias, cache_mode: int = CACHE_OFF,
@@ -54,8 +50,12 @@ def call_flags(inp: torch.Tensor, weight: torch.Tensor, bias, cache_mode: int = 
     _check_cache_mode(cache_mode)
     grad_on = torch.is_grad_enabled()
     weight_rg = grad_on and weight.requires_grad
-    bools = (grad_on and inp.requires_grad, weight_rg, grad_on and bias is not None and bias.requires_grad,
-             save_original_input, fuse_wgrad_accumulation and weight_rg)
+    return _pack((grad_on and inp.requires_grad, weight_rg, grad_on and bias is not None and bias.requires_grad,
+                  save_original_input, fuse_wgrad_accumulation and weight_rg), cache_mode)
+
+
+def _pack(bools, cache_mode: int) -> int:
+    """`_BOOLS`' values as bits 0.., the cache mode above them."""
     flags = cache_mode << _CACHE_SHIFT
     for i, b in enumerate(bools):
         flags |= bool(b) << i
