@@ -1,14 +1,12 @@
 """`Quantize`: TE's op that casts a tensor (and its gradient) to the recipe's format, here an identity."""
 from __future__ import annotations
 
-import torch
-
-from .op import BasicOperation
+from .shape_ops import Identity
 
 __all__ = ["Quantize"]
 
 
-class Quantize(BasicOperation):
+class Quantize(Identity):
     """An identity that stands where TE's `ops.Quantize` casts to the `autocast` recipe's format.
 
     In this package every GEMM quantizes its own input, weight and output gradient with the active
@@ -31,16 +29,6 @@ class Quantize(BasicOperation):
         if not isinstance(forward, bool) or not isinstance(backward, bool):
             raise TypeError(f"Quantize: forward and backward must be bools, got {forward!r}, {backward!r}")
         self.quantize_forward, self.quantize_backward = forward, backward
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (TE's name)
-        """The input itself.
-
-        Parameters
-        ----------
-        input : torch.Tensor
-            Any tensor.
-        """
-        return input
 
     def extra_repr(self) -> str:
         return f"forward={self.quantize_forward}, backward={self.quantize_backward}"
