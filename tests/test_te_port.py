@@ -280,14 +280,16 @@ TE_QUANTIZERS = {
     "mxfp8": lambda: te.MXFP8Quantizer(DType.kFloat8E4M3),
     "block": lambda: te.Float8BlockQuantizer(DType.kFloat8E4M3, rowwise=True, columnwise=True, block_scaling_dim=1),
     "nvfp4": lambda: te.NVFP4Quantizer(with_2d_quantization=True),
+    "nvfp4_te_order": lambda: te.NVFP4Quantizer(DType.kFloat4E2M1, True, True, False, None, False, False, True),
 }
 
 
 # inductor: current scaling in CI (a quantize compiles in seconds), the other formats slow
 @pytest.mark.parametrize("backend, qid", backend_params(list(TE_QUANTIZERS), ci=("current",)))
 def test_quantizers_built_inside_compiled_code(backend, qid):
-    """dynamo rebuilds a quantizer it saw constructed with the dataclass's positional order: the
-    TE-constructor layer must not reinterpret those arguments."""
+    """dynamo rebuilds a quantizer it saw constructed with the dataclass's positional order (the
+    TE-constructor layer must not reinterpret those arguments), and torch 2.11's dynamo passes
+    the defaults of the fields after the positional ones as keywords."""
     fresh_dynamo()
     make = TE_QUANTIZERS[qid]
     x = torch.randn(32, 128)

@@ -64,25 +64,32 @@ def te_constructor(te_positional: Tuple[str, ...] = (), te_only: Optional[Dict[s
     `rowwise_usage` / `columnwise_usage`, a `DType` for any `*_dtype`, TE-only keywords
     (`te_only`: name -> the values this package implements; any other value is a
     NotImplementedError naming it, never silently ignored), and where TE's positional order
-    differs from the dataclass's (`te_positional`), TE's order for eager callers. Under
-    torch.compile positional arguments keep the dataclass's order: dynamo rebuilds quantizers
-    that way."""
+    differs from the dataclass's (`te_positional`), TE's order when the first argument is a dtype
+    (TE's first parameter; a call whose first argument is not a dtype keeps the dataclass's order,
+    the one dynamo rebuilds quantizers with). Under torch.compile positional arguments win over
+    same-named keywords: torch 2.11's dynamo counts the kw_only usage fields as positional and
+    passes every later field's default as a keyword."""
     te_only = te_only or {}
 
     def decorate(cls):
         init = cls.__init__
+        positional = [f.name for f in dataclasses.fields(cls) if f.init and not f.kw_only]
 
         @functools.wraps(init)
         def __init__(self, *args, **kwargs):
-            if te_positional and args and not torch.compiler.is_compiling():
+            compiling = torch.compiler.is_compiling()
+            if te_positional and args and isinstance(args[0], (DType, torch.dtype)):
                 if len(args) > len(te_positional):
                     raise TypeError(f"{cls.__name__}() takes at most {len(te_positional)} positional arguments "
                                     f"({', '.join(te_positional)}), got {len(args)}")
                 for name, value in zip(te_positional, args):
-                    if name in kwargs:
+                    if name in kwargs and not compiling:
                         raise TypeError(f"{cls.__name__}() got multiple values for argument {name!r}")
                     kwargs[name] = value
                 args = ()
+            elif compiling:
+                for name in positional[:len(args)]:
+                    kwargs.pop(name, None)
             for te_name, ours in (("rowwise", "rowwise_usage"), ("columnwise", "columnwise_usage")):
                 if te_name in kwargs:
                     kwargs[ours] = bool(kwargs.pop(te_name))
