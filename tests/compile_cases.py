@@ -11,6 +11,12 @@ generator as in eager, not from inductor's own).
 """
 import torch
 
+# torch 2.11's CPU inductor (torch 2.13's does both): a kernel that reads an E8M0 buffer does not
+# compile (no C++ type: "KeyError: torch.float8_e8m0fnu"), and emulate_precision_casts leaves fused
+# bf16 intermediates in float32, so quantizing them can differ from eager by one FP8 step
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+OLD_CPU_INDUCTOR = TORCH_VERSION < (2, 13)
+
 # under inductor, in ulps of the tensor's largest magnitude; measured at most 6 (float32) and 1
 # (bfloat16) for LayerNormLinear, LayerNormMLP and TransformerLayer
 ULPS = {torch.float32: 16, torch.bfloat16: 2}

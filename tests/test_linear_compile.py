@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+from compile_cases import OLD_CPU_INDUCTOR
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from linear_cases import (
@@ -187,10 +188,13 @@ def test_dynamic_batch_compiles_once(backend, rid):
 
 # ---- weight cache (is_first_microbatch) ---------------------------------------------------------------
 @pytest.mark.parametrize("backend, rid", backend_params(QUANTIZED_IDS))
-def test_is_first_microbatch_matches_eager(backend, rid):
+def test_is_first_microbatch_matches_eager(backend, rid, request):
     """True fills the quantized-weight cache, False reuses it (even if the weight changed since,
     as in TE); compiled == eager bitwise, one graph per flag value. The cache is allocated eagerly,
     so (as the library asks) one micro-batch runs eagerly on both modules before compiling."""
+    if backend == "inductor" and rid == "mxfp8" and OLD_CPU_INDUCTOR:  # the E8M0 cache update
+        request.applymarker(pytest.mark.xfail(raises=torch._inductor.exc.InductorError, strict=True,
+                                              reason="torch < 2.13 CPU inductor: no C++ type for E8M0"))
     recipe = RECIPES[rid]
     fresh_dynamo()
     torch.manual_seed(0)
