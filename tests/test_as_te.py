@@ -4,12 +4,12 @@ Everything that installs the alias runs in a subprocess, so this session's sys.m
 holds a `transformer_engine` entry."""
 import importlib
 import importlib.util
-import os
 import subprocess
 import sys
 import types
 
 import pytest
+from subprocess_env import package_env
 
 import transformer_engine_proto as proto
 from transformer_engine_proto import as_te
@@ -19,9 +19,7 @@ needs_no_real_te = pytest.mark.skipif(bool(REAL_TE), reason=f"a real {REAL_TE} i
 
 
 def _python(args, cwd, pythonpath=None, check=True):
-    env = dict(os.environ)
-    if pythonpath:
-        env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), *filter(None, [env.get("PYTHONPATH")])])
+    env = package_env(*filter(None, [pythonpath]))
     res = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     if check:
         assert res.returncode == 0, res.stdout + res.stderr

@@ -3,7 +3,6 @@ of the live session (debug_enabled, the iteration, the weight-stats TP switch), 
 dropping pending stats, and the TE import path through the `as_te` alias (in a subprocess, so
 this session never holds a `transformer_engine` module)."""
 import importlib.util
-import os
 import subprocess
 import sys
 import textwrap
@@ -11,6 +10,7 @@ import textwrap
 import nvdlfw_inspect.api as debug_api
 import pytest
 import torch
+from subprocess_env import package_env
 from test_debug_common import debug_session, max_stats_config
 
 import transformer_engine_proto as te
@@ -136,5 +136,5 @@ def test_te_import_paths_through_the_alias(tmp_path):
     config.write_text(textwrap.dedent(TE_CONFIG))
     res = subprocess.run([sys.executable, "-m", "transformer_engine_proto.as_te", str(script), str(config),
                           str(tmp_path / "log")], cwd=str(tmp_path), capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ))
+                         env=package_env())
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr

@@ -19,7 +19,7 @@ def tiny(monkeypatch):
 
 
 def test_log_output_has_plain_lines_and_a_table(tiny, capsys):
-    ex.main(["--no-compile", "--recipe", "current"])
+    ex.main(["--no-compile", "--recipe", "current", "--device", "cpu"])
     out = capsys.readouterr().out
     assert "\r" not in out  # captured stdout is not a terminal: no progress bar redrawn in place
     lines = out.splitlines()
@@ -77,7 +77,7 @@ def test_gemm_policy_flag_prints_the_choices(tiny, capsys, monkeypatch, tmp_path
     from transformer_engine_proto.precision import policy as P
 
     P.cost_table.cache_clear()
-    ex.main(["--no-compile", "--recipe", "current", "--gemm-policy", "--quiet"])
+    ex.main(["--no-compile", "--recipe", "current", "--gemm-policy", "--quiet", "--device", "cpu"])
     out = capsys.readouterr().out
     assert "GEMM precision chosen by te.GemmPolicy" in out
     rows = [ln for ln in out.splitlines() if ln.startswith("| ") and ".gemm" in ln or "fc1" in ln or "fc2" in ln]

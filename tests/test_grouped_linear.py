@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+from compile_cases import TORCH_VERSION
 from linear_cases import RECIPE_IDS, RECIPES, fresh_dynamo, graph_breaks, recipe_ctx, unique_graphs
 
 import transformer_engine_proto as te
@@ -183,7 +184,10 @@ def test_compiled_list_splits_wrong_sum_is_the_same_error():
     g = te.GroupedLinear(N, K, OUT, name="experts_gate")
     fresh_dynamo()
     cg = torch.compile(g, fullgraph=True, backend="aot_eager")
-    with pytest.raises(ValueError, match="experts_gate: GroupedLinear m_splits sum to 64 but the input has 96 tokens"):
+    # torch 2.11's dynamo does not tell the list's constant ints from dynamic ones: no numbers
+    detail = ("have a negative size or do not sum to" if TORCH_VERSION < (2, 13)
+              else "sum to 64 but the input has 96 tokens")
+    with pytest.raises(ValueError, match=f"experts_gate: GroupedLinear m_splits {detail}"):
         cg(torch.randn(96, K), [32, 32, 0])
 
 
