@@ -1,0 +1,55 @@
+"""A second process compiling the same model hits inductor's FX graph cache (and, on a GPU, Triton's
+kernel cache): its first step skips codegen and gives the same numbers as the cold process."""
+import json
+import subprocess
+import sys
+
+import pytest
+from subprocess_env import package_env
+
+STEP = r"""
+import json, sys, time
+import torch
+import transformer_engine_proto as te
+from transformer_engine_proto import recipe as R
+from torch._dynamo.utils import counters
+
+recipe = {"current": R.Float8CurrentScaling(), "delayed": R.DelayedScaling(),
+          "mxfp8": R.MXFP8BlockScaling(), "nvfp4": R.NVFP4BlockScaling()}[sys.argv[1]]
+device = sys.argv[2]
+torch.manual_seed(0)
+m = te.Linear(128, 128, device=device)
+x = torch.randn(64, 128, device=device, requires_grad=True)
+start = time.perf_counter()
+with te.autocast(recipe=recipe):
+    loss = torch.compile(m, fullgraph=True)(x).float().square().sum()
+loss.backward()
+print(json.dumps({"seconds": time.perf_counter() - start, "loss": loss.item(), "xgrad": x.grad.sum().item(),
+                  "hit": counters["inductor"]["fxgraph_cache_hit"],
+                  "miss": counters["inductor"]["fxgraph_cache_miss"]}))
+"""
+
+DEVICES = [pytest.param("cpu", id="cpu"),
+           pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
+
+
+def _first_step(tmp_path, rid, device):
+    env = package_env()
+    env.update(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), TRITON_CACHE_DIR=str(tmp_path / "triton"),
+               TORCHINDUCTOR_FX_GRAPH_CACHE="1")
+    res = subprocess.run([sys.executable, "-c", STEP, rid, device], capture_output=True, text=True, env=env,
+                         timeout=900)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rid", ["current", pytest.param("delayed", marks=pytest.mark.slow),
+                                 pytest.param("mxfp8", marks=pytest.mark.slow),
+                                 pytest.param("nvfp4", marks=pytest.mark.slow)])
+def test_second_process_hits_the_compile_cache(tmp_path, rid, device):
+    cold = _first_step(tmp_path, rid, device)
+    warm = _first_step(tmp_path, rid, device)
+    assert cold["miss"] > 0 and cold["hit"] == 0, cold
+    assert warm["miss"] == 0 and warm["hit"] == cold["miss"], warm  # every graph (forward, backward) hit
+    assert (warm["loss"], warm["xgrad"]) == (cold["loss"], cold["xgrad"])
