@@ -84,3 +84,21 @@ def test_gemm_policy_flag_prints_the_choices(tiny, capsys, monkeypatch, tmp_path
     assert rows, out
     assert list((tmp_path / "gemm_costs").glob("cpu-*.json"))
     P.cost_table.cache_clear()
+
+
+def test_cpu_compile_keeps_the_ops_opaque_and_restores_the_setting(tiny, capsys, monkeypatch):
+    """On CPU the example compiles with the library's ops opaque (seconds, not minutes, for MXFP8 /
+    NVFP4), says so, and leaves the process's setting as it found it."""
+    from transformer_engine_proto.custom_ops import inductor_lowering
+
+    seen = []
+    real_compile = torch.compile
+
+    def compile_and_record(m, **kw):
+        seen.append(inductor_lowering.cpu_inlining_enabled())
+        return real_compile(m, fullgraph=True, backend="aot_eager")
+
+    monkeypatch.setattr(torch, "compile", compile_and_record)
+    ex.main(["--recipe", "current", "--steps", "2", "--quiet", "--device", "cpu"])
+    assert seen == [False] and inductor_lowering.cpu_inlining_enabled()
+    assert "opaque to inductor on CPU" in capsys.readouterr().out

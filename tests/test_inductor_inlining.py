@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from compile_cases import assert_matches_eager
 from linear_cases import RECIPES, fresh_dynamo, recipe_ctx
 
 import transformer_engine_proto as te
@@ -55,3 +56,31 @@ def test_inlining_off_runs_the_op_bodies_every_step():
         inductor_lowering.set_inductor_inlining(True)
     inlined = _compiled_step_calls(recipe)
     assert opaque > 50 * LAYERS > inlined, (opaque, inlined)
+
+
+def test_cpu_inlining_off_keeps_cpu_ops_opaque_and_matches_eager():
+    """`set_cpu_inlining(False)`: ops on CPU tensors stay opaque (their bodies run per step), and
+    the compiled step gives eager's results (bits, up to inductor's float32 reduction order in the
+    glue around the ops)."""
+    recipe = RECIPES["mxfp8"]
+    inductor_lowering.set_cpu_inlining(False)
+    try:
+        assert not inductor_lowering.cpu_inlining_enabled()
+        assert _compiled_step_calls(recipe) > 50 * LAYERS
+        fresh_dynamo()
+        torch.manual_seed(0)
+        model = te.LayerNormMLP(64, 128)
+        x, g = torch.randn(32, 64), torch.randn(32, 64)
+        outs = []
+        for m in (model, torch.compile(model, fullgraph=True)):
+            xx = x.clone().requires_grad_()
+            with recipe_ctx(recipe):
+                y = m(xx)
+            y.backward(g)
+            outs.append([y, xx.grad] + [p.grad.clone() for p in model.parameters()])
+            model.zero_grad()
+        names = ["y", "x.grad"] + [n for n, _ in model.named_parameters()]
+        for name, c, e in zip(names, *outs[::-1]):
+            assert_matches_eager(c, e, "inductor", name)
+    finally:
+        inductor_lowering.set_cpu_inlining(True)

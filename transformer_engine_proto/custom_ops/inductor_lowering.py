@@ -10,6 +10,9 @@ fusing the elementwise work around them.
 
 `set_inductor_inlining(False)` makes the ops opaque to inductor again (compiles after the call
 see it): the generated code then calls the op's Python body on every step.
+`set_cpu_inlining(False)` (or `TE_PROTO_INLINE_CPU=0`) does so for ops on CPU tensors only: CPU is
+for correctness, and compiling the MXFP8 / NVFP4 reference kernels to C++ takes minutes where
+the opaque ops compile in seconds and run eager's code.
 
 Inductor's caches key a compiled graph on the graph before decomposition, not on the bodies: the
 library tags the cache key (`torch.compiler.config.cache_key_tag`) with a hash of its own source
@@ -18,6 +21,7 @@ and the inlining setting, so an artifact built from other bodies is never reused
 from __future__ import annotations
 
 import hashlib
+import os
 import pathlib
 from typing import Callable, Dict
 
@@ -30,10 +34,12 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import recompute_tags, shared_input
 
-__all__ = ["inline_in_inductor", "set_inductor_inlining", "inductor_inlining_enabled"]
+__all__ = ["inline_in_inductor", "set_inductor_inlining", "inductor_inlining_enabled", "set_cpu_inlining",
+           "cpu_inlining_enabled"]
 
 _BODIES: Dict[object, Callable] = {}
 _enabled = True
+_cpu_enabled = True
 
 
 def inline_in_inductor(op, body: Callable) -> None:
@@ -41,6 +47,8 @@ def inline_in_inductor(op, body: Callable) -> None:
     place of the opaque `op` (an OpOverload)."""
     _BODIES[op] = body
     set_inductor_inlining(_enabled)
+    if not _cpu_enabled:
+        _register_fallbacks()
 
 
 def set_inductor_inlining(enabled: bool) -> None:
@@ -58,6 +66,32 @@ def inductor_inlining_enabled() -> bool:
     return _enabled
 
 
+def set_cpu_inlining(enabled: bool) -> None:
+    """Whether inductor traces the bodies of ops whose tensors are all on CPU (compiles after the
+    call see it); False keeps those ops opaque, CUDA ones are inlined as before."""
+    global _cpu_enabled
+    _cpu_enabled = bool(enabled)
+    if not _cpu_enabled:
+        _register_fallbacks()
+    _table_changed()
+
+
+def cpu_inlining_enabled() -> bool:
+    return _cpu_enabled
+
+
+def _register_fallbacks() -> None:
+    """Inductor lowers an op that its decomposition left in the graph as a call of the op (the
+    lowering it would create itself, which refuses ops that have a decomposition)."""
+    from torch._inductor import lowering
+    from torch._library.utils import get_layout_constraint_tag
+
+    for op in _BODIES:
+        if op not in lowering.lowerings:
+            constraint = lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+            lowering.make_fallback(op, layout_constraint=constraint, warn=False, override_decomp=True)
+
+
 def _functional(body: Callable) -> Callable:
     """`body` with its in-place writes functionalized: inductor applies decompositions below AOT
     autograd's functionalization, and its graphs must be functional. The body's writes go into
@@ -66,6 +100,8 @@ def _functional(body: Callable) -> Callable:
     def run(*args, **kwargs):
         owner = _get_current_dispatch_mode()  # the trace: shared inputs never cross traces
         raw = pytree.tree_leaves((args, kwargs))
+        if not _cpu_enabled and all(t.device.type == "cpu" for t in raw if isinstance(t, torch.Tensor)):
+            return NotImplemented  # inductor keeps the op: it calls the eager body
         with FunctionalTensorMode():
             args, kwargs = pytree.tree_map(to_fun, (args, kwargs))
             # Linears reading one traced tensor share its quantized copy (custom_ops/shared_input.py)
@@ -89,6 +125,8 @@ def _source_hash() -> str:
 
 _SOURCE_HASH = _source_hash()
 recompute_tags.ON_CHANGE.append(lambda: _table_changed())
+if os.environ.get("TE_PROTO_INLINE_CPU", "1") == "0":
+    set_cpu_inlining(False)
 
 
 def _table_changed() -> None:
@@ -100,5 +138,5 @@ def _table_changed() -> None:
     config = torch.compiler.config
     if hasattr(config, "cache_key_tag"):
         tags = [t for t in config.cache_key_tag.split("|") if t and not t.startswith("te_proto:")]
-        setting = f"{int(_enabled)}{int(recompute_tags.recompute_saved_input())}"
+        setting = f"{int(_enabled)}{int(_cpu_enabled)}{int(recompute_tags.recompute_saved_input())}"
         config.cache_key_tag = "|".join(tags + [f"te_proto:{_SOURCE_HASH}:{setting}"])

@@ -21,6 +21,7 @@ from torch import nn
 
 import transformer_engine_proto as te
 from transformer_engine_proto import recipe as R
+from transformer_engine_proto.custom_ops import inductor_lowering
 
 RECIPES = {
     "none": lambda: None,
@@ -200,6 +201,9 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--plot", default=None, help="write a loss-curve PNG (needs matplotlib)")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--inline-cpu", action="store_true",
+                   help="on CPU, let inductor compile the ops' reference kernels to C++ (minutes for MXFP8 / "
+                        "NVFP4); by default they stay opaque there and run eager's code")
     p.add_argument("--gemm-policy", action="store_true",
                    help="run each GEMM in FP8 only where predicted faster than bf16 (te.GemmPolicy) "
                         "and print the choices")
@@ -215,14 +219,21 @@ def main(argv=None):
     compile_mode = None if args.no_compile else (args.mode or "default")
     names = list(RECIPES) if args.compare else [args.recipe]
     how = "eager" if compile_mode is None else f"torch.compile({compile_mode})"
+    if compile_mode is not None and device.type == "cpu" and not args.inline_cpu:
+        how += " (the library's ops opaque to inductor on CPU: --inline-cpu compiles them)"
     print(f"device {device}, params {dtype}, {how}, "
           f"{cfg.layers} layers hidden {cfg.hidden}, {cfg.batch}x{cfg.seq} tokens/step, {cfg.steps} steps")
     results = {}
     entropy = math.nan
-    for name in names:
-        losses, step_s, entropy = train(name, cfg, compile_mode, device, dtype, progress=not args.quiet,
-                                        gemm_policy=te.GemmPolicy() if args.gemm_policy else None)
-        results[name] = (losses, step_s)
+    inlining = inductor_lowering.cpu_inlining_enabled()
+    inductor_lowering.set_cpu_inlining(args.inline_cpu or device.type != "cpu")
+    try:
+        for name in names:
+            losses, step_s, entropy = train(name, cfg, compile_mode, device, dtype, progress=not args.quiet,
+                                            gemm_policy=te.GemmPolicy() if args.gemm_policy else None)
+            results[name] = (losses, step_s)
+    finally:
+        inductor_lowering.set_cpu_inlining(inlining)
     base = results.get("none")
     print(f"{'recipe':>10s} {'final loss':>11s} {'vs none':>8s} {'ms/step':>8s}   (data entropy {entropy:.3f}; "
           f"ms/step leaves out the first {WARMUP} steps: compilation and warm-up)")
