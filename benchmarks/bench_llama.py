@@ -1,6 +1,8 @@
 """Training step of a Hugging Face Llama with every `nn.Linear` swapped: bf16 vs torchao float8 vs te recipes.
 
     python benchmarks/bench_llama.py --out out/          # hidden 2048, 4 layers, 4 x 2048 tokens (CUDA)
+    python benchmarks/bench_llama.py --preset wide --out out/   # hidden 4096, ffn 11008, 2 layers
+    python benchmarks/bench_llama.py --profile --out out/       # + device time per step by kernel family
     python benchmarks/bench_llama.py --smoke             # tiny, CPU-friendly check
 
 The model is `transformers.LlamaForCausalLM` (random init, bf16 params; hidden 2048, 4 layers, 16
@@ -13,8 +15,14 @@ with `te.autocast` entered every step around the forward, as a training loop doe
 fresh model after `torch._dynamo.reset()`; graph breaks are counted and reported. A te variant
 name may add `+policy` (`te.GemmPolicy()`; its choices are printed) and `+soi` (every Linear with
 `save_original_input=True`: the raw input saved, quantized in backward; `+soi-attn`: all but
-down_proj and lm_head; `+rc`: `custom_ops.recompute_tags.set_recompute_saved_input(True)`). Every variant
-runs in this process, so the ratios compare like with like.
+down_proj and lm_head; `+rc`: `custom_ops.recompute_tags.set_recompute_saved_input(True)`) and
+`+norms` (the RMSNorms swapped for `te.RMSNorm` too). Every variant runs in this process, so the
+ratios compare like with like.
+
+`--profile` runs a few more steps of each variant under torch.profiler and splits the device time
+per step (CPU: the ops' self time) into kernel families by name (`kernel_family`): GEMM, quantize
+(amax / cast / transpose, our Triton kernels and inductor's fused casts), norm, other. A kernel
+that fuses a norm with its quantize counts as quantize.
 """
 from __future__ import annotations
 
@@ -33,6 +41,38 @@ import torch  # noqa: E402
 
 DEFAULT_VARIANTS = ["bf16", "torchao:tensorwise", "te:current", "te:delayed", "te:blockwise", "te:mxfp8"]
 DEFAULT_MODES = ["eager", "default", "reduce-overhead"]
+PRESETS = {"llama": dict(hidden=2048, ffn=5632, layers=4, heads=16),
+           "wide": dict(hidden=4096, ffn=11008, layers=2, heads=32)}
+FAMILIES = ("gemm", "quantize", "norm", "other")
+_FAMILY_WORDS = (("gemm", ("gemm", "matmul", "cutlass", "xmma", "nvjet", "scaled_mm", "cublas", "aten::mm",
+                           "aten::addmm", "aten::bmm", "grouped_mm", "aten::linear")),
+                 ("quantize", ("quantize", "cast_transpose", "amax", "fp8", "float8", "mxfp8", "nvfp4", "e4m3",
+                               "e5m2", "scale_inv")),
+                 ("norm", ("norm", "rsqrt")))
+
+
+def kernel_family(name: str) -> str:
+    """GEMM, quantize, norm or other, from a kernel's (or CPU op's) name; the first family whose
+    words it contains."""
+    low = name.lower()
+    for family, words in _FAMILY_WORDS:
+        if any(w in low for w in words):
+            return family
+    return "other"
+
+
+def family_ms(prof, steps: int, cuda: bool) -> dict:
+    """Milliseconds per step by kernel family: device kernels' time on CUDA, ops' self CPU time on CPU."""
+    out = dict.fromkeys(FAMILIES, 0.0)
+    for e in prof.key_averages():
+        if cuda and e.device_type == torch.autograd.DeviceType.CUDA:
+            us = e.self_device_time_total
+        elif not cuda and e.device_type == torch.autograd.DeviceType.CPU:
+            us = e.self_cpu_time_total
+        else:
+            continue
+        out[kernel_family(e.key)] += us / 1e3 / steps
+    return out
 
 
 def build_llama(args, device, dtype):
@@ -59,7 +99,7 @@ def make_variant(variant: str, args, device, dtype):
     import transformer_engine_proto as te
 
     recipe = C.make_recipe(variant.split(":", 1)[1])
-    model = te.convert_model(model, recipe=recipe)
+    model = te.convert_model(model, recipe=recipe, convert_norms="+norms" in variant)
     # +rc: the Linears' quantized inputs (and the norms) recomputed in backward, not saved
     te.custom_ops.recompute_tags.set_recompute_saved_input("+rc" in variant)
     if "+soi" in variant:  # Linears save their raw input; backward quantizes it (save_original_input)
@@ -109,6 +149,15 @@ def run_variant(variant, mode, args, device, dtype):
     res["last_loss"] = float(losses[-1])
     if device.type == "cuda":
         res["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    if args.profile:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(args.profile_steps):
+                step()
+            C.synchronize(device)
+        res["family_ms"] = family_ms(prof, args.profile_steps, device.type == "cuda")
     res.update(C.compile_stats())
     if variant.endswith("+policy"):  # which GEMMs the policy kept in the recipe's format
         import transformer_engine_proto as te
@@ -117,14 +166,25 @@ def run_variant(variant, mode, args, device, dtype):
     return res
 
 
-def main(argv=None):
+def parse_args(argv=None):
     p = C.script_parser(__doc__)
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
     p.add_argument("--modes", default=",".join(DEFAULT_MODES))
-    C.add_model_args(p, hidden=2048, ffn=5632, layers=4, heads=16, vocab=32768, seq=2048, batch=4)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="llama",
+                   help="model size (llama: hidden 2048, 4 layers; wide: hidden 4096, ffn 11008, 2 layers); "
+                        "--hidden etc. override it")
+    C.add_model_args(p, **PRESETS["llama"], vocab=32768, seq=2048, batch=4)
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of the wiring)")
+    p.add_argument("--profile", action="store_true", help="also split each step's time by kernel family")
+    p.add_argument("--profile-steps", type=int, default=3)
     C.add_run_args(p, "bench_llama", warmup_ms=100.0, rep_ms=600.0)
-    args = p.parse_args(argv)
+    preset, _ = p.parse_known_args(argv)
+    p.set_defaults(**PRESETS[preset.preset])
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
     device = C.device_from_arg(args.device)
     if args.smoke:
         args.hidden, args.ffn, args.layers, args.heads, args.vocab, args.seq, args.batch = 64, 128, 2, 4, 256, 32, 2
@@ -153,6 +213,13 @@ def main(argv=None):
           f"{args.batch}x{args.seq} tokens, {device})\n")
     print(C.markdown_table(["mode", "variant", "ms/step", "speed vs bf16", "peak GiB", "memory vs bf16", "loss",
                             "graph breaks", "cudagraph skips"], rows))
+    profiled = [r for r in results if "family_ms" in r]
+    if profiled:
+        print(f"\n### {'device' if device.type == 'cuda' else 'CPU'} ms per step by kernel family "
+              f"(torch.profiler, {args.profile_steps} steps)\n")
+        print(C.markdown_table(["mode", "variant", *FAMILIES, "total"],
+                               [[r["mode"], r["variant"], *(f"{r['family_ms'][f]:.2f}" for f in FAMILIES),
+                                 f"{sum(r['family_ms'].values()):.2f}"] for r in profiled]))
     if args.out:
         C.write_json(args.out, args.name, dict(env=C.environment(device), args=vars(args), results=results))
         plt = C.try_pyplot()
@@ -165,6 +232,18 @@ def main(argv=None):
             ax.set_ylabel("speed vs bf16 (same mode)")
             ax.legend(fontsize=7, ncol=2)
             C.save_figure(fig, args.out, args.name)
+            if profiled:  # one stacked bar per (mode, variant): where each step's time goes
+                fig, ax = plt.subplots(figsize=(9, 0.4 * len(profiled) + 1.5))
+                labels = [f"{r['mode']} {r['variant']}" for r in profiled]
+                left = [0.0] * len(profiled)
+                for family in FAMILIES:
+                    widths = [r["family_ms"][family] for r in profiled]
+                    ax.barh(labels, widths, left=left, label=family)
+                    left = [a + b for a, b in zip(left, widths)]
+                ax.invert_yaxis()
+                ax.set_xlabel(f"{'device' if device.type == 'cuda' else 'CPU'} ms per step")
+                ax.legend(fontsize=7, ncol=4)
+                C.save_figure(fig, args.out, f"{args.name}_families")
     return results
 
 

@@ -32,3 +32,26 @@ def test_smoke_run_measures_each_variant():
                                 "--cpu-warmup", "0", "--cpu-reps", "1"])
     assert [(r["variant"], r["mode"]) for r in results] == [("bf16", "eager"), ("te:current", "eager")]
     assert all(r["ms"] > 0 and torch.isfinite(torch.tensor(r["last_loss"])) for r in results), results
+
+
+def test_kernel_families_by_name():
+    cases = {"sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x64": "gemm", "nvjet_tst_128x256": "gemm",
+             "aten::mm": "gemm", "_cast_transpose_packed_kernel": "quantize", "_amax_kernel": "quantize",
+             "triton_red_fused_abs_amax_clamp_0": "quantize", "_rmsnorm_fwd_kernel": "norm",
+             "triton_per_fused_mean_mul_pow_rsqrt_1": "norm", "triton_poi_fused_silu_mul_2": "other"}
+    assert {n: bench_llama.kernel_family(n) for n in cases} == cases
+
+
+def test_wide_preset_sets_the_model_and_explicit_sizes_win():
+    wide = bench_llama.parse_args(["--preset", "wide"])
+    assert (wide.hidden, wide.ffn, wide.layers, wide.heads) == (4096, 11008, 2, 32)
+    assert bench_llama.parse_args(["--preset", "wide", "--layers", "1"]).layers == 1
+    assert bench_llama.parse_args([]).hidden == 2048
+
+
+def test_profile_splits_the_step_by_family():
+    """`--profile` adds each variant's time per step by kernel family (norms swapped: `+norms`)."""
+    (r,) = bench_llama.main(["--smoke", "--variants", "te:current+norms", "--modes", "eager", "--cpu-warmup", "0",
+                             "--cpu-reps", "1", "--profile", "--profile-steps", "1"])
+    assert set(r["family_ms"]) == set(bench_llama.FAMILIES) and r["family_ms"]["gemm"] > 0
+    assert all(v >= 0 for v in r["family_ms"].values())
