@@ -17,10 +17,11 @@ import inspect
 from nvdlfw_inspect.base import BaseConfigAPIMapper, BaseNamespaceAPI
 from nvdlfw_inspect.registry import Registry, api_method
 
-from transformer_engine_proto.debug import state
+from transformer_engine_proto.debug import schedule, state
 from transformer_engine_proto.debug.features import loaded_by_nvdlfw
 
-__all__ = ["TEConfigAPIMapper", "ModifyTensorFeature", "TEDefaultFeatures", "TransformerEngineAPI", "REQUIRED_KWARGS"]
+__all__ = ["TEConfigAPIMapper", "ScheduledInspectFeature", "ModifyTensorFeature",
+           "TEDefaultFeatures", "TransformerEngineAPI", "REQUIRED_KWARGS"]
 
 GEMM_NAMES = ("fprop", "dgrad", "wgrad")
 
@@ -89,6 +90,15 @@ class TEConfigAPIMapper(BaseConfigAPIMapper):
             return config
         raise ValueError("[transformer_engine_proto debug] provide 'gemms_struct: List[Dict]' or 'gemms: List[str]' "
                          "in the feature's config")
+
+
+class ScheduledInspectFeature(TEConfigAPIMapper):
+    """A feature that inspects tensors on the iterations its config's `freq` / `start_step` /
+    `end_step` select (`debug/schedule.py`)."""
+
+    @api_method
+    def inspect_tensor_enabled(self, config, layer_name: str, tensor_name: str, iteration: int):
+        return schedule.enabled_at(config, iteration)
 
 
 class ModifyTensorFeature(TEConfigAPIMapper):

@@ -3,12 +3,12 @@ from typing import Dict
 
 from nvdlfw_inspect.registry import Registry, api_method
 
-from transformer_engine_proto.debug import dump, schedule, state
+from transformer_engine_proto.debug import dump, state
 from transformer_engine_proto.debug.features import loaded_by_nvdlfw
-from transformer_engine_proto.debug.features.api import TEConfigAPIMapper
+from transformer_engine_proto.debug.features.api import ScheduledInspectFeature
 
 
-class DumpTensors(TEConfigAPIMapper):
+class DumpTensors(ScheduledInspectFeature):
     """
     Saves tensors with `torch.save`, one dict per layer, tensor and iteration:
     `{log_dir}/tensor_dumps/rank_{rank}/{layer}_{tensor}_iter_{iteration:06d}.pt`.
@@ -53,10 +53,6 @@ class DumpTensors(TEConfigAPIMapper):
                           dump_quant: False
                           freq: 500
     """
-
-    @api_method
-    def inspect_tensor_enabled(self, config: Dict, layer_name: str, tensor_name: str, iteration: int):
-        return schedule.enabled_at(config, iteration)
 
     @api_method
     def inspect_tensor(self, config: Dict, layer_name: str, tensor_name: str, iteration: int, tensor=None,

@@ -3,9 +3,9 @@ from typing import Dict
 
 from nvdlfw_inspect.registry import Registry, api_method
 
-from transformer_engine_proto.debug import quant_view, schedule, state, stats
+from transformer_engine_proto.debug import quant_view, state, stats
 from transformer_engine_proto.debug.features import loaded_by_nvdlfw
-from transformer_engine_proto.debug.features.api import TEConfigAPIMapper
+from transformer_engine_proto.debug.features.api import ScheduledInspectFeature
 from transformer_engine_proto.tensor import QuantizedTensor
 
 
@@ -14,7 +14,7 @@ def _matches(q, recipe: str) -> bool:
     return family == recipe or (family == "fp8_per_tensor" and recipe in ("fp8_delayed_scaling", "fp8_current_scaling"))
 
 
-class LogFp8TensorStats(TEConfigAPIMapper):
+class LogFp8TensorStats(ScheduledInspectFeature):
     """
     Logs statistics of quantized tensors.
 
@@ -56,10 +56,6 @@ class LogFp8TensorStats(TEConfigAPIMapper):
                       start_step: 0
                       end_step: 80
     """
-
-    @api_method
-    def inspect_tensor_enabled(self, config: Dict, layer_name: str, tensor_name: str, iteration: int):
-        return schedule.enabled_at(config, iteration)
 
     @api_method
     def inspect_tensor(self, config: Dict, layer_name: str, tensor_name: str, iteration: int, tensor=None,

@@ -4,15 +4,15 @@ from typing import Dict
 
 from nvdlfw_inspect.registry import Registry, api_method
 
-from transformer_engine_proto.debug import quant_view, schedule, state, stats
+from transformer_engine_proto.debug import quant_view, state, stats
 from transformer_engine_proto.debug.features import loaded_by_nvdlfw
-from transformer_engine_proto.debug.features.api import TEConfigAPIMapper
+from transformer_engine_proto.debug.features.api import ScheduledInspectFeature
 from transformer_engine_proto.tensor import QuantizedTensor
 
 _RECIPE = "nvfp4"
 
 
-class LogNvfp4TensorStats(TEConfigAPIMapper):
+class LogNvfp4TensorStats(ScheduledInspectFeature):
     """
     Logs statistics of NVFP4-quantized tensors, as `{layer}_{tensor}_nvfp4_<stat>`.
 
@@ -52,10 +52,6 @@ class LogNvfp4TensorStats(TEConfigAPIMapper):
                       start_step: 0
                       end_step: 80
     """
-
-    @api_method
-    def inspect_tensor_enabled(self, config: Dict, layer_name: str, tensor_name: str, iteration: int):
-        return schedule.enabled_at(config, iteration)
 
     @api_method
     def inspect_tensor(self, config: Dict, layer_name: str, tensor_name: str, iteration: int, tensor=None,

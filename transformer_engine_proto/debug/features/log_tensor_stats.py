@@ -3,12 +3,12 @@ from typing import Dict
 
 from nvdlfw_inspect.registry import Registry, api_method
 
-from transformer_engine_proto.debug import schedule, state, stats
+from transformer_engine_proto.debug import state, stats
 from transformer_engine_proto.debug.features import loaded_by_nvdlfw
-from transformer_engine_proto.debug.features.api import TEConfigAPIMapper
+from transformer_engine_proto.debug.features.api import ScheduledInspectFeature
 
 
-class LogTensorStats(TEConfigAPIMapper):
+class LogTensorStats(ScheduledInspectFeature):
     """
     Logs statistics of high-precision tensors.
 
@@ -68,10 +68,6 @@ class LogTensorStats(TEConfigAPIMapper):
 
     def _get_supported_stats_list(self):
         return set(stats.HP_STATS)
-
-    @api_method
-    def inspect_tensor_enabled(self, config: Dict, layer_name: str, tensor_name: str, iteration: int):
-        return schedule.enabled_at(config, iteration)
 
     @api_method
     def inspect_tensor(self, config: Dict, layer_name: str, tensor_name: str, iteration: int, tensor=None,
