@@ -77,17 +77,17 @@ def te_constructor(te_positional: Tuple[str, ...] = (), te_only: Optional[Dict[s
 
         @functools.wraps(init)
         def __init__(self, *args, **kwargs):
-            compiling = torch.compiler.is_compiling()
             if te_positional and args and isinstance(args[0], (DType, torch.dtype)):
                 if len(args) > len(te_positional):
                     raise TypeError(f"{cls.__name__}() takes at most {len(te_positional)} positional arguments "
                                     f"({', '.join(te_positional)}), got {len(args)}")
+                compiling = torch.compiler.is_compiling()
                 for name, value in zip(te_positional, args):
                     if name in kwargs and not compiling:
                         raise TypeError(f"{cls.__name__}() got multiple values for argument {name!r}")
                     kwargs[name] = value
                 args = ()
-            elif compiling:
+            elif args and torch.compiler.is_compiling():
                 for name in positional[:len(args)]:
                     kwargs.pop(name, None)
             for te_name, ours in (("rowwise", "rowwise_usage"), ("columnwise", "columnwise_usage")):
