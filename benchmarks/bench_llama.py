@@ -16,8 +16,9 @@ fresh model after `torch._dynamo.reset()`; graph breaks are counted and reported
 name may add `+policy` (`te.GemmPolicy()`; its choices are printed) and `+soi` (every Linear with
 `save_original_input=True`: the raw input saved, quantized in backward; `+soi-attn`: all but
 down_proj and lm_head; `+rc`: `custom_ops.recompute_tags.set_recompute_saved_input(True)`) and
-`+norms` (the RMSNorms swapped for `te.RMSNorm` too). Every variant runs in this process, so the
-ratios compare like with like.
+`+norms` (the RMSNorms swapped for `te.RMSNorm` too) and `+triton` (inductor launches the library's Triton
+per-tensor FP8 quantize kernels instead of fusing its aten reference: `te.kernels.set_fusible_quantize`).
+Every variant runs in this process, so the ratios compare like with like.
 
 `--profile` runs a few more steps of each variant under torch.profiler and splits the device time
 per step (CPU: the ops' self time) into kernel families by name (`kernel_family`): GEMM, quantize
@@ -47,7 +48,7 @@ FAMILIES = ("gemm", "quantize", "norm", "other")
 _FAMILY_WORDS = (("gemm", ("gemm", "matmul", "cutlass", "xmma", "nvjet", "scaled_mm", "cublas", "aten::mm",
                            "aten::addmm", "aten::bmm", "grouped_mm", "aten::linear")),
                  ("quantize", ("quantize", "cast_transpose", "amax", "fp8", "float8", "mxfp8", "nvfp4", "e4m3",
-                               "e5m2", "scale_inv")),
+                               "e5m2", "scale_inv", "clamp")),  # inductor's fused casts: ..._clamp_..._to_copy
                  ("norm", ("norm", "rsqrt")))
 
 
@@ -100,6 +101,8 @@ def make_variant(variant: str, args, device, dtype):
 
     recipe = C.make_recipe(variant.split(":", 1)[1])
     model = te.convert_model(model, recipe=recipe, convert_norms="+norms" in variant)
+    # +triton: inductor keeps our Triton per-tensor quantize kernels instead of fusing the aten reference
+    te.kernels.set_fusible_quantize("+triton" not in variant)
     # +rc: the Linears' quantized inputs (and the norms) recomputed in backward, not saved
     te.custom_ops.recompute_tags.set_recompute_saved_input("+rc" in variant)
     if "+soi" in variant:  # Linears save their raw input; backward quantizes it (save_original_input)

@@ -38,7 +38,8 @@ def test_kernel_families_by_name():
     cases = {"sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x64": "gemm", "nvjet_tst_128x256": "gemm",
              "aten::mm": "gemm", "_cast_transpose_packed_kernel": "quantize", "_amax_kernel": "quantize",
              "triton_red_fused_abs_amax_clamp_0": "quantize", "_rmsnorm_fwd_kernel": "norm",
-             "triton_per_fused_mean_mul_pow_rsqrt_1": "norm", "triton_poi_fused_silu_mul_2": "other"}
+             "triton_per_fused_mean_mul_pow_rsqrt_1": "norm", "triton_poi_fused_silu_mul_2": "other",
+             "triton_poi_fused__to_copy_clamp_mul_silu_3": "quantize"}
     assert {n: bench_llama.kernel_family(n) for n in cases} == cases
 
 

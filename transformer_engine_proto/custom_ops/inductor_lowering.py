@@ -32,6 +32,7 @@ from torch._inductor import decomposition as _inductor_decomp
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from .. import kernels
 from . import recompute_tags, shared_input
 
 __all__ = ["inline_in_inductor", "set_inductor_inlining", "inductor_inlining_enabled", "set_cpu_inlining",
@@ -107,7 +108,8 @@ def _functional(body: Callable) -> Callable:
             # Linears reading one traced tensor share its quantized copy (custom_ops/shared_input.py)
             sources = {id(f): r for f, r in zip(pytree.tree_leaves((args, kwargs)), raw)
                        if isinstance(r, torch.Tensor)}
-            with shared_input.scope(sources, owner, wrap=to_fun, unwrap=from_fun, commit=False) as shared:
+            with shared_input.scope(sources, owner, wrap=to_fun, unwrap=from_fun, commit=False) as shared, \
+                    kernels.tracing_for_inductor():
                 out = body(*args, **kwargs)
         shared.commit()
         return pytree.tree_map(from_fun, out)
@@ -125,6 +127,7 @@ def _source_hash() -> str:
 
 _SOURCE_HASH = _source_hash()
 recompute_tags.ON_CHANGE.append(lambda: _table_changed())
+kernels.ON_FUSIBLE_CHANGE.append(lambda: _table_changed())
 if os.environ.get("TE_PROTO_INLINE_CPU", "1") == "0":
     set_cpu_inlining(False)
 
@@ -138,5 +141,6 @@ def _table_changed() -> None:
     config = torch.compiler.config
     if hasattr(config, "cache_key_tag"):
         tags = [t for t in config.cache_key_tag.split("|") if t and not t.startswith("te_proto:")]
-        setting = f"{int(_enabled)}{int(_cpu_enabled)}{int(recompute_tags.recompute_saved_input())}"
+        setting = (f"{int(_enabled)}{int(_cpu_enabled)}{int(recompute_tags.recompute_saved_input())}"
+                   f"{int(kernels.fusible_quantize_enabled())}")
         config.cache_key_tag = "|".join(tags + [f"te_proto:{_SOURCE_HASH}:{setting}"])

@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 import torch
 
 from .. import register_kernel
-from .common import abs_max, fp8_max, scale_from_amax, scaled_cast, transpose_2d
+from .common import abs_max, fp8_max, scale_from_amax, scaled_cast, transpose_2d, true_div
 
 
 def _cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype, rowwise: bool, columnwise: bool):
@@ -34,7 +34,7 @@ def fp8_quantize_delayed(x, scale, amax_out, fp8_dtype, rowwise, columnwise
     `amax_out` in place."""
     amax_out.copy_(torch.maximum(amax_out, abs_max(x).reshape(amax_out.shape)))
     data, transpose = _cast(x, scale, fp8_dtype, rowwise, columnwise)
-    return data, transpose, scale.float().reciprocal().reshape(1)
+    return data, transpose, true_div(1.0, scale.float()).reshape(1)
 
 
 @register_kernel("fp8_quantize_current")
@@ -44,4 +44,4 @@ def fp8_quantize_current(x, fp8_dtype, rowwise, columnwise, margin=0, power_2=Fa
     a = amax(x)
     scale = scale_from_amax(a, fp8_max(fp8_dtype), margin, power_2, epsilon)
     data, transpose = _cast(x, scale, fp8_dtype, rowwise, columnwise)
-    return data, transpose, scale.reciprocal(), a
+    return data, transpose, true_div(1.0, scale), a
