@@ -62,9 +62,9 @@ def kernel_family(name: str) -> str:
     return "other"
 
 
-def family_ms(prof, steps: int, cuda: bool) -> dict:
-    """Milliseconds per step by kernel family: device kernels' time on CUDA, ops' self CPU time on CPU."""
-    out = dict.fromkeys(FAMILIES, 0.0)
+def kernel_ms(prof, steps: int, cuda: bool) -> dict:
+    """Milliseconds per step of each kernel name: device kernels' time on CUDA, ops' self CPU time on CPU."""
+    out = {}
     for e in prof.key_averages():
         if cuda and e.device_type == torch.autograd.DeviceType.CUDA:
             us = e.self_device_time_total
@@ -72,7 +72,15 @@ def family_ms(prof, steps: int, cuda: bool) -> dict:
             us = e.self_cpu_time_total
         else:
             continue
-        out[kernel_family(e.key)] += us / 1e3 / steps
+        out[e.key] = out.get(e.key, 0.0) + us / 1e3 / steps
+    return out
+
+
+def family_ms(per_kernel: dict) -> dict:
+    """Milliseconds per step by kernel family (`kernel_family`)."""
+    out = dict.fromkeys(FAMILIES, 0.0)
+    for name, ms in per_kernel.items():
+        out[kernel_family(name)] += ms
     return out
 
 
@@ -160,7 +168,9 @@ def run_variant(variant, mode, args, device, dtype):
             for _ in range(args.profile_steps):
                 step()
             C.synchronize(device)
-        res["family_ms"] = family_ms(prof, args.profile_steps, device.type == "cuda")
+        per_kernel = kernel_ms(prof, args.profile_steps, device.type == "cuda")
+        res["family_ms"] = family_ms(per_kernel)
+        res["top_kernels"] = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:args.profile_top]
     res.update(C.compile_stats())
     if variant.endswith("+policy"):  # which GEMMs the policy kept in the recipe's format
         import transformer_engine_proto as te
@@ -180,6 +190,7 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of the wiring)")
     p.add_argument("--profile", action="store_true", help="also split each step's time by kernel family")
     p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--profile-top", type=int, default=25, help="kernels listed per variant with --profile")
     C.add_run_args(p, "bench_llama", warmup_ms=100.0, rep_ms=600.0)
     preset, _ = p.parse_known_args(argv)
     p.set_defaults(**PRESETS[preset.preset])
@@ -223,6 +234,10 @@ def main(argv=None):
         print(C.markdown_table(["mode", "variant", *FAMILIES, "total"],
                                [[r["mode"], r["variant"], *(f"{r['family_ms'][f]:.2f}" for f in FAMILIES),
                                  f"{sum(r['family_ms'].values()):.2f}"] for r in profiled]))
+        for r in profiled:
+            print(f"\n#### {r['mode']} {r['variant']}: top kernels, ms per step\n")
+            print(C.markdown_table(["kernel", "family", "ms"], [[name[:110], kernel_family(name), f"{ms:.3f}"]
+                                                                 for name, ms in r["top_kernels"]]))
     if args.out:
         C.write_json(args.out, args.name, dict(env=C.environment(device), args=vars(args), results=results))
         plt = C.try_pyplot()
