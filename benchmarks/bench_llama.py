@@ -16,8 +16,9 @@ fresh model after `torch._dynamo.reset()`; graph breaks are counted and reported
 name may add `+policy` (`te.GemmPolicy()`; its choices are printed) and `+soi` (every Linear with
 `save_original_input=True`: the raw input saved, quantized in backward; `+soi-attn`: all but
 down_proj and lm_head; `+rc`: `custom_ops.recompute_tags.set_recompute_saved_input(True)`) and
-`+norms` (the RMSNorms swapped for `te.RMSNorm` too) and `+triton` (inductor launches the library's Triton
-per-tensor FP8 quantize kernels instead of fusing its aten reference: `te.kernels.set_fusible_quantize`).
+`+norms` (the RMSNorms swapped for `te.RMSNorm` too) and `+fuse` / `+fuse-amax` (inductor fuses the aten
+reference of the per-tensor FP8 quantize, or of its amax only, instead of launching the library's Triton
+kernels: `te.kernels.set_fusible_quantize`).
 Every variant runs in this process, so the ratios compare like with like.
 
 `--profile` runs a few more steps of each variant under torch.profiler and splits the device time
@@ -109,8 +110,8 @@ def make_variant(variant: str, args, device, dtype):
 
     recipe = C.make_recipe(variant.split(":", 1)[1])
     model = te.convert_model(model, recipe=recipe, convert_norms="+norms" in variant)
-    # +triton: inductor keeps our Triton per-tensor quantize kernels instead of fusing the aten reference
-    te.kernels.set_fusible_quantize("+triton" not in variant)
+    # +fuse: inductor fuses the aten reference of the per-tensor quantize; +fuse-amax: of its amax only
+    te.kernels.set_fusible_quantize("amax" if "+fuse-amax" in variant else "+fuse" in variant)
     # +rc: the Linears' quantized inputs (and the norms) recomputed in backward, not saved
     te.custom_ops.recompute_tags.set_recompute_saved_input("+rc" in variant)
     if "+soi" in variant:  # Linears save their raw input; backward quantizes it (save_original_input)

@@ -1,7 +1,7 @@
-"""Per-tensor FP8 quantize is fusible under inductor (kernels/__init__.py `INDUCTOR_FUSIBLE`): while
-inductor traces a library op, the amax and cast dispatch to the aten reference, so the generated
-code fuses them with their neighbours instead of launching our Triton kernels; compiled still
-equals eager over the recipes' options."""
+"""Per-tensor FP8 quantize can be fused by inductor (kernels/__init__.py `INDUCTOR_FUSIBLE`,
+`set_fusible_quantize`): while inductor traces a library op, the chosen kernels dispatch to the aten
+reference, so the generated code fuses them with their neighbours instead of launching our Triton
+kernels; compiled still equals eager over the recipes' options, whichever kernels are chosen."""
 import pytest
 import torch
 from linear_cases import fresh_dynamo, recipe_ctx
@@ -24,7 +24,14 @@ def fake_fast_backend(monkeypatch):
     return fast
 
 
-def test_inductor_trace_dispatches_fusible_kernels_to_the_reference(fake_fast_backend):
+@pytest.fixture
+def fuse_all():
+    kernels.set_fusible_quantize(True)
+    yield
+    kernels.set_fusible_quantize(False)
+
+
+def test_inductor_trace_dispatches_fusible_kernels_to_the_reference(fake_fast_backend, fuse_all):
     dev = torch.device("meta")
     for name in kernels.INDUCTOR_FUSIBLE:
         assert kernels.kernel(name, dev) is fake_fast_backend[name]  # eager: the fast kernel
@@ -34,17 +41,22 @@ def test_inductor_trace_dispatches_fusible_kernels_to_the_reference(fake_fast_ba
         assert kernels.kernel("norm_fwd", dev) is kernels._KERNELS[("norm_fwd", "reference")]  # none registered
 
 
-def test_fusible_off_keeps_the_fast_kernels_and_changes_the_cache_key(fake_fast_backend):
+def test_fusible_choice_selects_kernels_and_changes_the_cache_key(fake_fast_backend):
+    assert not kernels.fusible_quantize_enabled()  # the default: our kernels
     before = torch.compiler.config.cache_key_tag
-    kernels.set_fusible_quantize(False)
+    kernels.set_fusible_quantize("amax")
     try:
-        assert not kernels.fusible_quantize_enabled()
+        assert kernels.fusible_quantize_enabled() == {"amax"}
         assert torch.compiler.config.cache_key_tag != before
         with kernels.tracing_for_inductor():
-            assert kernels.kernel("amax", torch.device("meta")) is fake_fast_backend["amax"]
+            assert kernels.kernel("amax", torch.device("meta")) is kernels._KERNELS[("amax", "reference")]
+            cast = kernels.kernel("fp8_quantize_current", torch.device("meta"))
+            assert cast is fake_fast_backend["fp8_quantize_current"]
     finally:
-        kernels.set_fusible_quantize(True)
+        kernels.set_fusible_quantize(False)
     assert torch.compiler.config.cache_key_tag == before
+    with pytest.raises(ValueError, match="unknown kernel names.*'norm_fwd'"):
+        kernels.set_fusible_quantize(["amax", "norm_fwd"])
 
 
 def test_reference_scale_inv_is_the_correctly_rounded_reciprocal():
@@ -91,11 +103,12 @@ def _model():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("fusible", [True, False], ids=["fusible", "triton"])
+@pytest.mark.parametrize("fusible", [True, False, "amax"], ids=["fuse-all", "triton", "fuse-amax"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_inductor_quantize_matches_eager_bitwise(case, fusible):
     """Outputs, gradients and the delayed-scaling state after 3 steps: bitwise eager's; the generated
-    code launches our Triton cast kernel only with the fusible path off."""
+    code launches our Triton cast kernel unless the cast is fused, and our amax kernel only where
+    the amax is neither fused nor taken by the cast kernel."""
     from torch._inductor.utils import run_and_get_code
     recipe = CASES[case]
     eager = _train(_model(), recipe)
@@ -106,8 +119,10 @@ def test_inductor_quantize_matches_eager_bitwise(case, fusible):
         compiled = torch.compile(model, fullgraph=True)
         outs, code = run_and_get_code(lambda: _train(compiled, recipe))
     finally:
-        kernels.set_fusible_quantize(True)
+        kernels.set_fusible_quantize(False)
     for i, (c, e) in enumerate(zip(outs, eager)):
         assert torch.equal(c, e), f"{case}: tensor {i} differs (max {(c.float() - e.float()).abs().max()})"
     code = "\n".join(code)
-    assert ("_cast_transpose" in code) != fusible, f"Triton cast kernel in the generated code: {not fusible}"
+    assert ("_cast_transpose" in code) == (fusible is not True), "Triton cast kernel in the generated code"
+    if fusible is not False:
+        assert "_amax_kernel" not in code

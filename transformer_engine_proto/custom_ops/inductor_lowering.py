@@ -142,5 +142,5 @@ def _table_changed() -> None:
     if hasattr(config, "cache_key_tag"):
         tags = [t for t in config.cache_key_tag.split("|") if t and not t.startswith("te_proto:")]
         setting = (f"{int(_enabled)}{int(_cpu_enabled)}{int(recompute_tags.recompute_saved_input())}"
-                   f"{int(kernels.fusible_quantize_enabled())}")
+                   f"{','.join(sorted(kernels.fusible_quantize_enabled()))}")
         config.cache_key_tag = "|".join(tags + [f"te_proto:{_SOURCE_HASH}:{setting}"])

@@ -9,12 +9,13 @@ ulp, tests/test_triton_norm.py) or `reference` (the pure-torch spec everywhere).
 read once, at the first dispatch; `set_backend("reference" | "triton")` switches in Python and
 `set_backend(None)` goes back to the variable (read again at the next dispatch).
 
-While inductor traces a library op's body (`custom_ops/inductor_lowering.py`), the kernels named
-in `INDUCTOR_FUSIBLE` dispatch to the reference instead: written in aten ops, the per-tensor FP8
-amax and cast become part of inductor's graph, which fuses them into the kernels that produce and
-consume the tensor (a norm, an activation, a residual add), where a Triton kernel is a separate
-pass over memory. Both are bitwise equal, so compiled still equals eager.
-`TE_PROTO_FUSIBLE_QUANTIZE=0` (or `set_fusible_quantize(False)`) keeps the Triton kernels there.
+While inductor traces a library op's body (`custom_ops/inductor_lowering.py`), the kernels of
+`INDUCTOR_FUSIBLE` chosen by `set_fusible_quantize` (or `TE_PROTO_FUSIBLE_QUANTIZE`: 1 all, 0 none,
+or a comma list of names) dispatch to the reference instead: written in aten ops, the per-tensor
+FP8 amax and cast become part of inductor's graph, which may fuse them into the kernels that
+produce and consume the tensor (a norm, an activation, a residual add), where a Triton kernel is a
+separate pass over memory. Both are bitwise equal, so compiled still equals eager. The default
+(none) is the faster on the Llama benchmark (benchmarks/bench_llama.py, `+fuse` variants).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 __all__ = ["register_kernel", "kernel", "available_backends", "set_backend", "get_backend", "set_fusible_quantize",
-           "fusible_quantize_enabled", "tracing_for_inductor", "INDUCTOR_FUSIBLE"]
+           "fusible_quantize_enabled", "fusing", "tracing_for_inductor", "INDUCTOR_FUSIBLE"]
 
 _KERNELS: Dict[Tuple[str, str], Callable] = {}
 # Backends tried first on each device type when TE_PROTO_KERNELS=triton; "reference" is the fallback.
@@ -34,7 +35,6 @@ DEFAULT_BACKEND = "triton"
 BACKENDS = ("reference", "triton")
 _backend: Optional[str] = None  # None: not chosen yet, take TE_PROTO_KERNELS at the next dispatch
 INDUCTOR_FUSIBLE = frozenset({"amax", "fp8_quantize_delayed", "fp8_quantize_current"})
-_fusible = os.environ.get("TE_PROTO_FUSIBLE_QUANTIZE", "1") != "0"
 _inductor_depth = 0  # > 0 while inductor traces a library op's body
 ON_FUSIBLE_CHANGE = []  # callbacks: the compile cache key names the setting
 
@@ -59,17 +59,46 @@ def get_backend() -> str:
     return _backend
 
 
-def set_fusible_quantize(enabled: bool) -> None:
-    """Whether inductor traces the reference (fusible) or the Triton kernels of `INDUCTOR_FUSIBLE`
-    (compiles after the call see it)."""
+def _fusible_names(setting) -> frozenset:
+    """True: every name in `INDUCTOR_FUSIBLE`; False: none; a name or names: those."""
+    if isinstance(setting, bool):
+        return INDUCTOR_FUSIBLE if setting else frozenset()
+    names = frozenset([setting] if isinstance(setting, str) else setting)
+    unknown = names - INDUCTOR_FUSIBLE
+    if unknown:
+        raise ValueError(f"fusible quantize: unknown kernel names {sorted(unknown)}; "
+                         f"known: {sorted(INDUCTOR_FUSIBLE)}")
+    return names
+
+
+def _fusible_from_env() -> frozenset:
+    env = os.environ.get("TE_PROTO_FUSIBLE_QUANTIZE", "0")
+    if env in ("0", "1"):
+        return _fusible_names(env == "1")
+    return _fusible_names(n.strip() for n in env.split(",") if n.strip())
+
+
+_fusible = _fusible_from_env()
+
+
+def set_fusible_quantize(setting) -> None:
+    """Which kernels of `INDUCTOR_FUSIBLE` inductor traces as the aten reference (fused with their
+    neighbours) instead of our Triton kernel: True (all), False (none) or names such as "amax".
+    Compiles after the call see it."""
     global _fusible
-    _fusible = bool(enabled)
+    _fusible = _fusible_names(setting)
     for callback in ON_FUSIBLE_CHANGE:
         callback()
 
 
-def fusible_quantize_enabled() -> bool:
+def fusible_quantize_enabled() -> frozenset:
+    """The kernel names inductor traces as the aten reference (empty: none)."""
     return _fusible
+
+
+def fusing(name: str) -> bool:
+    """Whether `kernel(name)` is the fusible reference here (inductor is tracing and `name` is chosen)."""
+    return bool(_inductor_depth) and name in _fusible
 
 
 @contextlib.contextmanager
@@ -102,8 +131,7 @@ def kernel(name: str, device=None, reference: bool = False) -> Callable:
     if not _loaded:
         _load_reference()
     mode = _backend if _backend is not None else get_backend()
-    if mode == "triton" and device is not None and not reference and not (
-            _inductor_depth and _fusible and name in INDUCTOR_FUSIBLE):
+    if mode == "triton" and device is not None and not reference and not fusing(name):
         device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
         for backend in _PREFERENCE.get(device_type, ()):
             fn = _KERNELS.get((name, backend))
