@@ -1,0 +1,133 @@
+"""Where the first compiled step's seconds go, per variant, with cold and then warm caches.
+
+    python benchmarks/compile_breakdown.py --out out/                       # the bench_llama Llama (CUDA)
+    python benchmarks/compile_breakdown.py --smoke --variants bf16,te:current   # tiny, CPU
+
+Each variant runs the first training step of bench_llama's model (`torch.compile`, default mode) in
+a fresh process with empty inductor and Triton caches ("cold"), then once more in another fresh
+process on the caches the first left ("warm"). Each process reports its first step's seconds,
+dynamo's per-phase compile times (`torch._dynamo.utils.compilation_time_metrics`: tracing, AOT autograd,
+inductor lowering / codegen, waiting for Triton compiles) and, with `--cprofile`, the library
+functions with the most cumulative time while compiling.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _p in (_HERE, os.path.dirname(_HERE)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import _common as C  # noqa: E402
+import bench_llama  # noqa: E402
+
+
+def first_step(variant: str, args) -> dict:
+    """This process: build the variant, run its first compiled step, report the times."""
+    import cProfile
+    import pstats
+    import time
+
+    import torch
+    from torch._dynamo.utils import compilation_time_metrics
+
+    device = C.device_from_arg(args.device)
+    C.configure_dynamo()
+    model, recipe = bench_llama.make_variant(variant, args, device, torch.bfloat16)
+    fwd = torch.compile(model)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1)).to(device)
+    prof = cProfile.Profile() if args.cprofile else None
+    t0 = time.perf_counter()
+    if prof:
+        prof.enable()
+    with C.te_autocast(recipe, variant):
+        loss = fwd(input_ids=ids, labels=ids).loss
+    loss.backward()
+    C.synchronize(device)
+    if prof:
+        prof.disable()
+    res = {"variant": variant, "first_step_s": time.perf_counter() - t0,
+           "phases_s": {name: sum(ts) for name, ts in compilation_time_metrics.items()}}
+    if prof:
+        stats = pstats.Stats(prof)
+        rows = [(f"{os.path.basename(f)}:{fn}", ct) for (f, _, fn), (_, _, _, ct, _) in stats.stats.items()
+                if "transformer_engine_proto" in f]
+        res["library_cumulative_s"] = sorted(rows, key=lambda r: -r[1])[:args.top]
+    return res
+
+
+def run_child(variant: str, argv, env) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--child", variant, *argv], env=env, capture_output=True,
+                         text=True)
+    for line in out.stdout.splitlines()[::-1]:
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    lines = (out.stderr or out.stdout).strip().splitlines()
+    return {"variant": variant, "error": lines[-1] if lines else f"exit code {out.returncode}"}
+
+
+def parse_args(argv=None):
+    p = C.script_parser(__doc__)
+    p.add_argument("--variants", default="bf16,torchao:tensorwise,te:current,te:delayed")
+    p.add_argument("--preset", choices=sorted(bench_llama.PRESETS), default="llama")
+    C.add_model_args(p, **bench_llama.PRESETS["llama"], vocab=32768, seq=2048, batch=4)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of the wiring)")
+    p.add_argument("--cprofile", action="store_true", help="list the library functions compile time goes to")
+    p.add_argument("--top", type=int, default=15)
+    C.add_run_args(p, "compile_breakdown", warmup_ms=0.0, rep_ms=0.0)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # the variant a child process runs
+    preset, _ = p.parse_known_args(argv)
+    p.set_defaults(**bench_llama.PRESETS[preset.preset])
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.hidden, args.ffn, args.layers, args.heads, args.vocab, args.seq, args.batch = 64, 128, 2, 4, 256, 32, 2
+    return args
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    if args.child:
+        print("RESULT " + json.dumps(first_step(args.child, args)), flush=True)
+        return None
+    child_argv = argv + ["--out", ""]  # children print their result; only this process writes
+    results = []
+    for variant in C.names(args.variants):
+        with tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
+                       TRITON_CACHE_DIR=os.path.join(cache, "triton"))
+            for state in ("cold", "warm"):
+                r = run_child(variant, child_argv, env)
+                r["caches"] = state
+                results.append(r)
+                print(f"{variant:22s} {state}: {r.get('first_step_s', float('nan')):7.1f} s", flush=True)
+    base = {r["caches"]: r["first_step_s"] for r in results if r["variant"] == "bf16" and "first_step_s" in r}
+    phases = sorted({k for r in results for k in r.get("phases_s", {})},
+                    key=lambda k: -max(r.get("phases_s", {}).get(k, 0) for r in results))[:args.top]
+    print("\n## First compiled step, seconds (ratio to bf16 with the same caches)\n")
+    rows = []
+    for r in results:
+        s = r.get("first_step_s")
+        ratio = f"{s / base[r['caches']]:.2f}x" if s is not None and r["caches"] in base else "-"
+        rows.append([r["variant"], r["caches"], r["error"] if s is None else f"{s:.1f}", ratio])
+    print(C.markdown_table(["variant", "caches", "first step s", "vs bf16"], rows))
+    print("\n## Compile phases, seconds (dynamo_timed phases, summed; nested phases overlap)\n")
+    print(C.markdown_table(["phase", *(f"{r['variant']} {r['caches']}" for r in results)],
+                           [[k, *(f"{r.get('phases_s', {}).get(k, 0):.1f}" for r in results)] for k in phases]))
+    for r in results:
+        if r.get("library_cumulative_s"):
+            print(f"\n### {r['variant']} ({r['caches']}): library functions, cumulative s while compiling\n")
+            print(C.markdown_table(["function", "s"], [[n, f"{s:.1f}"] for n, s in r["library_cumulative_s"]]))
+    if args.out:
+        C.write_json(args.out, "compile_breakdown", dict(args=vars(args), results=results))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""benchmarks/compile_breakdown.py: the table of first compiled steps, cold and warm, per variant."""
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import compile_breakdown  # noqa: E402
+
+
+def test_each_variant_runs_cold_then_warm_in_fresh_processes_with_its_own_caches(monkeypatch, capsys):
+    calls = []
+
+    def fake_child(variant, argv, env):
+        calls.append((variant, env["TORCHINDUCTOR_CACHE_DIR"], env["TRITON_CACHE_DIR"]))
+        cold = len([c for c in calls if c[0] == variant]) == 1
+        s = {"bf16": 10.0, "te:delayed": 30.0}[variant] / (1 if cold else 5)
+        return {"variant": variant, "first_step_s": s, "phases_s": {"compile_fx_inner": s / 2}}
+
+    monkeypatch.setattr(compile_breakdown, "run_child", fake_child)
+    results = compile_breakdown.main(["--smoke", "--variants", "bf16,te:delayed"])
+    assert [(r["variant"], r["caches"]) for r in results] == [
+        ("bf16", "cold"), ("bf16", "warm"), ("te:delayed", "cold"), ("te:delayed", "warm")]
+    assert calls[0][1:] == calls[1][1:] != calls[2][1:] == calls[3][1:]  # warm reuses its cold run's caches
+    out = capsys.readouterr().out
+    assert "| te:delayed | cold   | 30.0         | 3.00x   |" in out and "| te:delayed | warm   | 6.0" in out
+
+
+@pytest.mark.slow
+def test_first_step_reports_time_and_phases():
+    args = compile_breakdown.parse_args(["--smoke", "--device", "cpu", "--cprofile"])
+    r = compile_breakdown.first_step("te:current", args)
+    assert r["first_step_s"] > 0 and r["phases_s"].get("compile_fx_inner", 0) > 0, r
+    assert any("linear_fwd" in name for name, _ in r["library_cumulative_s"]), r["library_cumulative_s"]
