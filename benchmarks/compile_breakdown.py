@@ -80,6 +80,7 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of the wiring)")
     p.add_argument("--cprofile", action="store_true", help="list the library functions compile time goes to")
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--caches", default="cold,warm", help="which runs: cold (empty caches), warm (the cold run's)")
     C.add_run_args(p, "compile_breakdown", warmup_ms=0.0, rep_ms=0.0)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # the variant a child process runs
     preset, _ = p.parse_known_args(argv)
@@ -102,7 +103,7 @@ def main(argv=None):
         with tempfile.TemporaryDirectory() as cache:
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
                        TRITON_CACHE_DIR=os.path.join(cache, "triton"))
-            for state in ("cold", "warm"):
+            for state in C.names(args.caches):
                 r = run_child(variant, child_argv, env)
                 r["caches"] = state
                 results.append(r)
