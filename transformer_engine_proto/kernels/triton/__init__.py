@@ -14,3 +14,6 @@ except ImportError:  # pragma: no cover - CPU-only installs
 else:
     HAVE_TRITON = True
     from . import blockwise, dequant, float8, mxfp8, norm, nvfp4  # noqa: F401,E402  (registers kernels)
+    from .trace_analysis import install as _install_trace_analysis  # noqa: E402
+
+    _install_trace_analysis()

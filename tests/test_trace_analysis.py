@@ -1,0 +1,62 @@
+"""kernels/triton/trace_analysis.py: torch's TTIR analysis of a Triton launch runs once per kernel
+and specialization for this package's kernels, every time for others."""
+import sys
+import types
+
+import pytest
+import sympy
+import torch
+
+pytest.importorskip("triton")
+from transformer_engine_proto.kernels.triton import trace_analysis  # noqa: E402
+
+
+def _kernel(module):
+    fn = types.FunctionType((lambda x_ptr, n, BLOCK: None).__code__, {}, "k")
+    fn.__module__ = module
+    params = [types.SimpleNamespace(name=n, is_constexpr=n == "BLOCK") for n in ("x_ptr", "n", "BLOCK")]
+    return types.SimpleNamespace(fn=types.SimpleNamespace(fn=fn, params=params))  # Autotuner -> JITFunction -> fn
+
+
+def test_memoized_per_specialization_for_our_kernels_only():
+    calls = []
+
+    def analysis(kernel, kwargs, tma):
+        calls.append(dict(kwargs))
+        return ["x_ptr"]
+
+    memo = trace_analysis._memoized(analysis)
+    ours, theirs = _kernel("transformer_engine_proto.kernels.triton.float8"), _kernel("user.kernels")
+    x = torch.empty(4, dtype=torch.bfloat16)
+    assert memo(ours, {"x_ptr": x, "n": 4096, "BLOCK": 128}, {}) == ["x_ptr"]
+    memo(ours, {"x_ptr": x.clone(), "n": 8192, "BLOCK": 128}, {})  # same class of n (multiple of 16)
+    memo(ours, {"x_ptr": x, "n": sympy.Integer(64), "BLOCK": 128}, {})  # inductor's size, same class
+    assert len(calls) == 1
+    memo(ours, {"x_ptr": x, "n": 4097, "BLOCK": 128}, {})  # n not a multiple of 16
+    memo(ours, {"x_ptr": x.float(), "n": 4096, "BLOCK": 128}, {})  # another dtype
+    memo(ours, {"x_ptr": x, "n": 4096, "BLOCK": 256}, {})  # another constexpr value (same int class)
+    memo(ours, {"x_ptr": x, "n": 4096, "BLOCK": 128}, {"x_ptr": ("stable", ())})  # TMA: never cached
+    assert len(calls) == 5
+    memo(theirs, {"x_ptr": x, "n": 4096, "BLOCK": 128}, {})
+    memo(theirs, {"x_ptr": x, "n": 4096, "BLOCK": 128}, {})
+    assert len(calls) == 7
+    result = memo(ours, {"x_ptr": x, "n": 4096, "BLOCK": 128}, {})
+    result.append("mutated by the caller")
+    assert memo(ours, {"x_ptr": x, "n": 4096, "BLOCK": 128}, {}) == ["x_ptr"]
+
+
+def test_installed_over_torchs_analysis():
+    from torch._higher_order_ops import triton_kernel_wrap
+    names = [n for n in trace_analysis._ANALYSES if hasattr(triton_kernel_wrap, n)]
+    assert names, "torch has neither analysis: trace_analysis needs updating"
+    assert all(getattr(triton_kernel_wrap, n).te_proto_memoized for n in names)
+    before = [getattr(triton_kernel_wrap, n) for n in names]
+    trace_analysis.install()
+    assert [getattr(triton_kernel_wrap, n) for n in names] == before  # idempotent
+    assert "transformer_engine_proto.kernels.triton.trace_analysis" in sys.modules
+
+
+def test_constexprs_read_from_the_jit_function():
+    from transformer_engine_proto.kernels.triton import float8
+    names = trace_analysis._constexprs(float8._cast_transpose_packed_kernel.fn)
+    assert {"BM", "BK", "FMAX", "ROWWISE"} <= names and not names & {"x_ptr", "M", "K", "n_k"}

@@ -1,0 +1,95 @@
+"""Inductor's analysis of our Triton kernels, once per specialization instead of once per call site.
+
+When torch traces a `wrap_triton` launch (inductor inlining a library op), it asks which tensor
+arguments the kernel reads and writes: `identify_mutated_tensors` (torch 2.11) or
+`identify_accessed_tensors` (newer) generate the kernel's TTIR and walk it. Torch does that at
+every call site, at least twice (functionalization, then lowering); a Llama's compile traces a
+few hundred quantize launches, each a Triton front-end compile. The answer depends only on the
+kernel and on what Triton specializes on: which arguments are tensors (and their dtypes), the
+constexpr values, and each int's class (1, a multiple of 16, its width). `install()` memoizes
+the analysis by that key for the kernels of this package; other kernels go to torch's function
+unchanged, as do launches with TMA descriptors.
+"""
+from __future__ import annotations
+
+import functools
+
+import sympy
+import torch
+
+_ANALYSES = ("identify_mutated_tensors", "identify_accessed_tensors")
+_PACKAGE = __name__.rsplit(".", 1)[0]  # transformer_engine_proto.kernels.triton
+
+
+def _python_fn(kernel):
+    fn = kernel
+    while hasattr(fn, "fn"):  # Autotuner -> JITFunction -> the Python function
+        fn = fn.fn
+    return fn
+
+
+def _constexprs(kernel):
+    """The kernel's constexpr parameter names, or None where the JITFunction does not say."""
+    jit = kernel
+    while not hasattr(jit, "params") and hasattr(jit, "fn"):
+        jit = jit.fn
+    params = getattr(jit, "params", None)
+    if params is None:
+        return None
+    return frozenset(p.name for p in params if getattr(p, "is_constexpr", False))
+
+
+def _spec(value, constexpr: bool):
+    """What Triton's TTIR of a launch depends on, for one argument: a constexpr's value, a runtime
+    argument's class."""
+    if constexpr:
+        return "constexpr", (int(value) if isinstance(value, sympy.Integer) else value)
+    if isinstance(value, torch.Tensor):
+        return "tensor", value.dtype
+    get_dtype = getattr(value, "get_dtype", None)  # inductor's IR buffers (TensorBox, ...)
+    if get_dtype is not None:
+        return "tensor", get_dtype()
+    if isinstance(value, bool) or value is None or isinstance(value, (float, str)):
+        return type(value).__name__, value
+    if isinstance(value, int):
+        return "int", value == 1, value % 16 == 0, -2**31 <= value < 2**31
+    if isinstance(value, sympy.Expr):  # inductor's sizes
+        return _spec(int(value), False) if value.is_Integer else ("symint",)
+    if isinstance(value, torch.SymInt):
+        return ("symint",)
+    raise TypeError(type(value))
+
+
+def _memoized(analysis):
+    cache = {}
+
+    @functools.wraps(analysis)
+    def run(kernel, kwargs, tma_descriptor_metadata, *args, **kw):
+        fn = _python_fn(kernel)
+        constexprs = _constexprs(kernel)
+        if (tma_descriptor_metadata or args or kw or constexprs is None
+                or not getattr(fn, "__module__", "").startswith(_PACKAGE)):
+            return analysis(kernel, kwargs, tma_descriptor_metadata, *args, **kw)
+        try:
+            key = (fn, tuple(sorted((name, _spec(v, name in constexprs)) for name, v in kwargs.items())))
+        except TypeError:  # an argument kind we do not classify: torch's own analysis
+            return analysis(kernel, kwargs, tma_descriptor_metadata)
+        if key not in cache:
+            cache[key] = analysis(kernel, kwargs, tma_descriptor_metadata)
+        found = cache[key]
+        return list(found) if isinstance(found, list) else found
+
+    run.te_proto_memoized = True
+    run.cache = cache
+    return run
+
+
+def install() -> None:
+    """Memoize torch's TTIR analysis for this package's kernels (idempotent; a torch without the
+    function is left as it is)."""
+    from torch._higher_order_ops import triton_kernel_wrap
+
+    for name in _ANALYSES:
+        analysis = getattr(triton_kernel_wrap, name, None)
+        if analysis is not None and not getattr(analysis, "te_proto_memoized", False):
+            setattr(triton_kernel_wrap, name, _memoized(analysis))
