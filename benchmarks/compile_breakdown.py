@@ -56,9 +56,12 @@ def first_step(variant: str, args) -> dict:
            "phases_s": {name: sum(ts) for name, ts in compilation_time_metrics.items()}}
     if prof:
         stats = pstats.Stats(prof)
-        rows = [(f"{os.path.basename(f)}:{fn}", ct) for (f, _, fn), (_, _, _, ct, _) in stats.stats.items()
-                if "transformer_engine_proto" in f]
-        res["library_cumulative_s"] = sorted(rows, key=lambda r: -r[1])[:args.top]
+        where = {key: f"{os.path.basename(key[0])}:{key[2]}" for key in stats.stats}
+        library = [(where[k], v[3]) for k, v in stats.stats.items() if "transformer_engine_proto" in k[0]]
+        res["library_cumulative_s"] = sorted(library, key=lambda r: -r[1])[:args.top]
+        res["self_s"] = sorted(((where[k], v[2]) for k, v in stats.stats.items()), key=lambda r: -r[1])[:args.top]
+        res["cumulative_s"] = sorted(((where[k], v[3]) for k, v in stats.stats.items()),
+                                     key=lambda r: -r[1])[:args.top]
     return res
 
 
@@ -122,9 +125,11 @@ def main(argv=None):
     print(C.markdown_table(["phase", *(f"{r['variant']} {r['caches']}" for r in results)],
                            [[k, *(f"{r.get('phases_s', {}).get(k, 0):.1f}" for r in results)] for k in phases]))
     for r in results:
-        if r.get("library_cumulative_s"):
-            print(f"\n### {r['variant']} ({r['caches']}): library functions, cumulative s while compiling\n")
-            print(C.markdown_table(["function", "s"], [[n, f"{s:.1f}"] for n, s in r["library_cumulative_s"]]))
+        for key, what in (("library_cumulative_s", "library functions, cumulative"),
+                          ("cumulative_s", "all functions, cumulative"), ("self_s", "all functions, self")):
+            if r.get(key):
+                print(f"\n### {r['variant']} ({r['caches']}): {what} s while compiling\n")
+                print(C.markdown_table(["function", "s"], [[n, f"{s:.1f}"] for n, s in r[key]]))
     if args.out:
         C.write_json(args.out, "compile_breakdown", dict(args=vars(args), results=results))
     return results
