@@ -34,6 +34,7 @@ def pytest_collection_modifyitems(config, items):
 # TE_PROTO_NATIVE_BLOCK_GEMM) once; tests flip them with the Python setters. After every test each
 # setter is put back to None (follow the environment variable), so no test leaks its choice.
 _SWITCHES = (("transformer_engine_proto.kernels", "set_backend"),
+             ("transformer_engine_proto.kernels", "set_fusible_quantize"),
              ("transformer_engine_proto.kernels.triton.launch", "set_fast_launch"),
              ("transformer_engine_proto.kernels.triton._common", "set_soft_cast"),
              ("transformer_engine_proto.block_scaled_gemm", "set_native_block_gemm"))

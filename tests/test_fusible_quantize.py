@@ -61,6 +61,21 @@ def test_fusible_choice_selects_kernels_and_changes_the_cache_key(fake_fast_back
         kernels.set_fusible_quantize(["amax", "norm_fwd"])
 
 
+def test_none_reads_the_environment_again(monkeypatch):
+    monkeypatch.setenv("TE_PROTO_FUSIBLE_QUANTIZE", "amax, fp8_quantize_current")
+    kernels.set_fusible_quantize(None)
+    assert kernels.fusible_quantize_enabled() == {"amax", "fp8_quantize_current"}
+    monkeypatch.setenv("TE_PROTO_FUSIBLE_QUANTIZE", "1")
+    kernels.set_fusible_quantize(None)
+    assert kernels.fusible_quantize_enabled() == kernels.INDUCTOR_FUSIBLE
+    monkeypatch.setenv("TE_PROTO_FUSIBLE_QUANTIZE", "amx")
+    with pytest.raises(ValueError, match="unknown kernel names.*'amx'"):
+        kernels.set_fusible_quantize(None)
+    monkeypatch.delenv("TE_PROTO_FUSIBLE_QUANTIZE")
+    kernels.set_fusible_quantize(None)
+    assert not kernels.fusible_quantize_enabled()
+
+
 def test_reference_scale_inv_is_the_correctly_rounded_reciprocal():
     """The reference's scale_inv is the IEEE fp32 1 / scale (as eager's reciprocal and the Triton
     kernel give it), computed so that inductor's approximate fp32 division never replaces it."""

@@ -83,10 +83,10 @@ _fusible = _fusible_from_env()
 
 def set_fusible_quantize(setting) -> None:
     """Which kernels of `INDUCTOR_FUSIBLE` inductor traces as the aten reference (fused with their
-    neighbours) instead of our Triton kernel: True (all), False (none) or names such as "amax".
-    Compiles after the call see it."""
+    neighbours) instead of our Triton kernel: True (all), False (none), names such as "amax", or
+    None (`TE_PROTO_FUSIBLE_QUANTIZE` again). Compiles after the call see it."""
     global _fusible
-    _fusible = _fusible_names(setting)
+    _fusible = _fusible_from_env() if setting is None else _fusible_names(setting)
     for callback in ON_FUSIBLE_CHANGE:
         callback()
 
