@@ -8,13 +8,15 @@
 The operations are ordinary modules: each GEMM runs through a `QuantizedGemm` as in `te.Linear`
 (every recipe, delayed-scaling state, quantized weights), autograd makes the backward, and a
 `Sequential` compiles into one graph with torch.compile, where inductor fuses what TE's fuser
-fuses by hand. Not built yet: the collectives (`AllGather`, `AllReduce`, `ReduceScatter`),
-tensor parallelism inside `BasicLinear` / `Linear`, TE's hand-fused operations and the
-`register_*_fusion` hooks, `GroupedLinear`, `L2Normalization`, the scaled / clamped GLU variants,
-and user operations written against TE's `op_forward` / `op_backward` contract.
+fuses by hand. The collectives (`AllGather`, `AllReduce`, `ReduceScatter`) run the package's
+tensor-parallel collective ops. Not built yet: tensor parallelism inside `BasicLinear` /
+`Linear`, TE's hand-fused operations and the `register_*_fusion` hooks, `GroupedLinear`,
+`L2Normalization`, the scaled / clamped GLU variants, and user operations written against TE's
+`op_forward` / `op_backward` contract.
 """
 from . import basic  # noqa: F401
 from .activations import GEGLU, GELU, GLU, QGEGLU, QGELU, ReGLU, ReLU, SiLU, SReGLU, SReLU, SwiGLU  # noqa: F401
+from .collectives import AllGather, AllReduce, ReduceScatter  # noqa: F401
 from .extra_tensors import AddExtraInput, MakeExtraOutput  # noqa: F401
 from .linear import BasicLinear, Bias, Linear  # noqa: F401
 from .norms import LayerNorm, RMSNorm  # noqa: F401
@@ -27,7 +29,6 @@ __all__ = ["Sequential", "Linear", "BasicOperation", "FusedOperation", "FusibleO
 
 # TE names not built yet: an AttributeError that says so, instead of a bare missing attribute
 _NOT_BUILT = {
-    **dict.fromkeys(("AllGather", "AllReduce", "ReduceScatter"), "the collectives"),
     **dict.fromkeys(("register_forward_fusion", "register_backward_fusion", "register_forward_backward_fusion",
                      "fused"), "TE's hand-fused operations (torch.compile fuses a Sequential instead)"),
     **dict.fromkeys(("GroupedLinear", "L2Normalization"), "this operation"),
