@@ -548,3 +548,25 @@ def test_every_argument_is_documented(cls):
     assert own, f"{cls.__name__} has no docstring of its own"
     assert _documented_ok(own, cls), cls.__name__
     assert _documented_ok(cls.forward.__doc__, cls.forward), f"{cls.__name__}.forward"
+
+
+def test_l2_normalization_matches_te_formula_eager_and_compiled():
+    """TE's formula in float32 (forward and its hand-written backward), rounded once."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 64, dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    op = ops.L2Normalization(eps=1e-5, seq_length=3, micro_batch_size=4)
+    xf, dyf = x.float(), dy.float()
+    s = xf.square().sum(-1, keepdim=True) + 1e-5
+    ref_y = (xf * torch.rsqrt(s)).to(x.dtype)
+    ref_dx = torch.rsqrt(s) * (dyf - xf * (xf * dyf).sum(-1, keepdim=True) / s)
+    fresh_dynamo()
+    for model in (ops.Sequential(op), torch.compile(ops.Sequential(op), backend="aot_eager", fullgraph=True)):
+        xx = x.clone().requires_grad_()
+        y = model(xx)
+        y.backward(dy)
+        assert torch.equal(y, ref_y)
+        torch.testing.assert_close(xx.grad.float(), ref_dx, rtol=1e-2, atol=1e-2)  # bf16 gradient
+    assert dict(op.named_parameters()) == {}
+    with pytest.raises(ValueError, match="L2Normalization: eps must be non-negative"):
+        ops.L2Normalization(eps=-1.0)

@@ -11,7 +11,7 @@ The operations are ordinary modules: each GEMM runs through a `QuantizedGemm` as
 fuses by hand. The collectives (`AllGather`, `AllReduce`, `ReduceScatter`) run the package's
 tensor-parallel collective ops. Not built yet: tensor parallelism inside `BasicLinear` /
 `Linear`, TE's hand-fused operations and the `register_*_fusion` hooks, `GroupedLinear`,
-`L2Normalization`, the scaled / clamped GLU variants, and user operations written against TE's
+the scaled / clamped GLU variants, and user operations written against TE's
 `op_forward` / `op_backward` contract.
 """
 from . import basic  # noqa: F401
@@ -19,7 +19,7 @@ from .activations import GEGLU, GELU, GLU, QGEGLU, QGELU, ReGLU, ReLU, SiLU, SRe
 from .collectives import AllGather, AllReduce, ReduceScatter  # noqa: F401
 from .extra_tensors import AddExtraInput, MakeExtraOutput  # noqa: F401
 from .linear import BasicLinear, Bias, Linear  # noqa: F401
-from .norms import LayerNorm, RMSNorm  # noqa: F401
+from .norms import L2Normalization, LayerNorm, RMSNorm  # noqa: F401
 from .op import BasicOperation, FusedOperation, FusibleOperation  # noqa: F401
 from .quantize import Quantize  # noqa: F401
 from .sequential import Sequential  # noqa: F401
@@ -31,7 +31,7 @@ __all__ = ["Sequential", "Linear", "BasicOperation", "FusedOperation", "FusibleO
 _NOT_BUILT = {
     **dict.fromkeys(("register_forward_fusion", "register_backward_fusion", "register_forward_backward_fusion",
                      "fused"), "TE's hand-fused operations (torch.compile fuses a Sequential instead)"),
-    **dict.fromkeys(("GroupedLinear", "L2Normalization"), "this operation"),
+    "GroupedLinear": "this operation",
     **dict.fromkeys(("ClampedSwiGLU", "ScaledSwiGLU", "SiTUGLU", "ScaledSiTUGLU", "ScaledClampedQGeGLU",
                      "ScaledSReLU"), "the scaled / clamped activation variants"),
 }

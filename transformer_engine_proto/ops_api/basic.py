@@ -3,10 +3,10 @@ from .activations import GEGLU, GELU, GLU, QGEGLU, QGELU, ReGLU, ReLU, SiLU, SRe
 from .collectives import AllGather, AllReduce, ReduceScatter  # noqa: F401
 from .extra_tensors import AddExtraInput, MakeExtraOutput  # noqa: F401
 from .linear import BasicLinear, Bias  # noqa: F401
-from .norms import LayerNorm, RMSNorm  # noqa: F401
+from .norms import L2Normalization, LayerNorm, RMSNorm  # noqa: F401
 from .quantize import Quantize  # noqa: F401
 from .shape_ops import ConstantScale, Dropout, Identity, Reshape  # noqa: F401
 
 __all__ = ["AddExtraInput", "AllGather", "AllReduce", "BasicLinear", "Bias", "ConstantScale", "Dropout", "GEGLU",
-           "GELU", "GLU", "Identity", "LayerNorm", "MakeExtraOutput", "QGEGLU", "QGELU", "Quantize", "ReGLU", "ReLU",
-           "RMSNorm", "Reshape", "ReduceScatter", "SiLU", "SReGLU", "SReLU", "SwiGLU"]
+           "GELU", "GLU", "Identity", "L2Normalization", "LayerNorm", "MakeExtraOutput", "QGEGLU", "QGELU",
+           "Quantize", "ReGLU", "ReLU", "RMSNorm", "Reshape", "ReduceScatter", "SiLU", "SReGLU", "SReLU", "SwiGLU"]

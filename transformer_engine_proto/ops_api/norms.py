@@ -1,5 +1,6 @@
 """`LayerNorm` and `RMSNorm` operations on the `te_proto::norm_*` custom ops (as `te.LayerNorm` /
-`te.RMSNorm`: statistics in float32, output in the input's dtype).
+`te.RMSNorm`: statistics in float32, output in the input's dtype), and the parameter-free
+`L2Normalization` in torch operations.
 
 A `normalized_shape` of several dims normalizes over the input's trailing dims together: the op
 flattens them into one, which is the same computation.
@@ -17,7 +18,7 @@ from ..errors import raise_error
 from .linear import param_dtype
 from .op import BasicOperation
 
-__all__ = ["LayerNorm", "RMSNorm"]
+__all__ = ["L2Normalization", "LayerNorm", "RMSNorm"]
 
 
 def _shape(owner: str, normalized_shape) -> tuple:
@@ -137,3 +138,40 @@ class RMSNorm(_NormOp):
                  dtype: Optional[torch.dtype] = None, zero_centered_gamma: bool = False,
                  sm_margin: Union[int, dict] = 0) -> None:
         super().__init__(normalized_shape, eps, device, dtype, zero_centered_gamma, sm_margin, with_bias=False)
+
+
+class L2Normalization(BasicOperation):
+    """y = x / sqrt(sum(x^2) + eps) over the last dim, computed in float32 and rounded once to the
+    input's dtype (TE's `ops.L2Normalization`, used for query / key normalization); no parameters.
+
+    Parameters
+    ----------
+    eps : float, default = 1e-6
+        Added to the sum of squares.
+    seq_length : int, optional
+        TE's size hint for warming up its JIT-fused kernels; no effect here (torch.compile
+        specializes on the shapes it sees).
+    micro_batch_size : int, optional
+        The other half of that hint; no effect here.
+    """
+
+    def __init__(self, *, eps: float = 1e-6, seq_length: Optional[int] = None,
+                 micro_batch_size: Optional[int] = None) -> None:
+        super().__init__()
+        if not eps >= 0:
+            raise ValueError(f"L2Normalization: eps must be non-negative, got {eps!r}")
+        self.eps = float(eps)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (TE's name)
+        """The input scaled to unit L2 norm along its last dim.
+
+        Parameters
+        ----------
+        input : torch.Tensor
+            Any floating-point tensor.
+        """
+        x = input.float()
+        return (x * torch.rsqrt(x.square().sum(-1, keepdim=True) + self.eps)).to(input.dtype)
+
+    def extra_repr(self) -> str:
+        return f"eps={self.eps}"
