@@ -28,6 +28,16 @@ class _Collective(BasicOperation):
         self.process_group_size = dist.get_world_size(process_group)
         self._group_name = _tp.group_name_of(process_group)
 
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (TE's name)
+        """The collective's result on this rank (the input itself in a group of one).
+
+        Parameters
+        ----------
+        input : torch.Tensor
+            This rank's tensor.
+        """
+        return input if self.process_group_size == 1 else self._collective(input)
+
     def extra_repr(self) -> str:
         return f"process_group_size={self.process_group_size}"
 
@@ -40,17 +50,8 @@ class AllGather(_Collective):
     process_group : torch.distributed.ProcessGroup, default = the world group
     """
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (TE's name)
-        """This rank's shard, gathered.
-
-        Parameters
-        ----------
-        input : torch.Tensor
-            This rank's shard (the same shape on every rank).
-        """
-        if self.process_group_size == 1:
-            return input
-        return _tp.all_gather_first_dim(input, self._group_name, self.process_group_size)
+    def _collective(self, x):
+        return _tp.all_gather_first_dim(x, self._group_name, self.process_group_size)
 
 
 class ReduceScatter(_Collective):
@@ -61,20 +62,11 @@ class ReduceScatter(_Collective):
     process_group : torch.distributed.ProcessGroup, default = the world group
     """
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (TE's name)
-        """This rank's chunk of the sum.
-
-        Parameters
-        ----------
-        input : torch.Tensor
-            This rank's addend; dim 0 a multiple of the group's size.
-        """
-        if self.process_group_size == 1:
-            return input
-        if input.dim() == 0 or input.shape[0] % self.process_group_size:
-            raise RuntimeError(f"ReduceScatter: cannot reduce-scatter a tensor of shape {list(input.shape)} over "
+    def _collective(self, x):
+        if x.dim() == 0 or x.shape[0] % self.process_group_size:
+            raise RuntimeError(f"ReduceScatter: cannot reduce-scatter a tensor of shape {list(x.shape)} over "
                                f"{self.process_group_size} processes (dim 0 must be a multiple)")
-        return _tp.reduce_scatter_first_dim(input, self._group_name, self.process_group_size)
+        return _tp.reduce_scatter_first_dim(x, self._group_name, self.process_group_size)
 
 
 class AllReduce(_Collective):
@@ -92,14 +84,5 @@ class AllReduce(_Collective):
         super().__init__(process_group)
         self._reduce_in_backward = reduce_in_backward
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (TE's name)
-        """The sum over the group.
-
-        Parameters
-        ----------
-        input : torch.Tensor
-            This rank's addend (the same shape on every rank).
-        """
-        if self.process_group_size == 1:
-            return input
-        return _tp.all_reduce_sum(input, self._group_name)
+    def _collective(self, x):
+        return _tp.all_reduce_sum(x, self._group_name)
