@@ -55,9 +55,13 @@ _FAMILY_WORDS = (("gemm", ("gemm", "matmul", "cutlass", "xmma", "nvjet", "scaled
 
 def kernel_family(name: str) -> str:
     """GEMM, quantize, norm or other, from a kernel's (or CPU op's) name; the first family whose
-    words it contains."""
+    words it contains. Inductor's own kernels (`triton_...`) are never GEMMs: one named after
+    `_scaled_mm` is the cast fused in front of it."""
     low = name.lower()
+    generated = low.startswith("triton_")
     for family, words in _FAMILY_WORDS:
+        if generated and family == "gemm":
+            continue
         if any(w in low for w in words):
             return family
     return "other"

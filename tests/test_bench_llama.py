@@ -39,7 +39,9 @@ def test_kernel_families_by_name():
              "aten::mm": "gemm", "_cast_transpose_packed_kernel": "quantize", "_amax_kernel": "quantize",
              "triton_red_fused_abs_amax_clamp_0": "quantize", "_rmsnorm_fwd_kernel": "norm",
              "triton_per_fused_mean_mul_pow_rsqrt_1": "norm", "triton_poi_fused_silu_mul_2": "other",
-             "triton_poi_fused__to_copy_clamp_mul_silu_3": "quantize"}
+             "triton_poi_fused__to_copy_clamp_mul_silu_3": "quantize",
+             "triton_poi_fused__scaled_mm__to_copy_clamp_clone_mul_reciprocal_silu_13": "quantize",
+             "triton_poi_fused__log_softmax__scaled_mm_add_arange_clone": "other"}
     assert {n: bench_llama.kernel_family(n) for n in cases} == cases
 
 
