@@ -32,10 +32,7 @@ def _bare_usage(t, rowwise: bool):
     if not isinstance(t, QuantizedTensorStorage):
         return t
     if isinstance(t, torch.Tensor):  # a tensor subclass: its bare storage class over the same buffers
-        bare = next(c for c in type(t).__mro__
-                    if issubclass(c, QuantizedTensorStorage) and not issubclass(c, torch.Tensor))
-        t = bare._bare(t.get_buffers(), t._shape, t._hp_dtype, t._quantizer,
-                       {name: getattr(t, name) for name in bare._META_FIELDS})
+        t = type(t).storage_class._from_buffers(t.get_buffers(), **t.get_metadata())
     return t.only_usage(rowwise)
 
 

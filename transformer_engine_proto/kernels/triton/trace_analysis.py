@@ -17,6 +17,8 @@ import functools
 import sympy
 import torch
 
+from .launch import _arg_class
+
 _ANALYSES = ("identify_mutated_tensors", "identify_accessed_tensors")
 _PACKAGE = __name__.rsplit(".", 1)[0]  # transformer_engine_proto.kernels.triton
 
@@ -49,15 +51,11 @@ def _spec(value, constexpr: bool):
     get_dtype = getattr(value, "get_dtype", None)  # inductor's IR buffers (TensorBox, ...)
     if get_dtype is not None:
         return "tensor", get_dtype()
-    if isinstance(value, bool) or value is None or isinstance(value, (float, str)):
-        return type(value).__name__, value
-    if isinstance(value, int):
-        return "int", value == 1, value % 16 == 0, -2**31 <= value < 2**31
     if isinstance(value, sympy.Expr):  # inductor's sizes
         return _spec(int(value), False) if value.is_Integer else ("symint",)
     if isinstance(value, torch.SymInt):
         return ("symint",)
-    raise TypeError(type(value))
+    return _arg_class(value)  # what the launcher keys a compiled kernel on (TypeError: unclassified)
 
 
 def _memoized(analysis):
