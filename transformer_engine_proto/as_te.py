@@ -48,6 +48,7 @@ ALIASES = {
     "transformer_engine.pytorch.quantization": f"{_PKG}.quantization",
     "transformer_engine.pytorch.fp8": f"{_PKG}.quantization",  # TE's older path for the same names
     "transformer_engine.pytorch.graph": f"{_PKG}.graph",
+    "transformer_engine.pytorch.utils": f"{_PKG}.utils",
     "transformer_engine.pytorch.cpp_extensions": f"{_PKG}.cpp_extensions",
     "transformer_engine.pytorch.ops": f"{_PKG}.ops_api",  # the fusible operations (te.ops)
     "transformer_engine.pytorch.ops.basic": f"{_PKG}.ops_api.basic",
