@@ -54,6 +54,8 @@ def test_epilogues():
 def test_quantized_operands_read_the_usage_each_layout_needs(device):
     """Each layout equals the dequantized product (CUDA: `torch._scaled_mm` on the buffers it reads)."""
     w, x, dy = _mats(device)
+    # Hopper's FP8 tensor cores accumulate with fewer bits than an fp32 matmul: about 0.5% apart
+    fp8_accumulation_tol = {"rtol": 1e-2, "atol": 1e-2} if device == "cuda" else {}
     q = Float8CurrentScalingQuantizer(torch.float8_e4m3fn, device=device)
     wq, xq, dyq = (q.quantize(t) for t in (w, x, dy))  # tensors holding both usages
     for internal in (False, True):
@@ -64,7 +66,8 @@ def test_quantized_operands_read_the_usage_each_layout_needs(device):
                                        q.quantize(w, internal=True).only_usage(True),
                                        out_dtype=torch.float32, trans_b=True))
         dgrad = general_gemm(wq, dyq, out_dtype=torch.float32, layout="NN")[0]
-        torch.testing.assert_close(dgrad, dyq.dequantize(dtype=torch.float32) @ wq.dequantize(dtype=torch.float32))
+        torch.testing.assert_close(dgrad, dyq.dequantize(dtype=torch.float32) @ wq.dequantize(dtype=torch.float32),
+                                   **fp8_accumulation_tol)
         wgrad = general_gemm(xq, dyq, out_dtype=torch.bfloat16, layout="NT")[0]
         assert wgrad.dtype == torch.bfloat16
         ref = dyq.dequantize(dtype=torch.float32).t() @ xq.dequantize(dtype=torch.float32)
