@@ -1,16 +1,19 @@
 """Does FP8 train as well as bf16? A GPT-style model on real text, per recipe and seed.
 
     python benchmarks/convergence.py --out out/ --recipes bf16,current,delayed --seeds 0,1,2
+    python benchmarks/convergence.py --out out/ --recipes bf16,current --seeds 0,1,2 --parallel
+    python benchmarks/convergence.py --out out/ --summarize    # tables and plot from out/'s runs
     python benchmarks/convergence.py --size tiny --steps 20 --out out/   # CPU smoke run
 
-Data: the source of Python's standard library on this machine (no download), as bytes (a
-byte-level vocabulary of 256), in file order; the last `--val-fraction` of the bytes is the
-held-out validation split. Model: token embedding, `te.TransformerLayer` blocks (RMSNorm, SwiGLU,
-causal attention), a final `te.RMSNorm` and a `te.Linear` head, under `torch.compile`. AdamW with
-linear warmup and cosine decay, gradient clipping at 1. Each run writes `<recipe>-seed<k>.json`
-(train / validation losses, step times); the summary (`convergence.md`, `convergence.json`, and
-`convergence.png` with matplotlib) gives each recipe's final validation loss as mean +- std over
-seeds and its difference to bf16 in units of bf16's seed std.
+Data: the source of Python's standard library on this machine (no download, no site-packages), as
+bytes (a byte-level vocabulary of 256); every 20th file is the held-out validation split. Model:
+token embedding, `te.TransformerLayer` blocks (RMSNorm, SwiGLU, causal attention), a final
+`te.RMSNorm` and a `te.Linear` head, under `torch.compile`. AdamW with linear warmup and cosine
+decay, gradient clipping at 1. Each run writes `<recipe>-seed<k>.json` (train / validation
+losses, step times); the summary of every run file in `--out` (`convergence.md`,
+`convergence.json`, and `convergence.png` with matplotlib) gives each recipe's final validation
+loss as mean +- std over seeds, its difference to bf16 in percent and in units of bf16's seed
+std, whether bf16 had flattened, and curves of the loss and of its difference to bf16.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import sysconfig
 import time
@@ -41,17 +45,25 @@ SIZES = {  # hidden, layers, heads, ffn, sequence, batch
 }
 
 
-def stdlib_bytes(limit_mb: float) -> torch.Tensor:
-    """The standard library's .py files, concatenated in sorted path order, as uint8 tokens."""
-    chunks, total = [], 0
-    for path in sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "**", "*.py"), recursive=True)):
+def stdlib_sources(limit_mb: float, val_every: int) -> tuple:
+    """The standard library's .py files (not site-packages) in sorted path order, as uint8 tokens.
+
+    Every `val_every`-th file goes to the validation split, so both splits sample the same mix of
+    modules rather than the validation split being the alphabetically last packages.
+    """
+    train, val, total = [], [], 0
+    root = sysconfig.get_paths()["stdlib"]
+    paths = sorted(p for p in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
+                   if not any(part in ("site-packages", "dist-packages") for part in p.split(os.sep)))
+    for i, path in enumerate(paths):
         with open(path, "rb") as f:
             data = f.read()
-        chunks.append(data)
+        (val if i % val_every == val_every - 1 else train).append(data)
         total += len(data)
         if total >= limit_mb * 2**20:
             break
-    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)
+    as_tokens = lambda chunks: torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8)  # noqa: E731
+    return as_tokens(train), as_tokens(val), {"root": root, "files": i + 1, "bytes": total}
 
 
 class GPT(nn.Module):
@@ -86,7 +98,8 @@ def lr_at(step: int, steps: int, warmup: int, peak: float) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))  # cosine down to 10%
 
 
-def train(recipe_name: str, seed: int, args, train_data, val_data, device) -> dict:
+def train(recipe_name: str, seed: int, args, train_data, val_data, device, save=lambda run: None) -> dict:
+    """One run; `save(run)` after each evaluation keeps a partial record if the run is cut off."""
     hidden, layers, heads, ffn, seq, batch = SIZES[args.size]
     torch.manual_seed(seed)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -125,53 +138,132 @@ def train(recipe_name: str, seed: int, args, train_data, val_data, device) -> di
             with torch.no_grad():
                 val = statistics.fmean(step_loss(x, y).item() for x, y in val_batches)
             out["val"].append((step + 1, val))
+            save(out)
     return out
 
 
+def final_val(run: dict) -> float:
+    return run["val"][-1][1] if run["val"] and "diverged_at" not in run else float("nan")
+
+
 def summarize(runs: list) -> dict:
-    """Final validation loss per recipe (mean, std over seeds) and its distance to bf16's."""
+    """Final validation loss per recipe (mean, std over seeds), its distance to bf16's, and whether
+    bf16 had stopped improving: how much its seed-mean validation loss fell over the last 10% of steps."""
     by_recipe = {}
     for r in runs:
-        by_recipe.setdefault(r["recipe"], []).append(r["val"][-1][1] if r["val"] else float("nan"))
+        by_recipe.setdefault(r["recipe"], []).append(r)
     table = {}
-    for name, finals in by_recipe.items():
+    for name, group in by_recipe.items():
+        finals = [final_val(r) for r in group]
+        times = [t for r in group for t in r["step_ms"][1:]]  # the first step compiles
         table[name] = {"mean": statistics.fmean(finals), "std": statistics.stdev(finals) if len(finals) > 1 else 0.0,
-                       "seeds": len(finals)}
-    base = table.get("bf16") or table.get("none")
+                       "seeds": len(finals), "finals": finals,
+                       "diverged": [r["seed"] for r in group if "diverged_at" in r],
+                       "median_step_ms": statistics.median(times) if times else float("nan"),
+                       "runs_sharing_gpu": max(r.get("runs_sharing_gpu", 1) for r in group)}
+    base = table.get("bf16")
     for row in table.values():
         if base is not None:
             row["diff_to_bf16"] = row["mean"] - base["mean"]
+            row["diff_pct"] = 100 * row["diff_to_bf16"] / base["mean"]
             row["diff_in_bf16_std"] = row["diff_to_bf16"] / base["std"] if base["std"] > 0 else float("nan")
+    if base is not None:
+        curves = mean_curve([r for r in runs if r["recipe"] == "bf16"])
+        before = [v for s, v in curves[:-1] if s <= 0.9 * curves[-1][0]]  # the last evaluation 10% before the end
+        base["last_10pct_change_pct"] = 100 * (before[-1] - curves[-1][1]) / curves[-1][1] if before else float("nan")
     return table
 
 
+def mean_curve(group: list) -> list:
+    """[(step, mean validation loss over the group's seeds)] up to the shortest run's last point."""
+    curves = [r["val"] for r in group if r["val"]]
+    n = min(len(c) for c in curves)
+    return [(curves[0][i][0], statistics.fmean(c[i][1] for c in curves)) for i in range(n)]
+
+
 def write_summary(table: dict, runs: list, out_dir: str, device: torch.device) -> None:
-    rows = []
-    for name, row in table.items():
-        times = [t for r in runs if r["recipe"] == name for t in r["step_ms"][1:]]  # the first compiles
-        rows.append([name, row["seeds"], f"{row['mean']:.4f} +- {row['std']:.4f}",
-                     f"{row.get('diff_to_bf16', float('nan')):+.4f}",
-                     f"{row.get('diff_in_bf16_std', float('nan')):+.2f}",
-                     f"{statistics.median(times):.1f}" if times else "-"])
-    text = C.markdown_table(["recipe", "seeds", "final val loss", "diff to bf16", "in bf16 seed std",
-                             "median step ms"], rows)
+    shared = max(row["runs_sharing_gpu"] for row in table.values())
+    rows = [[name, row["seeds"], f"{row['mean']:.4f} +- {row['std']:.4f}",
+             f"{row.get('diff_to_bf16', float('nan')):+.4f}", f"{row.get('diff_pct', float('nan')):+.2f}%",
+             f"{row.get('diff_in_bf16_std', float('nan')):+.2f}", ",".join(map(str, row["diverged"])) or "none",
+             f"{row['median_step_ms']:.1f}"] for name, row in table.items()]
+    step_header = "median step ms" + (f" ({shared} runs sharing the GPU)" if shared > 1 else "")
+    text = C.markdown_table(["recipe", "seeds", "final val loss", "diff to bf16", "diff %", "in bf16 seed std",
+                             "diverged seeds", step_header], rows)
+    if "bf16" in table:
+        text += (f"\n\nbf16 validation loss over the last 10% of steps fell by "
+                 f"{table['bf16']['last_10pct_change_pct']:.2f}% (flat means under 1%).")
     with open(os.path.join(out_dir, "convergence.md"), "w") as f:
         f.write(text + "\n")
     print(text)
-    C.write_json(out_dir, "convergence", {"table": table, "env": C.environment(device)})
+    C.write_json(out_dir, "convergence", {"table": table, "env": C.environment(device),
+                                          "data": runs[0].get("data") if runs else None})
     plt = C.try_pyplot()
-    if plt is None:
-        return
-    fig, ax = plt.subplots(figsize=(7, 4))
+    if plt is not None:
+        plot(plt, table, runs, out_dir, step_header)
+
+
+def plot(plt, table: dict, runs: list, out_dir: str, step_header: str) -> None:
+    """Validation loss (seed mean, min-max band), its difference to bf16's mean, and step time."""
+    fig, (ax_loss, ax_diff, ax_time) = plt.subplots(1, 3, figsize=(16, 4.5), gridspec_kw={"width_ratios": [3, 3, 2]})
+    base = dict(mean_curve([r for r in runs if r["recipe"] == "bf16"])) if "bf16" in table else None
     for name in table:
-        curves = [r["val"] for r in runs if r["recipe"] == name and r["val"]]
-        n = min(len(c) for c in curves)
-        steps = [s for s, _ in curves[0][:n]]
-        ax.plot(steps, [statistics.fmean(c[i][1] for c in curves) for i in range(n)], label=name)
-    ax.set_xlabel("step")
-    ax.set_ylabel("validation loss (nats per byte)")
-    ax.legend()
+        group = [r for r in runs if r["recipe"] == name and r["val"]]
+        n = min(len(r["val"]) for r in group)
+        steps = [s for s, _ in group[0]["val"][:n]]
+        per_step = [[r["val"][i][1] for r in group] for i in range(n)]
+        mean = [statistics.fmean(v) for v in per_step]
+        line, = ax_loss.plot(steps, mean, label=f"{name} ({len(group)} seeds)")
+        ax_loss.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step], alpha=0.2,
+                             color=line.get_color())
+        if base is not None:
+            keep = [i for i, s in enumerate(steps) if s in base]
+            ax_diff.plot([steps[i] for i in keep], [mean[i] - base[steps[i]] for i in keep], color=line.get_color())
+            ax_diff.fill_between([steps[i] for i in keep], [min(per_step[i]) - base[steps[i]] for i in keep],
+                                 [max(per_step[i]) - base[steps[i]] for i in keep], alpha=0.2, color=line.get_color())
+        ax_time.bar(name, table[name]["median_step_ms"], color=line.get_color())
+    ax_loss.set(xlabel="step", ylabel="validation loss (nats per byte)", title="validation loss")
+    ax_loss.set_ylim(top=min(ax_loss.get_ylim()[1], 2 * min(row["mean"] for row in table.values())))
+    ax_loss.legend()
+    ax_diff.axhline(0.0, color="black", linewidth=0.5)
+    ax_diff.set(xlabel="step", ylabel="minus bf16 seed mean", title="difference to bf16")
+    ax_time.set(ylabel="ms", title=step_header)
+    fig.tight_layout()
     C.save_figure(fig, out_dir, "convergence")
+
+
+def load_runs(out_dir: str) -> list:
+    runs = []
+    for path in sorted(glob.glob(os.path.join(out_dir, "*-seed*.json"))):
+        with open(path) as f:
+            runs.append(json.load(f))
+    return runs
+
+
+def run_one(name: str, seed: int, args, train_data, val_data, data_info, device) -> dict:
+    def save(run):
+        run["data"], run["runs_sharing_gpu"] = data_info, args.sharing
+        path = os.path.join(args.out, f"{name}-seed{seed}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(run, f)
+        os.replace(path + ".tmp", path)  # a reader never sees half a file
+
+    torch._dynamo.reset()
+    run = train(name, seed, args, train_data, val_data, device, save)
+    save(run)
+    print(f"{name} seed {seed}: final val {final_val(run):.4f}", flush=True)
+    return run
+
+
+def launch_parallel(jobs: list, argv: list) -> None:
+    """One process per (recipe, seed), all at once on the same device: compiles overlap on the host
+    and small models fill each other's launch gaps. Step times then measure a shared GPU."""
+    base = [a for a in argv if a != "--parallel"]
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *base, "--recipes", name, "--seeds",
+                               str(seed), "--sharing", str(len(jobs)), "--no-summary"]) for name, seed in jobs]
+    failed = [job for job, proc in zip(jobs, procs) if proc.wait() != 0]
+    if failed:
+        raise SystemExit(f"convergence: runs {failed} exited with an error")
 
 
 def main(argv=None):
@@ -184,27 +276,31 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--val-batches", type=int, default=8)
-    p.add_argument("--val-fraction", type=float, default=0.05)
+    p.add_argument("--val-every-file", type=int, default=20, help="every n-th source file is validation data")
     p.add_argument("--data-mb", type=float, default=64.0)
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="convergence_out")
+    p.add_argument("--parallel", action="store_true", help="one process per run, all sharing the device")
+    p.add_argument("--summarize", action="store_true", help="only rebuild the summary from --out's run files")
+    p.add_argument("--sharing", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--no-summary", dest="summary", action="store_false", help=argparse.SUPPRESS)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     device = torch.device(args.device)
-    data = stdlib_bytes(args.data_mb)
-    split = int(data.numel() * (1 - args.val_fraction))
-    train_data, val_data = data[:split], data[split:]
-    runs = []
-    for name in args.recipes.split(","):
-        for seed in (int(s) for s in args.seeds.split(",")):
-            torch._dynamo.reset()
-            run = train(name, seed, args, train_data, val_data, device)
-            runs.append(run)
-            with open(os.path.join(args.out, f"{name}-seed{seed}.json"), "w") as f:
-                json.dump(run, f)
-            print(f"{name} seed {seed}: final val {run['val'][-1][1] if run['val'] else float('nan'):.4f}", flush=True)
-    write_summary(summarize(runs), runs, args.out, device)
+    jobs = [(name, int(seed)) for name in args.recipes.split(",") for seed in args.seeds.split(",")]
+    if args.parallel:
+        launch_parallel(jobs, [a for a in argv])
+    elif not args.summarize:
+        train_data, val_data, data_info = stdlib_sources(args.data_mb, args.val_every_file)
+        for name, seed in jobs:
+            run_one(name, seed, args, train_data, val_data, data_info, device)
+    if not args.summary:
+        return []
+    runs = load_runs(args.out)
+    if runs:
+        write_summary(summarize(runs), runs, args.out, device)
     return runs
 
 
