@@ -3,6 +3,7 @@
     python benchmarks/convergence.py --out out/ --recipes bf16,current,delayed --seeds 0,1,2
     python benchmarks/convergence.py --out out/ --recipes bf16,current --seeds 0,1,2 --parallel
     python benchmarks/convergence.py --out out/ --summarize    # tables and plot from out/'s runs
+    python benchmarks/convergence.py --recipes current+bf16head  # the output projection not in FP8
     python benchmarks/convergence.py --size tiny --steps 20 --out out/   # CPU smoke run
 
 Data: the source of Python's standard library on this machine (no download, no site-packages), as
@@ -18,6 +19,7 @@ std, whether bf16 had flattened, and curves of the loss and of its difference to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import math
@@ -67,8 +69,9 @@ def stdlib_sources(limit_mb: float, val_every: int) -> tuple:
 
 
 class GPT(nn.Module):
-    def __init__(self, hidden, layers, heads, ffn, device):
+    def __init__(self, hidden, layers, heads, ffn, device, fp8_head=True):
         super().__init__()
+        self.fp8_head = fp8_head  # False: the output projection stays in high precision under autocast
         self.embed = nn.Embedding(256, hidden, device=device)
         self.blocks = nn.ModuleList(
             te.TransformerLayer(hidden, ffn, heads, hidden_dropout=0.0, attention_dropout=0.0,
@@ -82,7 +85,8 @@ class GPT(nn.Module):
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x))
+        with contextlib.nullcontext() if self.fp8_head else te.autocast(enabled=False):
+            return self.head(self.norm(x))
 
 
 def batches(data: torch.Tensor, seq: int, batch: int, generator: torch.Generator, device):
@@ -103,7 +107,7 @@ def train(recipe_name: str, seed: int, args, train_data, val_data, device, save=
     hidden, layers, heads, ffn, seq, batch = SIZES[args.size]
     torch.manual_seed(seed)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = GPT(hidden, layers, heads, ffn, device).to(dtype)
+    model = GPT(hidden, layers, heads, ffn, device, fp8_head="+bf16head" not in recipe_name).to(dtype)
     compiled = torch.compile(model) if args.compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     recipe = C.make_recipe(recipe_name)
