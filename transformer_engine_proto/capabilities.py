@@ -11,8 +11,8 @@ from typing import Tuple, Union
 
 import torch
 
-__all__ = ["get_device_compute_capability", "is_bf16_available", "is_fp8_available", "is_mxfp8_available",
-           "is_fp8_block_scaling_available", "is_nvfp4_available"]
+__all__ = ["default_device", "get_device_compute_capability", "is_bf16_available", "is_fp8_available",
+           "is_mxfp8_available", "is_fp8_block_scaling_available", "is_nvfp4_available"]
 
 _CPU = "CPU: runs on the pure-torch reference kernels (float32 emulation of the GEMMs)"
 
@@ -22,6 +22,20 @@ def get_device_compute_capability() -> Tuple[int, int]:
     if not torch.cuda.is_available():
         return (0, 0)
     return tuple(torch.cuda.get_device_capability())
+
+
+def default_device(device=None) -> torch.device:
+    """Where a module creates its parameters when not told: TE's default, CUDA, when there is one.
+
+    An explicit `device` wins; so does a default device the user set (`torch.set_default_device`,
+    `with torch.device("meta"):` for deferred init). Otherwise CUDA if available, else the CPU.
+    """
+    if device is not None:
+        return torch.device(device)
+    current = torch.get_default_device()
+    if current.type != "cpu" or not torch.cuda.is_available():
+        return current
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _answer(ok: bool, reason: str, return_reason: bool) -> Union[bool, Tuple[bool, str]]:

@@ -36,6 +36,7 @@ from torch import nn
 
 from .. import kernels
 from ..autocast import get_fp8_recipe
+from ..capabilities import default_device
 from ..errors import raise_error, shape_str
 from .base import TransformerEngineBaseModule
 from .fp8_state import FP8StateCheckpoint
@@ -146,7 +147,8 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
     params_dtype : torch.dtype, default = None
         dtype of the parameters; None is `torch.get_default_dtype()`.
     device : torch.device or str, default = None
-        Where the parameters are created; None is torch's default device (TE's default is "cuda").
+        Where the parameters are created; None: CUDA when available, as in TE
+        (a default device the user set wins), else the CPU.
     init_method : Callable, default = None
         Called as `init_method(weight)` on each expert's weight. None is `nn.Linear`'s
         Kaiming-uniform init (TE's: a normal with std 0.023).
@@ -206,7 +208,7 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
         self.fuse_wgrad_accumulation, self.save_original_input = fuse_wgrad_accumulation, save_original_input
         # None: torch._grouped_mm wherever it applies (high precision); False: always the expert loop
         self.use_grouped_tensor = use_grouped_tensor
-        dtype = params_dtype or torch.get_default_dtype()
+        dtype, device = params_dtype or torch.get_default_dtype(), default_device(device)
         for i in range(num_gemms):
             w = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
             _init_weight(w, init_method)

@@ -53,7 +53,8 @@ class LayerNormLinear(ParallelLinearMixin, NormFusedModule):
     params_dtype : torch.dtype, default = None
         dtype of all parameters; None is `torch.get_default_dtype()`.
     device : torch.device or str, default = None
-        Where the parameters are created; None is torch's default device (TE's default is "cuda").
+        Where the parameters are created; None: CUDA when available, as in TE
+        (a default device the user set wins), else the CPU.
     init_method : Callable, default = None
         Called as `init_method(weight)` on the GEMM weight. None is `nn.Linear`'s Kaiming-uniform
         init (TE's: a normal with std 0.023). The norm starts at gamma = 1 (0 when zero-centered),

@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..capabilities import default_device
 from ..distributed import tp as _tp
 from .linear import _init_weight
 from .normalization import NormFusedModule, NormParams
@@ -83,7 +84,8 @@ class LayerNormMLP(NormFusedModule):
     params_dtype : torch.dtype, default = None
         dtype of all parameters; None is `torch.get_default_dtype()`.
     device : torch.device or str, default = None
-        Where the parameters are created; None is torch's default device (TE's default is "cuda").
+        Where the parameters are created; None: CUDA when available, as in TE
+        (a default device the user set wins), else the CPU.
     init_method : Callable, default = None
         Called as `init_method(weight)` on fc1's weight (and fc2's without
         `output_layer_init_method`). None is `nn.Linear`'s Kaiming-uniform init (TE's: a normal
@@ -140,6 +142,7 @@ class LayerNormMLP(NormFusedModule):
         self.sequence_parallel = bool(sequence_parallel) and self.tp_size > 1
         ffn_local = ffn_hidden_size // self.tp_size
         fc1_out = ffn_local * ACTIVATIONS[activation][1]
+        device = default_device(device)
         self.norm = NormParams(hidden_size, normalization, eps, zero_centered_gamma, dtype, device)
         self.fc1_weight = nn.Parameter(torch.empty(fc1_out, hidden_size, dtype=dtype, device=device))
         self.fc2_weight = nn.Parameter(torch.empty(hidden_size, ffn_local, dtype=dtype, device=device))

@@ -7,6 +7,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from ..capabilities import default_device
 from ..distributed import tp as _tp
 from .base import TransformerEngineBaseModule
 from .fp8_state import FP8StateCheckpoint
@@ -33,6 +34,7 @@ def init_parallel_linear(module, in_features, out_features, bias, tp_group, tp_s
     module.sequence_parallel = bool(sequence_parallel) and module.tp_size > 1
     local_out = out_features // module.tp_size if parallel_mode == "column" else out_features
     module._local_in = in_features // module.tp_size if parallel_mode == "row" else in_features
+    device = default_device(device)
     module.weight = nn.Parameter(torch.empty(local_out, module._local_in, dtype=dtype, device=device))
     _init_weight(module.weight, init_method)
     module.bias = nn.Parameter(torch.zeros(local_out, dtype=dtype, device=device)) if bias else None
@@ -86,7 +88,8 @@ class Linear(FP8StateCheckpoint, ParallelLinearMixin, TransformerEngineBaseModul
     params_dtype : torch.dtype, default = None
         dtype of the weight and bias; None is `torch.get_default_dtype()`.
     device : torch.device or str, default = None
-        Where the parameters are created; None is torch's default device (TE's default is "cuda").
+        Where the parameters are created; None: CUDA when available, as in TE
+        (a default device the user set wins), else the CPU.
     init_method : Callable, default = None
         Called as `init_method(weight)`. None is `nn.Linear`'s Kaiming-uniform init (TE's: a
         normal with std 0.023).

@@ -107,7 +107,8 @@ class MultiheadAttention(TransformerEngineBaseModule):
     normalization : {"LayerNorm", "RMSNorm"}, default = "LayerNorm"
         The input norm (with `input_layernorm`).
     device : torch.device or str, default = None
-        Where the parameters are created; None is torch's default device (TE's default is "cuda").
+        Where the parameters are created; None: CUDA when available, as in TE
+        (a default device the user set wins), else the CPU.
     qkv_format : {"sbhd", "bshd", "thd"}, default = "sbhd"
         Layout of `hidden_states` (above).
     name : str, default = None

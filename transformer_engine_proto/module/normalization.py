@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ..autocast import get_fp8_recipe_key
+from ..capabilities import default_device
 from ..custom_ops.norm import NORMALIZATIONS, norm, norm_quantize
 from ..distributed import tp as _tp
 from .base import TransformerEngineBaseModule
@@ -22,7 +23,7 @@ def init_norm_parameters(module: nn.Module, hidden_size: int, normalization: str
     if normalization not in NORMALIZATIONS:
         raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
     module.normalization, module.eps, module.zero_centered_gamma = normalization, eps, zero_centered_gamma
-    init = torch.zeros if zero_centered_gamma else torch.ones
+    init, device = torch.zeros if zero_centered_gamma else torch.ones, default_device(device)
     module.weight = nn.Parameter(init(hidden_size, dtype=dtype, device=device))
     module.bias = (nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
                    if normalization == "LayerNorm" else None)
@@ -129,7 +130,8 @@ class LayerNorm(_Norm):
     params_dtype : torch.dtype, default = None
         dtype of the parameters; None is `torch.get_default_dtype()`.
     device : torch.device or str, default = None
-        Where the parameters are created; None is torch's default device (TE's default is "cuda").
+        Where the parameters are created; None: CUDA when available, as in TE
+        (a default device the user set wins), else the CPU.
     name : str, default = None
         The layer's name in the debug tools' configs; None gives `layernorm_<n>`.
 
@@ -155,7 +157,8 @@ class RMSNorm(_Norm):
     params_dtype : torch.dtype, default = None
         dtype of the parameters; None is `torch.get_default_dtype()`.
     device : torch.device or str, default = None
-        Where the parameters are created; None is torch's default device (TE's default is "cuda").
+        Where the parameters are created; None: CUDA when available, as in TE
+        (a default device the user set wins), else the CPU.
     name : str, default = None
         The layer's name in the debug tools' configs; None gives `rmsnorm_<n>`.
 

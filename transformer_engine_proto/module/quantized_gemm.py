@@ -20,6 +20,7 @@ from ..autocast import (
     in_activation_recompute_phase,
     in_training_autocast,
 )
+from ..capabilities import default_device
 from ..custom_ops import linear_ops
 from ..custom_ops.delayed_scaling import DEFAULT_HISTORY_LEN, DelayedScalingState
 from ..custom_ops.recipe_key import RecipeKey
@@ -40,7 +41,7 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
 
     def __init__(self, device=None):
         super().__init__()
-        self._register_delayed_state(device)
+        self._register_delayed_state(default_device(device))
         self._cache_names = []
         self._cache_for = None  # (recipe key, weight shape, dtype) the cache was allocated for
         self.uses_weight_cache = False  # set by the first is_first_microbatch call (eager)

@@ -13,6 +13,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..capabilities import default_device
+
 __all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb", "token_positions"]
 
 
@@ -34,7 +36,8 @@ class RotaryPositionEmbedding(nn.Module):
         self.dim, self.rotary_base, self.interleaved = dim, rotary_base, interleaved
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
         self.pretrained_max_position_embeddings = pretrained_max_position_embeddings
-        inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+        positions = torch.arange(0, dim, 2, dtype=torch.float32, device=default_device(device))
+        inv_freq = 1.0 / (rotary_base ** (positions / dim))
         self.register_buffer("inv_freq", inv_freq)
 
     def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:

@@ -90,7 +90,8 @@ class TransformerLayer(TransformerEngineBaseModule):
     params_dtype : torch.dtype, default = None
         dtype of the parameters; None is `torch.get_default_dtype()`.
     device : torch.device or str, default = None
-        Where the parameters are created; None is torch's default device (TE's default is "cuda").
+        Where the parameters are created; None: CUDA when available, as in TE
+        (a default device the user set wins), else the CPU.
     fuse_wgrad_accumulation : bool, default = False
         Weight gradients into `main_grad`, as `Linear`'s, for every GEMM.
     name : str, default = None

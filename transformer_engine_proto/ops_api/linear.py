@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..capabilities import default_device
 from ..errors import raise_error
 from ..module.base import TransformerEngineBaseModule
 from ..module.fp8_state import FP8StateCheckpoint
@@ -67,7 +68,8 @@ class BasicLinear(FP8StateCheckpoint, TransformerEngineBaseModule, BasicOperatio
     out_features : int
         Size of the output's last dimension.
     device : torch.device or str, default = None
-        Where the weight is created; None is torch's default device (TE's default is CUDA).
+        Where the weight is created; None: CUDA when available, as in TE
+        (a default device the user set wins), else the CPU.
     dtype : torch.dtype, default = None
         The weight's dtype (float32, float16 or bfloat16); None is `torch.get_default_dtype()`.
     tensor_parallel_mode : {None, "column", "row"}, default = None
@@ -102,7 +104,7 @@ class BasicLinear(FP8StateCheckpoint, TransformerEngineBaseModule, BasicOperatio
         self.in_features, self.out_features = in_features, out_features
         self.accumulate_into_main_grad = bool(accumulate_into_main_grad)
         self._rng_state_tracker_function = rng_state_tracker_function
-        dtype = param_dtype(owner, dtype)
+        dtype, device = param_dtype(owner, dtype), default_device(device)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.reset_parameters()
         self.gemm = QuantizedGemm(device)
@@ -149,7 +151,8 @@ class Bias(BasicOperation):
     size : int
         Size of the input's last dimension; the bias `bias` [size] starts at zero.
     device : torch.device or str, default = None
-        Where the bias is created; None is torch's default device (TE's default is CUDA).
+        Where the bias is created; None: CUDA when available, as in TE
+        (a default device the user set wins), else the CPU.
     dtype : torch.dtype, default = None
         The bias's dtype; None is `torch.get_default_dtype()`.
     tensor_parallel : bool, default = False
@@ -165,7 +168,7 @@ class Bias(BasicOperation):
             raise ValueError(f"Bias: size must be a positive int, got {size!r}")
         check_no_tensor_parallelism("Bias", "column" if tensor_parallel else None, tensor_parallel_group, False)
         self.local_size = size
-        self.bias = nn.Parameter(torch.zeros(size, device=device, dtype=param_dtype("Bias", dtype)))
+        self.bias = nn.Parameter(torch.zeros(size, device=default_device(device), dtype=param_dtype("Bias", dtype)))
 
     def reset_parameters(self) -> None:
         """Zero bias."""
@@ -203,7 +206,8 @@ class Linear(FusedOperation):
     bias : bool, default = True
         Learn an additive bias, initialized to zero.
     device : torch.device or str, default = None
-        Where the parameters are created; None is torch's default device (TE's default is CUDA).
+        Where the parameters are created; None: CUDA when available, as in TE
+        (a default device the user set wins), else the CPU.
     dtype : torch.dtype, default = None
         The parameters' dtype (float32, float16 or bfloat16); None is `torch.get_default_dtype()`.
     tensor_parallel_mode : {None, "column", "row"}, default = None

@@ -13,6 +13,7 @@ from typing import Iterable, Optional, Union
 import torch
 from torch import nn
 
+from ..capabilities import default_device
 from ..custom_ops.norm import norm
 from ..errors import raise_error
 from .linear import param_dtype
@@ -48,7 +49,7 @@ class _NormOp(BasicOperation):
         if not eps >= 0:
             raise ValueError(f"{owner}: eps must be non-negative, got {eps!r}")
         self.eps, self.zero_centered_gamma = float(eps), bool(zero_centered_gamma)
-        dtype = param_dtype(owner, dtype)
+        dtype, device = param_dtype(owner, dtype), default_device(device)
         self.weight = nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
         self.bias = (nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
                      if with_bias else None)
@@ -95,7 +96,8 @@ class LayerNorm(_NormOp):
     eps : float, default = 1e-5
         Added to the variance for numerical stability.
     device : torch.device or str, default = None
-        Where the parameters are created; None is torch's default device (TE's default is CUDA).
+        Where the parameters are created; None: CUDA when available, as in TE
+        (a default device the user set wins), else the CPU.
     dtype : torch.dtype, default = None
         The parameters' dtype; None is `torch.get_default_dtype()`.
     zero_centered_gamma : bool, default = False
@@ -123,7 +125,8 @@ class RMSNorm(_NormOp):
     eps : float, default = 1e-5
         Added to the mean square for numerical stability.
     device : torch.device or str, default = None
-        Where the parameter is created; None is torch's default device (TE's default is CUDA).
+        Where the parameter is created; None: CUDA when available, as in TE
+        (a default device the user set wins), else the CPU.
     dtype : torch.dtype, default = None
         The parameter's dtype; None is `torch.get_default_dtype()`.
     zero_centered_gamma : bool, default = False
