@@ -71,7 +71,10 @@ def test_quantized_operands_read_the_usage_each_layout_needs(device):
         wgrad = general_gemm(xq, dyq, out_dtype=torch.bfloat16, layout="NT")[0]
         assert wgrad.dtype == torch.bfloat16
         ref = dyq.dequantize(dtype=torch.float32).t() @ xq.dequantize(dtype=torch.float32)
-        torch.testing.assert_close(wgrad, ref.to(torch.bfloat16))
+        if device == "cuda":  # the accumulation difference can move a value across a bf16 rounding step
+            torch.testing.assert_close(wgrad.float(), ref, **fp8_accumulation_tol)
+        else:
+            torch.testing.assert_close(wgrad, ref.to(torch.bfloat16))
     rowwise_only = Float8CurrentScalingQuantizer(torch.float8_e4m3fn, device=device, columnwise_usage=False)
     with pytest.raises(ValueError, match="holds no columnwise buffers"):
         general_gemm(rowwise_only.quantize(w, internal=True), dyq, layout="NN")
