@@ -36,6 +36,7 @@ for _p in (_HERE, os.path.dirname(_HERE)):
         sys.path.insert(0, _p)
 
 import _common as C  # noqa: E402
+import gemm_sensitivity as gemm_sensitivity_lib  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -143,7 +144,21 @@ def train(recipe_name: str, seed: int, args, train_data, val_data, device, save=
                 val = statistics.fmean(step_loss(x, y).item() for x, y in val_batches)
             out["val"].append((step + 1, val))
             save(out)
+    if recipe_name == "bf16" and args.gemm_sensitivity:
+        out["gemm_sensitivity"] = gemm_sensitivity(model, val_batches, loss_fn, args.gemm_sensitivity.split(","))
     return out
+
+
+def gemm_sensitivity(model, val_batches, loss_fn, recipe_names) -> dict:
+    """gemm_sensitivity.py on the trained bf16 model, eager, for each named recipe."""
+    def loss_of(m):
+        return statistics.fmean(loss_fn(m(x).float().reshape(-1, 256), y.reshape(-1)).item() for x, y in val_batches)
+
+    results = {}
+    for name in recipe_names:
+        results[name] = gemm_sensitivity_lib.sensitivity(model, loss_of, C.make_recipe(name), model.head)
+        print(gemm_sensitivity_lib.markdown(results[name], name), flush=True)
+    return results
 
 
 def final_val(run: dict) -> float:
@@ -190,8 +205,9 @@ def write_summary(table: dict, runs: list, out_dir: str, device: torch.device) -
     rows = [[name, row["seeds"], f"{row['mean']:.4f} +- {row['std']:.4f}",
              f"{row.get('diff_to_bf16', float('nan')):+.4f}", f"{row.get('diff_pct', float('nan')):+.2f}%",
              f"{row.get('diff_in_bf16_std', float('nan')):+.2f}", ",".join(map(str, row["diverged"])) or "none",
-             f"{row['median_step_ms']:.1f}"] for name, row in table.items()]
-    step_header = "median step ms" + (f" ({shared} runs sharing the GPU)" if shared > 1 else "")
+             f"{row['median_step_ms']:.1f}" + (f" ({row['runs_sharing_gpu']})" if shared > 1 else "")]
+            for name, row in table.items()]
+    step_header = "median step ms" + (" (runs sharing the GPU)" if shared > 1 else "")
     text = C.markdown_table(["recipe", "seeds", "final val loss", "diff to bf16", "diff %", "in bf16 seed std",
                              "diverged seeds", step_header], rows)
     if "bf16" in table:
@@ -200,8 +216,9 @@ def write_summary(table: dict, runs: list, out_dir: str, device: torch.device) -
     with open(os.path.join(out_dir, "convergence.md"), "w") as f:
         f.write(text + "\n")
     print(text)
-    C.write_json(out_dir, "convergence", {"table": table, "env": C.environment(device),
-                                          "data": runs[0].get("data") if runs else None})
+    envs = {json.dumps({k: v for k, v in r["env"].items() if k != "time"}, sort_keys=True) for r in runs if "env" in r}
+    C.write_json(out_dir, "convergence", {"table": table, "data": runs[0].get("data"),
+                                          "env": [json.loads(e) for e in sorted(envs)] or C.environment(device)})
     plt = C.try_pyplot()
     if plt is not None:
         plot(plt, table, runs, out_dir, step_header)
@@ -225,13 +242,16 @@ def plot(plt, table: dict, runs: list, out_dir: str, step_header: str) -> None:
             ax_diff.plot([steps[i] for i in keep], [mean[i] - base[steps[i]] for i in keep], color=line.get_color())
             ax_diff.fill_between([steps[i] for i in keep], [min(per_step[i]) - base[steps[i]] for i in keep],
                                  [max(per_step[i]) - base[steps[i]] for i in keep], alpha=0.2, color=line.get_color())
-        ax_time.bar(name, table[name]["median_step_ms"], color=line.get_color())
+        bar = ax_time.bar(name, table[name]["median_step_ms"], color=line.get_color())
+        if table[name]["runs_sharing_gpu"] > 1:
+            ax_time.bar_label(bar, labels=[f"{table[name]['runs_sharing_gpu']} sharing"], fontsize=7)
     ax_loss.set(xlabel="step", ylabel="validation loss (nats per byte)", title="validation loss")
     ax_loss.set_ylim(top=min(ax_loss.get_ylim()[1], 2 * min(row["mean"] for row in table.values())))
     ax_loss.legend()
     ax_diff.axhline(0.0, color="black", linewidth=0.5)
     ax_diff.set(xlabel="step", ylabel="minus bf16 seed mean", title="difference to bf16")
     ax_time.set(ylabel="ms", title=step_header)
+    plt.setp(ax_time.get_xticklabels(), rotation=30, ha="right")
     fig.tight_layout()
     C.save_figure(fig, out_dir, "convergence")
 
@@ -245,8 +265,10 @@ def load_runs(out_dir: str) -> list:
 
 
 def run_one(name: str, seed: int, args, train_data, val_data, data_info, device) -> dict:
+    env = C.environment(device)
+
     def save(run):
-        run["data"], run["runs_sharing_gpu"] = data_info, args.sharing
+        run["data"], run["runs_sharing_gpu"], run["env"] = data_info, args.sharing, env
         path = os.path.join(args.out, f"{name}-seed{seed}.json")
         with open(path + ".tmp", "w") as f:
             json.dump(run, f)
@@ -255,6 +277,10 @@ def run_one(name: str, seed: int, args, train_data, val_data, data_info, device)
     torch._dynamo.reset()
     run = train(name, seed, args, train_data, val_data, device, save)
     save(run)
+    if run.get("gemm_sensitivity"):
+        tables = [gemm_sensitivity_lib.markdown(r, recipe) for recipe, r in run["gemm_sensitivity"].items()]
+        with open(os.path.join(args.out, f"gemm_sensitivity-seed{seed}.md"), "w") as f:
+            f.write("\n\n".join(tables) + "\n")
     print(f"{name} seed {seed}: final val {final_val(run):.4f}", flush=True)
     return run
 
@@ -286,6 +312,8 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="convergence_out")
     p.add_argument("--parallel", action="store_true", help="one process per run, all sharing the device")
+    p.add_argument("--gemm-sensitivity", default="", help="recipes whose per-GEMM loss sensitivity is measured on "
+                   "each trained bf16 model (benchmarks/gemm_sensitivity.py)")
     p.add_argument("--summarize", action="store_true", help="only rebuild the summary from --out's run files")
     p.add_argument("--sharing", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--no-summary", dest="summary", action="store_false", help=argparse.SUPPRESS)

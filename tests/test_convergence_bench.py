@@ -19,7 +19,13 @@ def test_splits_hold_out_whole_files():
 def test_tiny_run_learns_and_reports(tmp_path):
     runs = convergence.main(["--size", "tiny", "--steps", "30", "--warmup", "5", "--lr", "3e-3", "--eval-every",
                              "15", "--val-batches", "2", "--data-mb", "1", "--recipes", "bf16", "--seeds", "0,1",
-                             "--no-compile", "--device", "cpu", "--out", str(tmp_path)])
+                             "--no-compile", "--device", "cpu", "--out", str(tmp_path),
+                             "--gemm-sensitivity", "current"])
+    found = runs[0]["gemm_sensitivity"]["current"]
+    assert found["baseline"] == runs[0]["val"][-1][1]  # measuring leaves the high-precision model as it was
+    assert len(found["modules"]) == 2 * 3 + 1  # per layer qkv, proj, mlp; and the head
+    assert found["all"] != found["baseline"] and all(r["out_rel_err"] > 0 for r in found["modules"])
+    assert "only `head`" in (tmp_path / "gemm_sensitivity-seed0.md").read_text()
     runs = convergence.main(["--size", "tiny", "--steps", "30", "--warmup", "5", "--lr", "3e-3", "--eval-every",
                              "15", "--val-batches", "2", "--data-mb", "1", "--recipes", "current", "--seeds", "0",
                              "--no-compile", "--device", "cpu", "--out", str(tmp_path)])
