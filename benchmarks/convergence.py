@@ -218,7 +218,8 @@ def write_summary(table: dict, runs: list, out_dir: str, device: torch.device) -
     print(text)
     envs = {json.dumps({k: v for k, v in r["env"].items() if k != "time"}, sort_keys=True) for r in runs if "env" in r}
     C.write_json(out_dir, "convergence", {"table": table, "data": runs[0].get("data"),
-                                          "env": [json.loads(e) for e in sorted(envs)] or C.environment(device)})
+                                          "runs_env": [json.loads(e) for e in sorted(envs)],
+                                          "summarized_on": C.environment(device)})
     plt = C.try_pyplot()
     if plt is not None:
         plot(plt, table, runs, out_dir, step_header)
