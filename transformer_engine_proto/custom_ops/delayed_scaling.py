@@ -10,14 +10,18 @@ stay that module's.
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from typing import Callable, List, Sequence
 
 import torch
 
 from .. import recipe as R
-from ..kernels.reference.common import FP8_MAX, true_div
+from ..kernels import kernel
+from ..kernels.reference.common import FP8_MAX
+from ..kernels.reference.delayed_scaling import fold_pending_grad_amax as _fold
+from ..kernels.reference.delayed_scaling import keep_finite as _keep_finite
+from ..kernels.reference.delayed_scaling import roll_history as _roll
+from ..kernels.reference.delayed_scaling import scale_from_history_amax
 from .saved_state import saved_state
 
 __all__ = ["DelayedScalingState", "DEFAULT_HISTORY_LEN", "record_grad_amax", "fold_pending_grad_amax"]
@@ -80,8 +84,18 @@ class DelayedScalingState:
 
     # ---- in-graph: the step's update and amax records ------------------------------------------
     def update_scales(self, recipe: R.DelayedScaling) -> None:
-        """Fold the pending gradient amax into its history, then new scales from both histories."""
+        """Fold the pending gradient amax into its history, then new scales from both histories.
+
+        Eager, with TE's built-in rules: the `delayed_scaling_update` kernel (one launch on CUDA).
+        Under torch.compile, or with the recipe's own functions: the same rules as graph ops."""
         fwd_max, bwd_max = FP8_MAX[recipe.fp8_format.fwd_dtype], FP8_MAX[recipe.fp8_format.bwd_dtype]
+        builtin = recipe.scaling_factor_compute_algo is None and recipe.amax_compute_algo in ("max", "most_recent")
+        if builtin and not torch.compiler.is_compiling():
+            kernel("delayed_scaling_update", self.fp8_scale.device)(
+                self.fp8_scale, self.amax_history, self.grad_fp8_scale, self.grad_amax_history,
+                self.grad_amax_pending, self.grad_amax_seen, self.nonfinite_amax_count, recipe.amax_history_len,
+                recipe.amax_compute_algo == "most_recent", fwd_max, bwd_max, recipe.margin)
+            return
         _update_from_history(self.fp8_scale, self.amax_history, recipe, fwd_max)
         slot = self.grad_amax_history[0]
         before = slot.clone()
@@ -161,10 +175,7 @@ def record_grad_amax(state: Sequence[torch.Tensor], amax: torch.Tensor) -> None:
 
 def fold_pending_grad_amax(history: torch.Tensor, state: Sequence[torch.Tensor]) -> None:
     """Forward's half: move an amax recorded since the last fold into history slot 0."""
-    pending, seen = state
-    new = pending[1:2] != seen
-    history[0].copy_(torch.where(new, torch.maximum(history[0], pending[0:1]), history[0]))
-    seen.copy_(pending[1:2])
+    _fold(history, *state)
 
 
 # ---- the rules -------------------------------------------------------------------------------
@@ -180,30 +191,9 @@ def _update_from_history(scale, amax_history, recipe: R.DelayedScaling, fp8_max:
         scale.copy_(saved_state(new.to(scale.dtype).expand_as(scale)))
         _roll(history)
         return
-    # the correctly rounded quotient, as TE; then the margin as an exact power-of-two product (the
-    # same bits as TE's division by 2**margin, and no fp32 division for inductor to approximate)
-    new = true_div(fp8_max, amax)
-    if recipe.margin:
-        new = new * (2.0 ** -recipe.margin)
-    # kept where amax <= 0, amax is inf/NaN or new is not finite; where amax is positive and
-    # finite, new lies in [0, inf], so `new < inf` is its finiteness test
-    ok = (amax > 0) & (amax < math.inf) & (new < math.inf)
-    scale.copy_(saved_state(torch.where(ok, new, scale)))  # backward reads this step's scale
+    new = scale_from_history_amax(scale, amax, fp8_max, recipe.margin)
+    scale.copy_(saved_state(new))  # backward reads this step's scale
     _roll(history)
-
-
-def _roll(history: torch.Tensor) -> None:
-    history.copy_(torch.roll(history, -1, 0))
-    history[0].zero_()
-
-
-def _keep_finite(slot: torch.Tensor, new: torch.Tensor, fallback: torch.Tensor, count: torch.Tensor) -> None:
-    """slot = new where new is finite, else fallback, and count += 1 there. An inf/NaN amax never
-    enters the history: one would make `max` of the history non-finite, and the scale would stay
-    frozen (silently) until it rolled out, amax_history_len steps later. In-graph, no host sync."""
-    ok = new.abs() < math.inf  # isfinite in two elementwise ops: NaN and +-inf compare False
-    slot.copy_(torch.where(ok, new, fallback))
-    count.add_((~ok).to(count.dtype))
 
 
 def _longer(history: torch.Tensor, rows: int) -> torch.Tensor:

@@ -1,0 +1,72 @@
+"""Delayed scaling's per-step update of one GEMM's state: the rules, and the whole update as a kernel.
+
+The rules are TE's: the new scale is `fp8_max / amax` (amax: the max or the most recent of the
+history) times 2**-margin, kept where the amax is 0 or non-finite; the history then rolls so slot
+0 is free for the step's amax. The gradient's amax, recorded by the previous backward, is folded
+into its history first, and an inf/NaN one is counted, not kept. `custom_ops/delayed_scaling.py`
+runs these rules in-graph under torch.compile; eager runs `delayed_scaling_update`, one launch
+per GEMM on CUDA (kernels/triton/delayed_scaling.py) instead of about forty small ops.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import register_kernel
+from .common import true_div
+
+
+def scale_from_history_amax(scale: torch.Tensor, amax: torch.Tensor, fp8_max: float, margin: int) -> torch.Tensor:
+    """TE's default scaling factor: the correctly rounded `fp8_max / amax`, then the margin as an
+    exact power-of-two product (the bits of TE's division by 2**margin, no fp32 division for
+    inductor to approximate); the old scale where amax <= 0, amax is inf/NaN or the quotient is
+    not finite (where amax is positive and finite the quotient lies in [0, inf])."""
+    new = true_div(fp8_max, amax)
+    if margin:
+        new = new * (2.0 ** -margin)
+    ok = (amax > 0) & (amax < math.inf) & (new < math.inf)
+    return torch.where(ok, new, scale)
+
+
+def roll_history(history: torch.Tensor) -> None:
+    """TE's roll: row i takes row i + 1 (the first row goes last), then row 0 is zeroed."""
+    history.copy_(torch.roll(history, -1, 0))
+    history[0].zero_()
+
+
+def keep_finite(slot: torch.Tensor, new: torch.Tensor, fallback: torch.Tensor, count: torch.Tensor) -> None:
+    """slot = new where new is finite, else fallback, and count += 1 there. An inf/NaN amax never
+    enters the history: one would make `max` of the history non-finite, and the scale would stay
+    frozen (silently) until it rolled out, amax_history_len steps later. In-graph, no host sync."""
+    ok = new.abs() < math.inf  # isfinite in two elementwise ops: NaN and +-inf compare False
+    slot.copy_(torch.where(ok, new, fallback))
+    count.add_((~ok).to(count.dtype))
+
+
+def fold_pending_grad_amax(history: torch.Tensor, pending: torch.Tensor, seen: torch.Tensor) -> None:
+    """Move the gradient amax backward recorded since the last fold (`pending`: [amax, generation];
+    new when its generation differs from `seen`) into history slot 0; an inf/NaN one is counted by
+    the caller's `keep_finite`."""
+    new = pending[1:2] != seen
+    history[0].copy_(torch.where(new, torch.maximum(history[0], pending[0:1]), history[0]))
+    seen.copy_(pending[1:2])
+
+
+@register_kernel("delayed_scaling_update")
+def delayed_scaling_update(fp8_scale: torch.Tensor, amax_history: torch.Tensor, grad_fp8_scale: torch.Tensor,
+                           grad_amax_history: torch.Tensor, grad_amax_pending: torch.Tensor,
+                           grad_amax_seen: torch.Tensor, nonfinite_count: torch.Tensor, history_len: int,
+                           most_recent: bool, fwd_max: float, bwd_max: float, margin: int) -> None:
+    """A step's update of one GEMM's state, in place: fold the pending gradient amax (an inf/NaN
+    one counted in `nonfinite_count[2]` and left out), then new forward (input, weight) and
+    gradient scales from the first `history_len` rows of their histories, then roll both."""
+    slot = grad_amax_history[0]
+    before = slot.clone()
+    fold_pending_grad_amax(grad_amax_history, grad_amax_pending, grad_amax_seen)
+    keep_finite(slot, slot, before, nonfinite_count[2:3])
+    for scale, history, fp8_max in ((fp8_scale, amax_history, fwd_max), (grad_fp8_scale, grad_amax_history, bwd_max)):
+        history = history[:history_len]
+        amax = history[0] if most_recent else history.amax(0)
+        scale.copy_(scale_from_history_amax(scale, amax, fp8_max, margin))
+        roll_history(history)
