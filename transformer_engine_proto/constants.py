@@ -9,7 +9,7 @@ import enum
 
 import torch
 
-__all__ = ["DType", "TE_DType", "as_torch_dtype"]
+__all__ = ["DType", "TE_DType", "as_torch_dtype", "FP8TensorMeta"]
 
 
 class DType(enum.IntEnum):
@@ -65,3 +65,14 @@ def as_torch_dtype(dtype):
     if isinstance(dtype, DType):
         return dtype.torch_dtype
     return dtype
+
+
+class FP8TensorMeta:
+    """TE's `tex.FP8TensorMeta`: one pass's delayed-scaling `scale`, `scale_inv` and `amax_history`
+    (a module's `fp8_meta["scaling_fwd"]` / `["scaling_bwd"]` are these)."""
+
+    def __init__(self, scale=None, scale_inv=None, amax_history=None):
+        self.scale, self.scale_inv, self.amax_history = scale, scale_inv, amax_history
+
+    def __repr__(self) -> str:
+        return f"FP8TensorMeta(scale={self.scale}, scale_inv={self.scale_inv}, amax_history={self.amax_history})"

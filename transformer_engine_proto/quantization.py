@@ -7,6 +7,8 @@ the TE-shaped view of it, plus the parameter-creation state that `quantized_mode
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -16,9 +18,11 @@ from . import autocast as _autocast
 from . import recipe as R
 from .autocast import autocast, fp8_autocast  # noqa: F401  (TE's module path for them)
 from .capabilities import is_fp8_available, is_fp8_block_scaling_available, is_mxfp8_available, is_nvfp4_available  # noqa: F401
+from .kernels.reference.common import true_div
 from .recipe import QuantizerRole
 
-__all__ = ["FP8GlobalStateManager", "RecipeState", "QuantizerRole", "quantized_model_init", "fp8_model_init",
+__all__ = ["FP8GlobalStateManager", "RecipeState", "NVFP4BlockScalingRecipeState", "QuantizerRole",
+           "quantized_model_init", "fp8_model_init",
            "get_default_recipe", "autocast", "fp8_autocast", "is_fp8_available", "is_mxfp8_available",
            "is_fp8_block_scaling_available", "is_nvfp4_available"]
 
@@ -127,6 +131,11 @@ class FP8GlobalStateManager:
         _autocast.FP8GlobalState.state = _autocast._State()
         _PARAM_INIT = _ParamInit()
 
+    @staticmethod
+    def get_meta_tensor_key(forward: bool = True) -> str:
+        """The key of a module's `fp8_meta` that holds one pass's delayed-scaling state."""
+        return "scaling_fwd" if forward else "scaling_bwd"
+
     # TE's spelling: (available, reason) tuples
     is_fp8_available = _with_reason(is_fp8_available)
     is_mxfp8_available = _with_reason(is_mxfp8_available)
@@ -175,6 +184,7 @@ class RecipeState:
         return default[slot % len(default)]
 
     def make_quantizers(self) -> list:
+        from .tensor.nvfp4 import NVFP4Quantizer
         from .tensor.recipe_quantizers import quantizers_for_recipe
 
         by_role = quantizers_for_recipe(self.recipe)
@@ -183,5 +193,45 @@ class RecipeState:
             q = getattr(by_role, self._ROLE[self.tensor_type(slot)])
             if q is not None and q.has_scale_state():  # bind this slot's delayed-scaling state
                 q = q.with_scale_state(self.scale[slot:slot + 1], self.amax_history[0, slot:slot + 1])
+            if self.mode == "backward" and isinstance(q, NVFP4Quantizer) and q.row_scaled_nvfp4:
+                q = dataclasses.replace(q, row_scaled_nvfp4=False)  # row scaling is for forward activations
             out.append(q)
         return out
+
+
+class NVFP4BlockScalingRecipeState(RecipeState):
+    """TE's `RecipeState` for an `NVFP4BlockScaling` recipe (stateless: only its quantizers)."""
+
+    def __init__(self, recipe: R.NVFP4BlockScaling, *, mode: str, num_quantizers: int = 1, device=None,
+                 roles: Optional[List[QuantizerRole]] = None):
+        if not isinstance(recipe, R.NVFP4BlockScaling):
+            raise TypeError("NVFP4BlockScalingRecipeState needs an NVFP4BlockScaling recipe, "
+                            f"got {type(recipe).__name__}")
+        super().__init__(recipe, mode=mode, num_quantizers=num_quantizers, device=device, roles=roles)
+
+
+def _default_sf_compute(amax: torch.Tensor, scale: torch.Tensor, fp8_max: float, margin: int) -> torch.Tensor:
+    """TE's default amax -> scale rule as this package's modules apply it: `scale` takes
+    fp8_max / amax * 2**-margin in place, kept where amax is 0 or inf/NaN or the quotient
+    overflows; returned too, for a recipe's `scaling_factor_compute_algo` that wraps it."""
+    new = true_div(fp8_max, amax) * (2.0 ** -margin)
+    ok = (amax > 0) & (amax < math.inf) & (new < math.inf)
+    scale.copy_(torch.where(ok, new, scale))
+    return scale
+
+
+def _amax_and_scale_update(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float,
+                           recipe: R.DelayedScaling) -> None:
+    """One delayed-scaling step on TE-layout state, in place: the scale from the history by the
+    recipe (`amax_compute_algo`, `margin` or `scaling_factor_compute_algo`), then the history
+    rolls (row i takes row i + 1) and row 0 is zeroed for the next amax."""
+    history = amax_history[: recipe.amax_history_len]
+    algo = recipe.amax_compute_algo
+    amax = history.amax(0) if algo == "max" else history[0] if algo == "most_recent" else algo(history)
+    if recipe.scaling_factor_compute_algo is not None:
+        new = recipe.scaling_factor_compute_algo(amax, scale, fp8_max, recipe)
+        scale.copy_(new.to(scale.dtype).expand_as(scale))
+    else:
+        _default_sf_compute(amax, scale, fp8_max, recipe.margin)
+    history.copy_(torch.roll(history, -1, 0))
+    history[0].zero_()

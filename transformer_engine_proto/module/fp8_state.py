@@ -13,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 import io
 import pickle
-from types import SimpleNamespace
 
 import torch
 
 from .. import recipe as R
+from ..constants import FP8TensorMeta
 
 __all__ = ["FP8StateCheckpoint"]
 
@@ -37,8 +37,8 @@ class FP8StateCheckpoint:
         meta = {"recipe": self._last_recipe, "num_gemms": len(self.gemm_weights())}
         for way in ("fwd", "bwd"):
             scale = state[f"scale_{way}"]
-            meta[f"scaling_{way}"] = SimpleNamespace(scale=scale, scale_inv=1.0 / scale,
-                                                    amax_history=state[f"amax_history_{way}"])
+            meta[f"scaling_{way}"] = FP8TensorMeta(scale=scale, scale_inv=1.0 / scale,
+                                                   amax_history=state[f"amax_history_{way}"])
         return meta
 
     def _te_fp8_state(self) -> dict:

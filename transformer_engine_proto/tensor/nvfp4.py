@@ -54,17 +54,26 @@ class NVFP4TensorStorage(QuantizedTensorStorage):
         ("_amax_columnwise", "amax_columnwise"),
     )
     # The layout settings dequantize/relayout need, kept even without a quantizer.
-    _META_FIELDS = ("with_2d_quantization", "with_rht", "rht_seed", "row_scaled_nvfp4", "nvfp4_e4m3_max")
+    # (`nvfp4_use_4over6` only records how the values were chosen: dequantize does not need it)
+    _META_FIELDS = ("with_2d_quantization", "with_rht", "rht_seed", "row_scaled_nvfp4", "nvfp4_e4m3_max",
+                    "nvfp4_use_4over6")
     _LOGICAL_SHAPE_BUFFERS = ()
     # Defaults of the fields added with TE's encoding options: tensors pickled, and constructor
     # calls written, before them still load and build (as plain NVFP4).
     row_scaled_nvfp4 = False
     nvfp4_e4m3_max = 448
+    nvfp4_use_4over6 = False
 
     def __init__(self, **kwargs):
         kwargs.setdefault("row_scaled_nvfp4", False)
         kwargs.setdefault("nvfp4_e4m3_max", 448)
+        kwargs.setdefault("nvfp4_use_4over6", False)
         super().__init__(**kwargs)
+
+    # TE's attribute names for the encoding options (TE code and tests read these)
+    _row_scaled_nvfp4 = property(lambda self: self.row_scaled_nvfp4)
+    _nvfp4_use_4over6 = property(lambda self: self.nvfp4_use_4over6)
+    _nvfp4_e4m3_max = property(lambda self: self.nvfp4_e4m3_max)
 
     _fp4_dtype = DType.kFloat4E2M1  # TE's attribute
 
@@ -327,7 +336,7 @@ class NVFP4Quantizer(Quantizer):
     def metadata(self):
         return {"with_2d_quantization": self.with_2d_quantization, "with_rht": self.with_rht,
                 "rht_seed": self.rht_seed, "row_scaled_nvfp4": self.row_scaled_nvfp4,
-                "nvfp4_e4m3_max": self.nvfp4_e4m3_max}
+                "nvfp4_e4m3_max": self.nvfp4_e4m3_max, "nvfp4_use_4over6": self.nvfp4_use_4over6}
 
     def check_shape(self, shape) -> None:
         m, k = flat_2d(shape)
