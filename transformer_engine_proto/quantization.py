@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -18,7 +17,7 @@ from . import autocast as _autocast
 from . import recipe as R
 from .autocast import autocast, fp8_autocast  # noqa: F401  (TE's module path for them)
 from .capabilities import is_fp8_available, is_fp8_block_scaling_available, is_mxfp8_available, is_nvfp4_available  # noqa: F401
-from .kernels.reference.common import true_div
+from .kernels.reference.delayed_scaling import history_amax, roll_history, scale_from_history_amax
 from .recipe import QuantizerRole
 
 __all__ = ["FP8GlobalStateManager", "RecipeState", "NVFP4BlockScalingRecipeState", "QuantizerRole",
@@ -214,9 +213,7 @@ def _default_sf_compute(amax: torch.Tensor, scale: torch.Tensor, fp8_max: float,
     """TE's default amax -> scale rule as this package's modules apply it: `scale` takes
     fp8_max / amax * 2**-margin in place, kept where amax is 0 or inf/NaN or the quotient
     overflows; returned too, for a recipe's `scaling_factor_compute_algo` that wraps it."""
-    new = true_div(fp8_max, amax) * (2.0 ** -margin)
-    ok = (amax > 0) & (amax < math.inf) & (new < math.inf)
-    scale.copy_(torch.where(ok, new, scale))
+    scale.copy_(scale_from_history_amax(scale, amax, fp8_max, margin))
     return scale
 
 
@@ -226,12 +223,10 @@ def _amax_and_scale_update(amax_history: torch.Tensor, scale: torch.Tensor, fp8_
     recipe (`amax_compute_algo`, `margin` or `scaling_factor_compute_algo`), then the history
     rolls (row i takes row i + 1) and row 0 is zeroed for the next amax."""
     history = amax_history[: recipe.amax_history_len]
-    algo = recipe.amax_compute_algo
-    amax = history.amax(0) if algo == "max" else history[0] if algo == "most_recent" else algo(history)
+    amax = history_amax(history, recipe.amax_compute_algo)
     if recipe.scaling_factor_compute_algo is not None:
         new = recipe.scaling_factor_compute_algo(amax, scale, fp8_max, recipe)
         scale.copy_(new.to(scale.dtype).expand_as(scale))
     else:
         _default_sf_compute(amax, scale, fp8_max, recipe.margin)
-    history.copy_(torch.roll(history, -1, 0))
-    history[0].zero_()
+    roll_history(history)

@@ -19,9 +19,9 @@ from .. import recipe as R
 from ..kernels import kernel
 from ..kernels.reference.common import FP8_MAX
 from ..kernels.reference.delayed_scaling import fold_pending_grad_amax as _fold
+from ..kernels.reference.delayed_scaling import history_amax, scale_from_history_amax
 from ..kernels.reference.delayed_scaling import keep_finite as _keep_finite
 from ..kernels.reference.delayed_scaling import roll_history as _roll
-from ..kernels.reference.delayed_scaling import scale_from_history_amax
 from .saved_state import saved_state
 
 __all__ = ["DelayedScalingState", "DEFAULT_HISTORY_LEN", "record_grad_amax", "fold_pending_grad_amax"]
@@ -86,8 +86,8 @@ class DelayedScalingState:
     def update_scales(self, recipe: R.DelayedScaling) -> None:
         """Fold the pending gradient amax into its history, then new scales from both histories.
 
-        Eager, with TE's built-in rules: the `delayed_scaling_update` kernel (one launch on CUDA).
-        Under torch.compile, or with the recipe's own functions: the same rules as graph ops."""
+        Eager, with TE's built-in rules: the `delayed_scaling_update` kernel. Under torch.compile,
+        or with the recipe's own functions: the same rules as graph ops."""
         fwd_max, bwd_max = FP8_MAX[recipe.fp8_format.fwd_dtype], FP8_MAX[recipe.fp8_format.bwd_dtype]
         builtin = recipe.scaling_factor_compute_algo is None and recipe.amax_compute_algo in ("max", "most_recent")
         if builtin and not torch.compiler.is_compiling():
@@ -184,8 +184,7 @@ def _update_from_history(scale, amax_history, recipe: R.DelayedScaling, fp8_max:
     history, kept where that amax is 0 or non-finite, or the recipe's own scaling function; then
     roll the history so slot 0 is free for this step's amax."""
     history = amax_history[: recipe.amax_history_len]
-    algo = recipe.amax_compute_algo
-    amax = history.amax(0) if algo == "max" else history[0] if algo == "most_recent" else algo(history)
+    amax = history_amax(history, recipe.amax_compute_algo)
     if recipe.scaling_factor_compute_algo is not None:
         new = recipe.scaling_factor_compute_algo(amax, scale, fp8_max, recipe)
         scale.copy_(saved_state(new.to(scale.dtype).expand_as(scale)))

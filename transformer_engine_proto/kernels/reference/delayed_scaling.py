@@ -4,8 +4,9 @@ The rules are TE's: the new scale is `fp8_max / amax` (amax: the max or the most
 history) times 2**-margin, kept where the amax is 0 or non-finite; the history then rolls so slot
 0 is free for the step's amax. The gradient's amax, recorded by the previous backward, is folded
 into its history first, and an inf/NaN one is counted, not kept. `custom_ops/delayed_scaling.py`
-runs these rules in-graph under torch.compile; eager runs `delayed_scaling_update`, one launch
-per GEMM on CUDA (kernels/triton/delayed_scaling.py) instead of about forty small ops.
+runs these rules in-graph under torch.compile; eager calls the whole update as the kernel
+`delayed_scaling_update`, the entry a one-launch backend registers under (today every device
+runs this reference: about forty small ops per GEMM and step).
 """
 from __future__ import annotations
 
@@ -15,6 +16,12 @@ import torch
 
 from .. import register_kernel
 from .common import true_div
+
+
+def history_amax(history: torch.Tensor, algo) -> torch.Tensor:
+    """The amax a scale is computed from: the max over the history's rows, its most recent row
+    (row 0), or the recipe's callable of the history."""
+    return history.amax(0) if algo == "max" else history[0] if algo == "most_recent" else algo(history)
 
 
 def scale_from_history_amax(scale: torch.Tensor, amax: torch.Tensor, fp8_max: float, margin: int) -> torch.Tensor:
@@ -67,6 +74,6 @@ def delayed_scaling_update(fp8_scale: torch.Tensor, amax_history: torch.Tensor, 
     keep_finite(slot, slot, before, nonfinite_count[2:3])
     for scale, history, fp8_max in ((fp8_scale, amax_history, fwd_max), (grad_fp8_scale, grad_amax_history, bwd_max)):
         history = history[:history_len]
-        amax = history[0] if most_recent else history.amax(0)
+        amax = history_amax(history, "most_recent" if most_recent else "max")
         scale.copy_(scale_from_history_amax(scale, amax, fp8_max, margin))
         roll_history(history)
