@@ -65,6 +65,47 @@ ACTIVATIONS = {
 }
 
 
+def _clamped_swiglu(t, limit=7.0, alpha=1.702, offset=1.0):
+    """GPT-OSS's activation written out (its halves are TE's: gates first)."""
+    gate, linear = t.chunk(2, -1)
+    bound = torch.tensor(limit, dtype=t.dtype)
+    gate, linear = torch.minimum(gate, bound), torch.maximum(torch.minimum(linear, bound), -bound)
+    return gate * torch.sigmoid(alpha * gate) * (linear + offset)
+
+
+def _situglu(t, beta1=4.0, beta2=25.0):
+    a, b = t.chunk(2, -1)
+    return beta1 * torch.tanh(a / beta1) * torch.sigmoid(a) * (beta2 * torch.tanh(b / beta2))
+
+
+ACTIVATIONS.update(ClampedSwiGLU=_clamped_swiglu, SiTUGLU=_situglu)
+
+
+@pytest.mark.parametrize("name,kwargs,ref", [
+    ("ClampedSwiGLU", dict(limit=2.0, alpha=1.0, glu_linear_offset=0.0),
+     lambda t: _clamped_swiglu(t, 2.0, 1.0, 0.0)),
+    ("SiTUGLU", dict(beta1=1.5, beta2=3.0), lambda t: _situglu(t, 1.5, 3.0)),
+])
+def test_glu_variants_take_their_parameters(name, kwargs, ref):
+    """Inputs well past the clamp / soft cap: the parameters shape the output and its gradient (the
+    clamped region passes none), in eager and fullgraph compiled alike."""
+    torch.manual_seed(0)
+    x = (_x(4, 16, dtype=torch.float64) * 4).float()
+    op = getattr(ops, name)(**kwargs)
+    out, grads = _fwd_bwd(op, x.detach().requires_grad_())
+    ref_out, ref_grads = _fwd_bwd(ref, x.double().detach().requires_grad_())
+    _close(out, ref_out.float())
+    _close(grads[0], ref_grads[0].float())
+    assert not torch.allclose(out, getattr(ops, name)()(x))  # the defaults differ from these parameters
+    if name == "ClampedSwiGLU":
+        assert (grads[0][:, 8:][x[:, 8:].abs() > 2.0] == 0).all()  # clamped linear half: no gradient
+    compiled = torch.compile(op, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x), op(x))
+    blocks = ops.Sequential(getattr(ops, name)(glu_interleave_size=4, **kwargs))
+    interleaved = torch.stack([x[:, :8].reshape(4, 2, 4), x[:, 8:].reshape(4, 2, 4)], dim=2).reshape(4, 16)
+    _close(blocks(interleaved), ref_out.float())
+
+
 @pytest.mark.parametrize("name", list(ACTIVATIONS))
 def test_activation_matches_torch(name):
     torch.manual_seed(0)
@@ -490,6 +531,8 @@ def test_bad_arguments_give_clear_errors():
         (ValueError, "sm_margin", lambda: ops.LayerNorm(8, sm_margin=-1)),
         (ValueError, "even last dim", lambda: ops.SwiGLU()(torch.randn(4, 7))),
         (ValueError, "glu_interleave_size", lambda: ops.SwiGLU(glu_interleave_size=0)),
+        (ValueError, "ClampedSwiGLU: limit must be finite and positive", lambda: ops.ClampedSwiGLU(limit=0.0)),
+        (ValueError, "SiTUGLU: beta2 must be finite and positive", lambda: ops.SiTUGLU(beta2=float("inf"))),
         (NotImplementedError, "cache_quantized_input", lambda: ops.GELU(cache_quantized_input=True)),
         (ValueError, "probability", lambda: ops.Dropout(1.5)),
         (ValueError, "at most one -1", lambda: ops.Reshape((-1, -1))),

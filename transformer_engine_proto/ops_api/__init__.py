@@ -11,11 +11,25 @@ The operations are ordinary modules: each GEMM runs through a `QuantizedGemm` as
 fuses by hand. The collectives (`AllGather`, `AllReduce`, `ReduceScatter`) run the package's
 tensor-parallel collective ops. Not built yet: tensor parallelism inside `BasicLinear` /
 `Linear`, TE's hand-fused operations and the `register_*_fusion` hooks, `GroupedLinear`,
-the scaled / clamped GLU variants, and user operations written against TE's
+the scaled GLU variants (per-row scales as an extra input), and user operations written against TE's
 `op_forward` / `op_backward` contract.
 """
 from . import basic  # noqa: F401
-from .activations import GEGLU, GELU, GLU, QGEGLU, QGELU, ReGLU, ReLU, SiLU, SReGLU, SReLU, SwiGLU  # noqa: F401
+from .activations import (  # noqa: F401
+    GEGLU,
+    GELU,
+    GLU,
+    QGEGLU,
+    QGELU,
+    ClampedSwiGLU,
+    ReGLU,
+    ReLU,
+    SiLU,
+    SiTUGLU,
+    SReGLU,
+    SReLU,
+    SwiGLU,
+)
 from .collectives import AllGather, AllReduce, ReduceScatter  # noqa: F401
 from .extra_tensors import AddExtraInput, MakeExtraOutput  # noqa: F401
 from .linear import BasicLinear, Bias, Linear  # noqa: F401
@@ -32,8 +46,8 @@ _NOT_BUILT = {
     **dict.fromkeys(("register_forward_fusion", "register_backward_fusion", "register_forward_backward_fusion",
                      "fused"), "TE's hand-fused operations (torch.compile fuses a Sequential instead)"),
     "GroupedLinear": "this operation",
-    **dict.fromkeys(("ClampedSwiGLU", "ScaledSwiGLU", "SiTUGLU", "ScaledSiTUGLU", "ScaledClampedQGeGLU",
-                     "ScaledSReLU"), "the scaled / clamped activation variants"),
+    **dict.fromkeys(("ScaledSwiGLU", "ScaledSiTUGLU", "ScaledClampedQGeGLU", "ScaledSReLU"),
+                    "the scaled activation variants, which take per-row scales as an extra input"),
 }
 
 

@@ -1,5 +1,6 @@
 """Activation operations with TE's definitions: element-wise `GELU` (tanh approximation), `QGELU`,
-`ReLU`, `SReLU`, `SiLU`, and the gated `GLU`, `GEGLU`, `QGEGLU`, `ReGLU`, `SReGLU`, `SwiGLU`.
+`ReLU`, `SReLU`, `SiLU`, and the gated `GLU`, `GEGLU`, `QGEGLU`, `ReGLU`, `SReGLU`, `SwiGLU`, with
+SwiGLU's clamped (GPT-OSS) and soft-capped (Kimi K3) forms `ClampedSwiGLU` and `SiTUGLU`.
 
 A gated op splits its input's last dim into halves (a, b) and returns act(a) * b: TE gates the
 first half, where `torch.nn.functional.glu` gates the second. Each op computes in float32 and
@@ -7,6 +8,7 @@ rounds once to the input's dtype, as TE's kernels do; autograd derives the backw
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import torch
@@ -15,7 +17,8 @@ import torch.nn.functional as F
 from ..errors import raise_error
 from .op import BasicOperation
 
-__all__ = ["GELU", "GEGLU", "GLU", "QGELU", "QGEGLU", "ReLU", "ReGLU", "SReLU", "SReGLU", "SiLU", "SwiGLU"]
+__all__ = ["ClampedSwiGLU", "GELU", "GEGLU", "GLU", "QGELU", "QGEGLU", "ReLU", "ReGLU", "SReLU", "SReGLU", "SiLU",
+           "SiTUGLU", "SwiGLU"]
 
 
 def _gelu(x):
@@ -62,7 +65,11 @@ class _Activation(BasicOperation):
         if input.dim() < 1 or input.shape[-1] % 2:
             raise_error(ValueError, f"{type(self).__name__}: a gated activation needs an even last dim")
         a, b = self._gate_layout(x).chunk(2, dim=-1)
-        return (type(self)._FN(a) * b).to(input.dtype)
+        return self._glu(a, b).to(input.dtype)
+
+    def _glu(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """The gated op on float32 halves: act(a) * b."""
+        return type(self)._FN(a) * b
 
 
 _ARGS_DOC = """
@@ -113,7 +120,8 @@ class SwiGLU(_Activation):
     def __init__(self, *, cache_quantized_input: bool = False, glu_interleave_size: Optional[int] = None) -> None:
         super().__init__(cache_quantized_input=cache_quantized_input)
         if glu_interleave_size is not None and (not isinstance(glu_interleave_size, int) or glu_interleave_size <= 0):
-            raise ValueError(f"SwiGLU: glu_interleave_size must be a positive int or None, got {glu_interleave_size!r}")
+            raise ValueError(f"{type(self).__name__}: glu_interleave_size must be a positive int or None, "
+                             f"got {glu_interleave_size!r}")
         self.glu_interleave_size = glu_interleave_size
 
     def _gate_layout(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,6 +130,69 @@ class SwiGLU(_Activation):
             return x
         n = x.shape[-1]
         if n % (2 * s):
-            raise_error(ValueError, f"SwiGLU: the last dim must be a multiple of 2 * glu_interleave_size ({2 * s})")
+            raise_error(ValueError, f"{type(self).__name__}: the last dim must be a multiple of 2 * "
+                                    f"glu_interleave_size ({2 * s})")
         blocks = x.reshape(*x.shape[:-1], n // (2 * s), 2, s)
         return blocks.transpose(-3, -2).reshape(x.shape)
+
+
+def _positive(owner: str, name: str, value: float) -> float:
+    value = float(value)
+    if not math.isfinite(value) or value <= 0.0:
+        raise ValueError(f"{owner}: {name} must be finite and positive, got {value!r}")
+    return value
+
+
+class ClampedSwiGLU(SwiGLU):
+    """GPT-OSS's SwiGLU, TE's `ops.ClampedSwiGLU`: min(a, limit) * sigmoid(alpha * min(a, limit)) *
+    (clamp(b, -limit, limit) + glu_linear_offset) for input halves (a, b). The halves are TE's
+    (gates first), not GPT-OSS's interleaved pairs; `glu_interleave_size` gives blocks.
+
+    Parameters
+    ----------
+    limit : float, default = 7.0
+        Clamp of the gate from above and of the linear half on both sides.
+    alpha : float, default = 1.702
+        Slope inside the gate's sigmoid.
+    glu_linear_offset : float, default = 1.0
+        Added to the clamped linear half (0 disables it).
+    cache_quantized_input : bool, default = False
+        TE's FP8 copy of the input saved for backward: True is a `NotImplementedError`.
+    glu_interleave_size : int, default = None
+        TE's block-interleaved layout, as in `SwiGLU`.
+    """
+
+    def __init__(self, *, limit: float = 7.0, alpha: float = 1.702, glu_linear_offset: float = 1.0,
+                 cache_quantized_input: bool = False, glu_interleave_size: Optional[int] = None) -> None:
+        super().__init__(cache_quantized_input=cache_quantized_input, glu_interleave_size=glu_interleave_size)
+        self.limit = _positive("ClampedSwiGLU", "limit", limit)
+        self.alpha, self.glu_linear_offset = float(alpha), float(glu_linear_offset)
+
+    def _glu(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a = a.clamp(max=self.limit)
+        return a * torch.sigmoid(self.alpha * a) * (b.clamp(-self.limit, self.limit) + self.glu_linear_offset)
+
+
+class SiTUGLU(SwiGLU):
+    """Kimi K3's soft-capped SiLU GLU, TE's `ops.SiTUGLU`: beta1 tanh(a / beta1) sigmoid(a) *
+    beta2 tanh(b / beta2) for input halves (a, b).
+
+    Parameters
+    ----------
+    beta1 : float, default = 4.0
+        Soft cap of the gate (finite, positive).
+    beta2 : float, default = 25.0
+        Soft cap of the linear half (finite, positive).
+    cache_quantized_input : bool, default = False
+        TE's FP8 copy of the input saved for backward: True is a `NotImplementedError`.
+    glu_interleave_size : int, default = None
+        TE's block-interleaved layout, as in `SwiGLU`.
+    """
+
+    def __init__(self, *, beta1: float = 4.0, beta2: float = 25.0, cache_quantized_input: bool = False,
+                 glu_interleave_size: Optional[int] = None) -> None:
+        super().__init__(cache_quantized_input=cache_quantized_input, glu_interleave_size=glu_interleave_size)
+        self.beta1, self.beta2 = _positive("SiTUGLU", "beta1", beta1), _positive("SiTUGLU", "beta2", beta2)
+
+    def _glu(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.beta1 * torch.tanh(a / self.beta1) * torch.sigmoid(a) * (self.beta2 * torch.tanh(b / self.beta2))

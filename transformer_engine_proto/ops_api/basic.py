@@ -1,5 +1,19 @@
 """The basic (single-step) operations, under TE's module name `ops.basic`."""
-from .activations import GEGLU, GELU, GLU, QGEGLU, QGELU, ReGLU, ReLU, SiLU, SReGLU, SReLU, SwiGLU  # noqa: F401
+from .activations import (  # noqa: F401
+                          GEGLU,
+                          GELU,
+                          GLU,
+                          QGEGLU,
+                          QGELU,
+                          ClampedSwiGLU,
+                          ReGLU,
+                          ReLU,
+                          SiLU,
+                          SiTUGLU,
+                          SReGLU,
+                          SReLU,
+                          SwiGLU,
+)
 from .collectives import AllGather, AllReduce, ReduceScatter  # noqa: F401
 from .extra_tensors import AddExtraInput, MakeExtraOutput  # noqa: F401
 from .linear import BasicLinear, Bias  # noqa: F401
@@ -7,6 +21,7 @@ from .norms import L2Normalization, LayerNorm, RMSNorm  # noqa: F401
 from .quantize import Quantize  # noqa: F401
 from .shape_ops import ConstantScale, Dropout, Identity, Reshape  # noqa: F401
 
-__all__ = ["AddExtraInput", "AllGather", "AllReduce", "BasicLinear", "Bias", "ConstantScale", "Dropout", "GEGLU",
-           "GELU", "GLU", "Identity", "L2Normalization", "LayerNorm", "MakeExtraOutput", "QGEGLU", "QGELU",
-           "Quantize", "ReGLU", "ReLU", "RMSNorm", "Reshape", "ReduceScatter", "SiLU", "SReGLU", "SReLU", "SwiGLU"]
+__all__ = ["AddExtraInput", "AllGather", "AllReduce", "BasicLinear", "Bias", "ClampedSwiGLU", "ConstantScale",
+           "Dropout", "GEGLU", "GELU", "GLU", "Identity", "L2Normalization", "LayerNorm", "MakeExtraOutput", "QGEGLU",
+           "QGELU", "Quantize", "ReGLU", "ReLU", "RMSNorm", "Reshape", "ReduceScatter", "SiLU", "SiTUGLU", "SReGLU",
+           "SReLU", "SwiGLU"]
