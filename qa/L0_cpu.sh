@@ -3,4 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"
-python -m pytest tests -q -p no:cacheprovider "$@"
+# --durations: the slowest tests in the log, where the suite's time goes
+python -m pytest tests -q -p no:cacheprovider --durations=25 "$@"
