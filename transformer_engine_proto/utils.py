@@ -31,7 +31,8 @@ def init_method_constant(val: float) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def get_default_init_method() -> Callable[[torch.Tensor], torch.Tensor]:
-    """The weight initialiser a module uses when given none: N(0, 0.023)."""
+    """TE's default weight initialiser, N(0, 0.023) (this package's modules given no `init_method`
+    initialise as `nn.Linear` does)."""
     return init_method_normal(0.023)
 
 
