@@ -14,30 +14,11 @@ tensor-parallel collective ops. Not built yet: tensor parallelism inside `BasicL
 the scaled GLU variants (per-row scales as an extra input), and user operations written against TE's
 `op_forward` / `op_backward` contract.
 """
-from . import basic  # noqa: F401
-from .activations import (  # noqa: F401
-    GEGLU,
-    GELU,
-    GLU,
-    QGEGLU,
-    QGELU,
-    ClampedSwiGLU,
-    ReGLU,
-    ReLU,
-    SiLU,
-    SiTUGLU,
-    SReGLU,
-    SReLU,
-    SwiGLU,
-)
-from .collectives import AllGather, AllReduce, ReduceScatter  # noqa: F401
-from .extra_tensors import AddExtraInput, MakeExtraOutput  # noqa: F401
-from .linear import BasicLinear, Bias, Linear  # noqa: F401
-from .norms import L2Normalization, LayerNorm, RMSNorm  # noqa: F401
+from . import basic
+from .basic import *  # noqa: F401,F403  (every basic operation, listed once in basic.__all__)
+from .linear import Linear  # noqa: F401
 from .op import BasicOperation, FusedOperation, FusibleOperation  # noqa: F401
-from .quantize import Quantize  # noqa: F401
 from .sequential import Sequential  # noqa: F401
-from .shape_ops import ConstantScale, Dropout, Identity, Reshape  # noqa: F401
 
 __all__ = ["Sequential", "Linear", "BasicOperation", "FusedOperation", "FusibleOperation", *basic.__all__]
 
