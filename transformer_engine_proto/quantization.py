@@ -17,7 +17,7 @@ from . import autocast as _autocast
 from . import recipe as R
 from .autocast import autocast, fp8_autocast  # noqa: F401  (TE's module path for them)
 from .capabilities import is_fp8_available, is_fp8_block_scaling_available, is_mxfp8_available, is_nvfp4_available  # noqa: F401
-from .kernels.reference.delayed_scaling import history_amax, roll_history, scale_from_history_amax
+from .kernels.reference.delayed_scaling import scale_from_history_amax, update_from_history
 from .recipe import QuantizerRole
 
 __all__ = ["FP8GlobalStateManager", "RecipeState", "NVFP4BlockScalingRecipeState", "QuantizerRole",
@@ -222,11 +222,4 @@ def _amax_and_scale_update(amax_history: torch.Tensor, scale: torch.Tensor, fp8_
     """One delayed-scaling step on TE-layout state, in place: the scale from the history by the
     recipe (`amax_compute_algo`, `margin` or `scaling_factor_compute_algo`), then the history
     rolls (row i takes row i + 1) and row 0 is zeroed for the next amax."""
-    history = amax_history[: recipe.amax_history_len]
-    amax = history_amax(history, recipe.amax_compute_algo)
-    if recipe.scaling_factor_compute_algo is not None:
-        new = recipe.scaling_factor_compute_algo(amax, scale, fp8_max, recipe)
-        scale.copy_(new.to(scale.dtype).expand_as(scale))
-    else:
-        _default_sf_compute(amax, scale, fp8_max, recipe.margin)
-    roll_history(history)
+    update_from_history(scale, amax_history, recipe, fp8_max)

@@ -16,12 +16,10 @@ from typing import Callable, List, Sequence
 import torch
 
 from .. import recipe as R
-from ..kernels import kernel
 from ..kernels.reference.common import FP8_MAX
 from ..kernels.reference.delayed_scaling import fold_pending_grad_amax as _fold
-from ..kernels.reference.delayed_scaling import history_amax, scale_from_history_amax
 from ..kernels.reference.delayed_scaling import keep_finite as _keep_finite
-from ..kernels.reference.delayed_scaling import roll_history as _roll
+from ..kernels.reference.delayed_scaling import update_from_history
 from .saved_state import saved_state
 
 __all__ = ["DelayedScalingState", "DEFAULT_HISTORY_LEN", "record_grad_amax", "fold_pending_grad_amax"]
@@ -84,24 +82,14 @@ class DelayedScalingState:
 
     # ---- in-graph: the step's update and amax records ------------------------------------------
     def update_scales(self, recipe: R.DelayedScaling) -> None:
-        """Fold the pending gradient amax into its history, then new scales from both histories.
-
-        Eager, with TE's built-in rules: the `delayed_scaling_update` kernel. Under torch.compile,
-        or with the recipe's own functions: the same rules as graph ops."""
+        """Fold the pending gradient amax into its history, then new scales from both histories."""
         fwd_max, bwd_max = FP8_MAX[recipe.fp8_format.fwd_dtype], FP8_MAX[recipe.fp8_format.bwd_dtype]
-        builtin = recipe.scaling_factor_compute_algo is None and recipe.amax_compute_algo in ("max", "most_recent")
-        if builtin and not torch.compiler.is_compiling():
-            kernel("delayed_scaling_update", self.fp8_scale.device)(
-                self.fp8_scale, self.amax_history, self.grad_fp8_scale, self.grad_amax_history,
-                self.grad_amax_pending, self.grad_amax_seen, self.nonfinite_amax_count, recipe.amax_history_len,
-                recipe.amax_compute_algo == "most_recent", fwd_max, bwd_max, recipe.margin)
-            return
-        _update_from_history(self.fp8_scale, self.amax_history, recipe, fwd_max)
+        update_from_history(self.fp8_scale, self.amax_history, recipe, fwd_max, pin=saved_state)
         slot = self.grad_amax_history[0]
         before = slot.clone()
         fold_pending_grad_amax(self.grad_amax_history, self.grad_amax_state())
         _keep_finite(slot, slot, before, self.nonfinite_amax_count[2:3])
-        _update_from_history(self.grad_fp8_scale, self.grad_amax_history, recipe, bwd_max)
+        update_from_history(self.grad_fp8_scale, self.grad_amax_history, recipe, bwd_max, pin=saved_state)
 
     def record_amax(self, amax: torch.Tensor, first: int = 0) -> None:
         """History slot 0, columns first.. (0 input, 1 weight), takes the max with `amax`, except
@@ -176,23 +164,6 @@ def record_grad_amax(state: Sequence[torch.Tensor], amax: torch.Tensor) -> None:
 def fold_pending_grad_amax(history: torch.Tensor, state: Sequence[torch.Tensor]) -> None:
     """Forward's half: move an amax recorded since the last fold into history slot 0."""
     _fold(history, *state)
-
-
-# ---- the rules -------------------------------------------------------------------------------
-def _update_from_history(scale, amax_history, recipe: R.DelayedScaling, fp8_max: float) -> None:
-    """TE's rule: scale from the max (or most recent, or the recipe's function of the) amax
-    history, kept where that amax is 0 or non-finite, or the recipe's own scaling function; then
-    roll the history so slot 0 is free for this step's amax."""
-    history = amax_history[: recipe.amax_history_len]
-    amax = history_amax(history, recipe.amax_compute_algo)
-    if recipe.scaling_factor_compute_algo is not None:
-        new = recipe.scaling_factor_compute_algo(amax, scale, fp8_max, recipe)
-        scale.copy_(saved_state(new.to(scale.dtype).expand_as(scale)))
-        _roll(history)
-        return
-    new = scale_from_history_amax(scale, amax, fp8_max, recipe.margin)
-    scale.copy_(saved_state(new))  # backward reads this step's scale
-    _roll(history)
 
 
 def _longer(history: torch.Tensor, rows: int) -> torch.Tensor:

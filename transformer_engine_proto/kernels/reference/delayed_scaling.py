@@ -1,12 +1,11 @@
-"""Delayed scaling's per-step update of one GEMM's state: the rules, and the whole update as a kernel.
+"""Delayed scaling's rules for one GEMM's state, in one place.
 
-The rules are TE's: the new scale is `fp8_max / amax` (amax: the max or the most recent of the
-history) times 2**-margin, kept where the amax is 0 or non-finite; the history then rolls so slot
-0 is free for the step's amax. The gradient's amax, recorded by the previous backward, is folded
-into its history first, and an inf/NaN one is counted, not kept. `custom_ops/delayed_scaling.py`
-runs these rules in-graph under torch.compile; eager calls the whole update as the kernel
-`delayed_scaling_update`, the entry a one-launch backend registers under (today every device
-runs this reference: about forty small ops per GEMM and step).
+They are TE's: the new scale is `fp8_max / amax` (amax: the max or the most recent of the history,
+or the recipe's function of it) times 2**-margin, kept where the amax is 0 or non-finite (or the
+recipe's own scaling function); the history then rolls so slot 0 is free for the step's amax. The
+gradient's amax, recorded by the previous backward, is folded into its history first, and an
+inf/NaN one is counted, not kept. `custom_ops/delayed_scaling.py` applies them to a module's
+buffers (eager and in-graph alike); `quantization.py` to TE-layout state.
 """
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ import math
 
 import torch
 
-from .. import register_kernel
 from .common import true_div
 
 
@@ -60,20 +58,17 @@ def fold_pending_grad_amax(history: torch.Tensor, pending: torch.Tensor, seen: t
     seen.copy_(pending[1:2])
 
 
-@register_kernel("delayed_scaling_update")
-def delayed_scaling_update(fp8_scale: torch.Tensor, amax_history: torch.Tensor, grad_fp8_scale: torch.Tensor,
-                           grad_amax_history: torch.Tensor, grad_amax_pending: torch.Tensor,
-                           grad_amax_seen: torch.Tensor, nonfinite_count: torch.Tensor, history_len: int,
-                           most_recent: bool, fwd_max: float, bwd_max: float, margin: int) -> None:
-    """A step's update of one GEMM's state, in place: fold the pending gradient amax (an inf/NaN
-    one counted in `nonfinite_count[2]` and left out), then new forward (input, weight) and
-    gradient scales from the first `history_len` rows of their histories, then roll both."""
-    slot = grad_amax_history[0]
-    before = slot.clone()
-    fold_pending_grad_amax(grad_amax_history, grad_amax_pending, grad_amax_seen)
-    keep_finite(slot, slot, before, nonfinite_count[2:3])
-    for scale, history, fp8_max in ((fp8_scale, amax_history, fwd_max), (grad_fp8_scale, grad_amax_history, bwd_max)):
-        history = history[:history_len]
-        amax = history_amax(history, "most_recent" if most_recent else "max")
-        scale.copy_(scale_from_history_amax(scale, amax, fp8_max, margin))
-        roll_history(history)
+def update_from_history(scale: torch.Tensor, amax_history: torch.Tensor, recipe, fp8_max: float,
+                        pin=lambda t: t) -> None:
+    """One history's step, in place: `scale` from the first `recipe.amax_history_len` rows by
+    the recipe (`amax_compute_algo`, `margin` or `scaling_factor_compute_algo`), then the roll.
+    `pin` wraps the new scale before it is written (under torch.compile: `saved_state`, so
+    backward reads this step's scale)."""
+    history = amax_history[: recipe.amax_history_len]
+    amax = history_amax(history, recipe.amax_compute_algo)
+    if recipe.scaling_factor_compute_algo is not None:
+        new = recipe.scaling_factor_compute_algo(amax, scale, fp8_max, recipe).to(scale.dtype).expand_as(scale)
+    else:
+        new = scale_from_history_amax(scale, amax, fp8_max, recipe.margin)
+    scale.copy_(pin(new))
+    roll_history(history)
