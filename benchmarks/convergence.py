@@ -324,7 +324,7 @@ def main(argv=None):
     device = torch.device(args.device)
     jobs = [(name, int(seed)) for name in args.recipes.split(",") for seed in args.seeds.split(",")]
     if args.parallel:
-        launch_parallel(jobs, [a for a in argv])
+        launch_parallel(jobs, argv)
     elif not args.summarize:
         train_data, val_data, data_info = stdlib_sources(args.data_mb, args.val_every_file)
         for name, seed in jobs:
