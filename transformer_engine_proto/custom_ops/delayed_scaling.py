@@ -16,6 +16,7 @@ from typing import Callable, List, Sequence
 import torch
 
 from .. import recipe as R
+from ..kernels import kernel
 from ..kernels.reference.common import FP8_MAX
 from ..kernels.reference.delayed_scaling import fold_pending_grad_amax as _fold
 from ..kernels.reference.delayed_scaling import keep_finite as _keep_finite
@@ -82,8 +83,18 @@ class DelayedScalingState:
 
     # ---- in-graph: the step's update and amax records ------------------------------------------
     def update_scales(self, recipe: R.DelayedScaling) -> None:
-        """Fold the pending gradient amax into its history, then new scales from both histories."""
+        """Fold the pending gradient amax into its history, then new scales from both histories.
+
+        Eager with TE's built-in rules: the `delayed_scaling_update` kernel (one launch on CUDA).
+        Under torch.compile, or with the recipe's own functions: the rules as graph ops."""
         fwd_max, bwd_max = FP8_MAX[recipe.fp8_format.fwd_dtype], FP8_MAX[recipe.fp8_format.bwd_dtype]
+        builtin = recipe.scaling_factor_compute_algo is None and recipe.amax_compute_algo in ("max", "most_recent")
+        if builtin and not torch.compiler.is_compiling():
+            kernel("delayed_scaling_update", self.fp8_scale.device)(
+                self.fp8_scale, self.amax_history, self.grad_fp8_scale, self.grad_amax_history,
+                self.grad_amax_pending, self.grad_amax_seen, self.nonfinite_amax_count, recipe.amax_history_len,
+                recipe.amax_compute_algo == "most_recent", fwd_max, bwd_max, recipe.margin)
+            return
         update_from_history(self.fp8_scale, self.amax_history, recipe, fwd_max, pin=saved_state)
         slot = self.grad_amax_history[0]
         before = slot.clone()

@@ -150,7 +150,7 @@ def _load_reference():
     global _loaded
     if not _loaded:
         _loaded = True
-        from .reference import blockwise, float8, mxfp8, norm, nvfp4, nvfp4_to  # noqa: F401  (registers kernels)
+        from .reference import blockwise, delayed_scaling, float8, mxfp8, norm, nvfp4, nvfp4_to  # noqa: F401,E501
         try:
             from . import triton as _triton_backend  # noqa: F401  (registers "triton" kernels)
         except ImportError:

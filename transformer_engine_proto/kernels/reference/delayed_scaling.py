@@ -13,6 +13,7 @@ import math
 
 import torch
 
+from .. import register_kernel
 from .common import true_div
 
 
@@ -72,3 +73,22 @@ def update_from_history(scale: torch.Tensor, amax_history: torch.Tensor, recipe,
         new = scale_from_history_amax(scale, amax, fp8_max, recipe.margin)
     scale.copy_(pin(new))
     roll_history(history)
+
+
+@register_kernel("delayed_scaling_update")
+def delayed_scaling_update(fp8_scale: torch.Tensor, amax_history: torch.Tensor, grad_fp8_scale: torch.Tensor,
+                           grad_amax_history: torch.Tensor, grad_amax_pending: torch.Tensor,
+                           grad_amax_seen: torch.Tensor, nonfinite_count: torch.Tensor, history_len: int,
+                           most_recent: bool, fwd_max: float, bwd_max: float, margin: int) -> None:
+    """A step's update of one GEMM's state with TE's built-in rules, in place (the spec of the
+    one-launch Triton kernel): fold the pending gradient amax (an inf/NaN one counted in
+    `nonfinite_count[2]` and left out), then both scales from their histories, then both rolls."""
+    slot = grad_amax_history[0]
+    before = slot.clone()
+    fold_pending_grad_amax(grad_amax_history, grad_amax_pending, grad_amax_seen)
+    keep_finite(slot, slot, before, nonfinite_count[2:3])
+    for scale, history, fp8_max in ((fp8_scale, amax_history, fwd_max), (grad_fp8_scale, grad_amax_history, bwd_max)):
+        history = history[:history_len]
+        amax = history_amax(history, "most_recent" if most_recent else "max")
+        scale.copy_(scale_from_history_amax(scale, amax, fp8_max, margin))
+        roll_history(history)

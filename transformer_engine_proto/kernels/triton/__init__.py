@@ -13,7 +13,7 @@ except ImportError:  # pragma: no cover - CPU-only installs
     HAVE_TRITON = False
 else:
     HAVE_TRITON = True
-    from . import blockwise, dequant, float8, mxfp8, norm, nvfp4  # noqa: F401,E402  (registers kernels)
+    from . import blockwise, delayed_scaling, dequant, float8, mxfp8, norm, nvfp4  # noqa: F401,E402
     from .trace_analysis import install as _install_trace_analysis  # noqa: E402
 
     _install_trace_analysis()

@@ -1,0 +1,86 @@
+"""The one-launch delayed-scaling update (kernels/triton/delayed_scaling.py) is its reference bit for
+bit, over history lengths, amax algorithms, margins, formats, pending / stale gradient amaxes and
+non-finite values; and eager training with it equals the in-graph update torch.compile runs."""
+import math
+import os
+
+import pytest
+import torch
+
+from transformer_engine_proto.kernels import reference
+from transformer_engine_proto.kernels.reference.common import FP8_MAX
+
+_on_gpu = pytest.mark.cuda
+_DEVICES = [pytest.param("cuda", marks=_on_gpu)]
+if os.environ.get("TRITON_INTERPRET") == "1":  # the layout logic on CPU (no fp8 cast in this kernel)
+    _DEVICES.append("cpu")
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bits, NaN where NaN (inf / -inf stay themselves)."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(nan=-7.0, posinf=math.inf, neginf=-math.inf),
+                                                           b.nan_to_num(nan=-7.0, posinf=math.inf, neginf=-math.inf))
+
+
+def _state(rows: int, seed: int, device, nonfinite: bool):
+    g = torch.Generator().manual_seed(seed)
+    hist = torch.rand(1024, 2, generator=g) * 10.0 ** torch.randint(-6, 4, (1024, 2), generator=g)
+    ghist = torch.rand(1024, 1, generator=g) * 1e-3
+    hist[rows // 2] = 0.0  # a zero amax keeps the old scale (most_recent on row 0 with rows 1)
+    pending = torch.tensor([float(torch.rand(1, generator=g)) * 1e-2, float(seed % 2)])
+    seen = torch.tensor([0.0])  # a new pending amax on odd seeds, a stale one on even
+    if nonfinite:
+        pending[0] = float("inf") if seed % 3 else float("nan")
+        hist[0, 1] = float("nan")  # loaded from a checkpoint, say: the max over it is NaN
+    tensors = [torch.rand(2, generator=g) + 0.5, hist, torch.rand(1, generator=g) + 0.5, ghist, pending, seen,
+               torch.tensor([0, 0, 5], dtype=torch.int64)]
+    return [t.to(device) for t in tensors]
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("rows", [1, 3, 16, 1024])
+@pytest.mark.parametrize("most_recent", [False, True])
+@pytest.mark.parametrize("margin", [0, 1, 3])
+@pytest.mark.parametrize("nonfinite", [False, True])
+def test_one_launch_update_is_the_reference_bit_for_bit(device, rows, most_recent, margin, nonfinite):
+    from transformer_engine_proto.kernels.triton.delayed_scaling import delayed_scaling_update as fused
+
+    for seed in range(4):
+        fwd_max, bwd_max = (FP8_MAX[torch.float8_e4m3fn], FP8_MAX[torch.float8_e5m2]) if seed < 2 else \
+            (FP8_MAX[torch.float8_e4m3fn], FP8_MAX[torch.float8_e4m3fn])
+        expect, got = _state(rows, seed, "cpu", nonfinite), _state(rows, seed, device, nonfinite)
+        args = (rows, most_recent, fwd_max, bwd_max, margin)
+        reference.delayed_scaling.delayed_scaling_update(*expect, *args)
+        fused(*got, *args)
+        for name, e, o in zip(["scale", "history", "grad scale", "grad history", "pending", "seen", "count"],
+                              expect, got):
+            assert _same(e, o.cpu()), f"{name} differs (seed {seed})"
+        assert (expect[1][0] == 0).all() and (expect[3][0] == 0).all()  # slot 0 free for the next amax
+        if rows > 1:  # and the rest rolled
+            before = _state(rows, seed, "cpu", nonfinite)[1]
+            assert _same(expect[1][1: rows - 1], before[2:rows]) and _same(expect[1][rows - 1], before[0])
+
+
+@_on_gpu
+@pytest.mark.parametrize("history_len,algo,margin", [(1, "most_recent", 0), (16, "max", 1), (1024, "max", 0)])
+def test_eager_training_equals_the_in_graph_update(history_len, algo, margin):
+    """The eager step (one launch per GEMM) leaves the same scales and histories as the same
+    steps with the update as graph ops under torch.compile (inductor)."""
+    import transformer_engine_proto as te
+    from transformer_engine_proto import recipe as R
+
+    recipe = R.DelayedScaling(amax_history_len=history_len, amax_compute_algo=algo, margin=margin)
+    torch.manual_seed(0)
+    eager = te.Linear(64, 64, device="cuda", params_dtype=torch.bfloat16)
+    compiled = te.Linear(64, 64, device="cuda", params_dtype=torch.bfloat16)
+    compiled.load_state_dict(eager.state_dict())
+    run = torch.compile(compiled, backend="inductor", fullgraph=True)
+    for step in range(3):
+        x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16) * (step + 1)
+        for fn in (eager, run):
+            with te.autocast(recipe=recipe):
+                y = fn(x)
+            y.float().square().sum().backward()
+        assert torch.equal(eager.weight.grad, compiled.weight.grad), step
+    for name in ("fp8_scale", "amax_history", "grad_fp8_scale", "grad_amax_history"):
+        assert torch.equal(getattr(eager.gemm, name), getattr(compiled.gemm, name)), name
