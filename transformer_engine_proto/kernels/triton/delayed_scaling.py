@@ -43,6 +43,7 @@ def _update_column(scale_ptr, hist_ptr, stride, slot0, L, FMAX: tl.constexpr, MA
     _new_scale(scale_ptr, amax, nan_seen, FMAX, MARGIN_MUL)
     shifted = tl.load(hist_ptr + (rows + 1) * stride, mask=rows + 1 < L, other=0.0)
     shifted = tl.where(rows == L - 1, slot0, shifted)
+    tl.debug_barrier()  # every warp has read rows r and r + 1 before any warp writes row r
     tl.store(hist_ptr + rows * stride, tl.where(rows == 0, 0.0, shifted), mask=rows < L)
 
 
