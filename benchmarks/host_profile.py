@@ -1,0 +1,104 @@
+"""Where an eager Llama step's host time goes: cProfile of `bench_llama.py`'s training step.
+
+    python benchmarks/host_profile.py --variants bf16,te:current,te:delayed --out out/
+
+An eager FP8 step whose device-kernel time (bench_llama.py --profile) is below its wall time is
+host-bound: the GPU waits for Python. For each variant this prints the wall time per step, the host
+time per step (the same steps, the clock stopped before the final synchronize) and the functions
+with the most own time under cProfile, so the host cost can be cut where it is.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _p in (_HERE, os.path.dirname(_HERE)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import _common as C  # noqa: E402
+import bench_llama as L  # noqa: E402
+import torch  # noqa: E402
+
+
+def profile_variant(variant: str, args, device, dtype, log) -> dict:
+    C.reset_compile_state(device)
+    model, recipe = L.make_variant(variant, args, device, dtype)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1)).to(device)
+
+    def step():
+        with C.te_autocast(recipe, variant):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        step()
+    C.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    host = (time.perf_counter() - t0) / args.steps
+    C.synchronize(device)
+    wall = (time.perf_counter() - t0) / args.steps
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(args.steps):
+        step()
+    C.synchronize(device)
+    prof.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("tottime").print_stats(args.top)
+    stats.sort_stats("cumulative").print_stats(args.top)
+    log(f"\n## {variant}: wall {wall * 1e3:.2f} ms/step, host {host * 1e3:.2f} ms/step "
+        f"(cProfile below: {args.steps} steps)\n\n{text.getvalue()}")
+    return dict(variant=variant, wall_ms=wall * 1e3, host_ms=host * 1e3)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variants", default="bf16,te:current,te:delayed")
+    p.add_argument("--preset", default="llama", choices=sorted(L.PRESETS))
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--top", type=int, default=40)
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", default=None)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of the wiring)")
+    args = p.parse_args(argv)
+    shape = dict(L.PRESETS[args.preset], vocab=32768, seq=2048, batch=4)
+    if args.smoke:
+        shape = dict(hidden=64, ffn=128, layers=2, heads=4, vocab=256, seq=32, batch=2)
+    for key, value in shape.items():
+        setattr(args, key, value)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    lines = []
+
+    def log(s):
+        print(s, flush=True)
+        lines.append(s)
+
+    results = [profile_variant(v.strip(), args, device, dtype, log) for v in args.variants.split(",") if v.strip()]
+    log("\n| variant | wall ms/step | host ms/step |\n|---|--:|--:|")
+    for r in results:
+        log(f"| {r['variant']} | {r['wall_ms']:.2f} | {r['host_ms']:.2f} |")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "host_profile.txt"), "w") as f:
+            f.write("\n".join(lines))
+    return results
+
+
+if __name__ == "__main__":
+    main()
