@@ -84,3 +84,30 @@ def test_eager_training_equals_the_in_graph_update(history_len, algo, margin):
         assert torch.equal(eager.weight.grad, compiled.weight.grad), step
     for name in ("fp8_scale", "amax_history", "grad_fp8_scale", "grad_amax_history"):
         assert torch.equal(getattr(eager.gemm, name), getattr(compiled.gemm, name)), name
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("cols", [slice(0, 2), slice(0, 1), slice(1, 2)])
+def test_one_launch_amax_records_are_the_reference_bit_for_bit(device, cols):
+    """Forward records (max into slot 0, inf/NaN counted and left out) and backward's gradient
+    records (new generation after a fold, max within one), over finite, inf and NaN amaxes."""
+    from transformer_engine_proto.kernels.triton.delayed_scaling import delayed_record_amax, \
+        delayed_record_grad_amax
+
+    values = [0.0, 3.5, 1e-30, float("inf"), float("nan"), 7.25]
+    for a in values:
+        for b in values:
+            history = torch.tensor([[2.0, 0.5], [9.0, 9.0]])
+            count = torch.tensor([1, 0, 4], dtype=torch.int64)
+            amax = torch.tensor([a, b])[: cols.stop - cols.start]
+            expect, got = (history.clone(), count.clone()), (history.to(device), count.to(device))
+            reference.delayed_scaling.delayed_record_amax(expect[0][0, cols], amax, expect[1][cols])
+            delayed_record_amax(got[0][0, cols], amax.to(device), got[1][cols])
+            assert _same(expect[0], got[0].cpu()) and torch.equal(expect[1], got[1].cpu()), (a, b, cols)
+            for gen, seen in ((0.0, 0.0), (1.0, 0.0), (1.0, 1.0)):
+                state = [torch.tensor([b, gen]), torch.tensor([seen])]
+                expect = [t.clone() for t in state]
+                got = [t.to(device) for t in state]
+                reference.delayed_scaling.delayed_record_grad_amax(*expect, torch.tensor([a]))
+                delayed_record_grad_amax(*got, torch.tensor([a], device=device))
+                assert all(_same(e, o.cpu()) for e, o in zip(expect, got)), (a, b, gen, seen)

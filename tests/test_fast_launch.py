@@ -95,3 +95,22 @@ def test_kernels_through_the_fast_path_match_the_reference(monkeypatch):
             assert_bitwise(tri_f8.fp8_quantize_current(x2, fp8_dtype, True, True),
                            ref_f8.fp8_quantize_current(x2, fp8_dtype, True, True), "current")
     assert any(k for k in tri_f8._amax_kernel._compiled.values()), "the fast path was never armed"
+
+
+def test_traced_tells_fake_from_real_tensors():
+    """The launch's tracing check: plain, functional-wrapped and subclass tensors of real data are
+    real; fake ones (and functional wrappers of fake ones) take the `wrap_triton` path."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    from transformer_engine_proto.kernels.triton._common import traced
+
+    real = torch.zeros(4)
+    assert not traced(real) and not traced(torch.nn.Parameter(real)) and not launch._traced_call((3, real))
+    assert not traced(torch._to_functional_tensor(real))
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(real)
+        assert traced(fake) and launch._traced_call((3, fake, real))
+        with FunctionalTensorMode():
+            assert traced(torch.ops.aten.add(fake, 1))
+    assert not launch._traced_call((1, 2.0, None))

@@ -104,10 +104,10 @@ class DelayedScalingState:
 
     def record_amax(self, amax: torch.Tensor, first: int = 0) -> None:
         """History slot 0, columns first.. (0 input, 1 weight), takes the max with `amax`, except
-        where `amax` is inf/NaN: that one is counted instead (`_keep_finite`)."""
+        where `amax` is inf/NaN: that one is counted instead (`_keep_finite`). Eager: one launch."""
         cols = slice(first, first + amax.shape[0])
-        slot = self.amax_history[0, cols]
-        _keep_finite(slot, torch.maximum(slot, amax), slot, self.nonfinite_amax_count[cols])
+        record = kernel("delayed_record_amax", None if torch.compiler.is_compiling() else amax.device)
+        record(self.amax_history[0, cols], amax, self.nonfinite_amax_count[cols])
 
     def reduce_pending_amaxes(self, all_reduce_max: Callable[[torch.Tensor], None]) -> None:
         """Reduce (max, across ranks) the amaxes not yet consumed by an update: the forward's
@@ -166,10 +166,7 @@ def record_grad_amax(state: Sequence[torch.Tensor], amax: torch.Tensor) -> None:
     rejects that). The first backward after a fold starts a new generation; later ones (a module
     applied twice, micro-batches on the weight cache) take the max."""
     pending, seen = state
-    fresh = pending[1:2] == seen
-    new_amax = torch.where(fresh, amax, torch.maximum(pending[0:1], amax))
-    new_gen = torch.where(fresh, 1.0 - seen, pending[1:2])
-    pending.copy_(torch.cat([new_amax, new_gen]))
+    kernel("delayed_record_grad_amax", None if torch.compiler.is_compiling() else amax.device)(pending, seen, amax)
 
 
 def fold_pending_grad_amax(history: torch.Tensor, state: Sequence[torch.Tensor]) -> None:

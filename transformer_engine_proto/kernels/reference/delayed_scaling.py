@@ -75,6 +75,24 @@ def update_from_history(scale: torch.Tensor, amax_history: torch.Tensor, recipe,
     roll_history(history)
 
 
+@register_kernel("delayed_record_amax")
+def delayed_record_amax(slot: torch.Tensor, amax: torch.Tensor, count: torch.Tensor) -> None:
+    """A forward's amaxes into history slot 0 (`slot`, a row of columns): the max with what the
+    slot holds, except an inf/NaN amax, which is counted in `count` (per column) instead."""
+    keep_finite(slot, torch.maximum(slot, amax), slot, count)
+
+
+@register_kernel("delayed_record_grad_amax")
+def delayed_record_grad_amax(pending: torch.Tensor, seen: torch.Tensor, amax: torch.Tensor) -> None:
+    """Backward's gradient amax into `pending` ([amax, generation]) for the next forward's fold:
+    the first backward after a fold (generation == `seen`) starts a new generation with `amax`,
+    later ones (a module applied twice, micro-batches) take the max."""
+    fresh = pending[1:2] == seen
+    new_amax = torch.where(fresh, amax, torch.maximum(pending[0:1], amax))
+    new_gen = torch.where(fresh, 1.0 - seen, pending[1:2])
+    pending.copy_(torch.cat([new_amax, new_gen]))
+
+
 @register_kernel("delayed_scaling_update")
 def delayed_scaling_update(fp8_scale: torch.Tensor, amax_history: torch.Tensor, grad_fp8_scale: torch.Tensor,
                            grad_amax_history: torch.Tensor, grad_amax_pending: torch.Tensor,

@@ -52,6 +52,15 @@ def triton_kernel(name: str):
     return decorate
 
 
+def traced(x: torch.Tensor) -> bool:
+    """Whether `x` is a tracing (fake) tensor. A plain real tensor, the eager case, answers with
+    two C calls instead of `is_fake`'s unwrapping (host time per launch)."""
+    if (type(x) is torch.Tensor and not torch._is_functional_tensor(x)
+            and not torch._C._functorch.is_functorch_wrapped_tensor(x)):
+        return False
+    return is_fake(x)
+
+
 def interpreting() -> bool:
     """True when Triton runs in its CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -172,7 +181,7 @@ def as_kernel_input(x: torch.Tensor):
     bf16 -> fp32 conversion mangles them). While torch traces the call (inductor) bf16 goes in as
     itself: inductor cannot hand a user kernel a dtype view of a buffer it computed, and on the GPU
     the kernel's own bf16 -> fp32 conversion is the same exact widening."""
-    if x.dtype == torch.bfloat16 and not is_fake(x):
+    if x.dtype == torch.bfloat16 and not traced(x):
         return x.view(torch.int16), True
     return x, False
 

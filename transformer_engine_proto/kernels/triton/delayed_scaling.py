@@ -1,9 +1,10 @@
-"""`delayed_scaling_update` in one launch: a GEMM's whole per-step delayed-scaling update.
+"""Eager delayed scaling's state changes, one launch each: a GEMM's whole per-step update
+(`delayed_scaling_update`), a forward's amax record (`delayed_record_amax`) and a backward's
+gradient amax record (`delayed_record_grad_amax`).
 
-Bit for bit `reference.delayed_scaling.delayed_scaling_update` (the spec): one program reads the
-pending gradient amax and both histories, computes the three scales and writes the rolled
-histories back. Eager delayed scaling ran about forty small torch ops per GEMM per step for this,
-each a launch; under torch.compile the reference's ops are fused by inductor instead.
+Bit for bit their references in `reference/delayed_scaling.py` (the spec). As torch ops these are
+about forty, six and five small kernels per GEMM per step, each a launch and its host time; under
+torch.compile the references' ops are fused by inductor instead.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import triton
 import triton.language as tl
 
 from ._common import FLOAT32_MAX, triton_kernel
+from .launch import fast_launch
 
 _FMAX32 = tl.constexpr(FLOAT32_MAX)  # a jit function reads a module global only as a constexpr
 
@@ -47,6 +49,7 @@ def _update_column(scale_ptr, hist_ptr, stride, slot0, L, FMAX: tl.constexpr, MA
     tl.store(hist_ptr + rows * stride, tl.where(rows == 0, 0.0, shifted), mask=rows < L)
 
 
+@fast_launch
 @triton.jit
 def _delayed_update_kernel(scale_ptr, hist_ptr, hist_stride, gscale_ptr, ghist_ptr, ghist_stride, pending_ptr,
                            seen_ptr, count_ptr, L, FWD_MAX: tl.constexpr, BWD_MAX: tl.constexpr,
@@ -81,3 +84,49 @@ def delayed_scaling_update(fp8_scale: torch.Tensor, amax_history: torch.Tensor, 
         grad_amax_history.stride(0), grad_amax_pending, grad_amax_seen, nonfinite_count, rows,
         FWD_MAX=float(fwd_max), BWD_MAX=float(bwd_max), MARGIN_MUL=2.0 ** -margin, MOST_RECENT=bool(most_recent),
         BLOCK=triton.next_power_of_2(rows), num_warps=4)
+
+
+@fast_launch
+@triton.jit
+def _record_amax_kernel(slot_ptr, slot_stride, amax_ptr, count_ptr, N, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    m = i < N
+    slot = tl.load(slot_ptr + i * slot_stride, mask=m, other=0.0)
+    new = tl.maximum(slot, tl.load(amax_ptr + i, mask=m, other=0.0), propagate_nan=tl.PropagateNan.ALL)
+    ok = tl.abs(new) <= _FMAX32  # finite (NaN compares False)
+    count = tl.load(count_ptr + i, mask=m, other=0)
+    tl.debug_barrier()
+    tl.store(slot_ptr + i * slot_stride, tl.where(ok, new, slot), mask=m)
+    tl.store(count_ptr + i, count + (1 - ok.to(tl.int64)), mask=m)
+
+
+@triton_kernel("delayed_record_amax")
+def delayed_record_amax(slot: torch.Tensor, amax: torch.Tensor, count: torch.Tensor) -> None:
+    if amax.shape != slot.shape or count.shape != slot.shape or not (amax.is_contiguous() and count.is_contiguous()):
+        raise ValueError(f"delayed_record_amax: slot, amax and count must be one row of the same length "
+                         f"(amax, count contiguous), got {tuple(slot.shape)}, {tuple(amax.shape)}, "
+                         f"{tuple(count.shape)}")
+    n = slot.shape[0]
+    _record_amax_kernel[(1,)](slot, slot.stride(0), amax, count, n, BLOCK=triton.next_power_of_2(n), num_warps=1)
+
+
+@fast_launch
+@triton.jit
+def _record_grad_amax_kernel(pending_ptr, seen_ptr, amax_ptr):
+    p_amax = tl.load(pending_ptr)
+    p_gen = tl.load(pending_ptr + 1)
+    seen = tl.load(seen_ptr)
+    amax = tl.load(amax_ptr)
+    fresh = p_gen == seen
+    new_amax = tl.where(fresh, amax, tl.maximum(p_amax, amax, propagate_nan=tl.PropagateNan.ALL))
+    tl.debug_barrier()
+    tl.store(pending_ptr, new_amax)
+    tl.store(pending_ptr + 1, tl.where(fresh, 1.0 - seen, p_gen))
+
+
+@triton_kernel("delayed_record_grad_amax")
+def delayed_record_grad_amax(pending: torch.Tensor, seen: torch.Tensor, amax: torch.Tensor) -> None:
+    if pending.shape != (2,) or seen.shape != (1,) or amax.shape != (1,) or not pending.is_contiguous():
+        raise ValueError(f"delayed_record_grad_amax: pending (2,) contiguous, seen (1,) and amax (1,), got "
+                         f"{tuple(pending.shape)}, {tuple(seen.shape)}, {tuple(amax.shape)}")
+    _record_grad_amax_kernel[(1,)](pending, seen, amax, num_warps=1)

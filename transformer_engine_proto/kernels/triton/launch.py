@@ -31,9 +31,8 @@ import os
 
 import torch
 import triton
-from torch._subclasses.fake_tensor import is_fake
 
-from ._common import interpreting
+from ._common import interpreting, traced
 
 try:
     from triton import knobs
@@ -73,17 +72,27 @@ def hooks_installed() -> bool:
 
 
 def _arg_class(a):
-    if isinstance(a, torch.Tensor):
+    t = type(a)
+    if t is torch.Tensor or isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() % 16 == 0
-    if isinstance(a, bool):
+    if t is bool:
         return bool, a
-    if isinstance(a, int):
+    if t is int:
         return int, a == 1, a % 16 == 0, -2**31 <= a < 2**31, a < 2**63
-    if isinstance(a, float):
+    if t is float:
         return float
     if a is None:
         return None
-    raise TypeError(type(a))  # anything else: Triton's path
+    raise TypeError(t)  # anything else: Triton's path
+
+
+def _traced_call(args) -> bool:
+    """Whether the launch is being traced: its first tensor argument is fake (a launch's tensors
+    are all real or all fake)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return traced(a)
+    return False
 
 
 class fast_launch:
@@ -101,17 +110,17 @@ class fast_launch:
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
 
     def _launch(self, grid, args, kwargs):
-        if any(isinstance(a, torch.Tensor) and is_fake(a) for a in args):
+        if _traced_call(args):
             return torch.library.wrap_triton(self.fn)[tuple(grid)](*args, **kwargs)
         if not enabled() or interpreting() or hooks_installed():
             return self.fn[grid](*args, **kwargs)
-        names = self.arg_names
-        by_name = tuple(kwargs.get(n) for n in names[len(args):])  # constexprs
+        constexprs = tuple(map(kwargs.get, self.arg_names[len(args):]))
         try:
-            if any(isinstance(v, torch.Tensor) for v in by_name):  # a runtime argument by keyword
+            if any(isinstance(v, torch.Tensor) for v in constexprs):  # a runtime argument by keyword
                 raise TypeError
-            key = (torch.cuda.current_device(), tuple(_arg_class(a) for a in args), by_name,
-                   tuple(sorted((k, v) for k, v in kwargs.items() if k not in self._params)))
+            # options in the call's keyword order: a call site always passes them the same way
+            key = (torch._C._cuda_getDevice(), tuple(map(_arg_class, args)), constexprs,
+                   tuple((k, v) for k, v in kwargs.items() if k not in self._params))
         except TypeError:
             return self.fn[grid](*args, **kwargs)
         kernel = self._compiled.get(key)
@@ -120,12 +129,12 @@ class fast_launch:
             if hasattr(kernel, "result"):  # an async compile's future
                 kernel = kernel.result()
             # a parameter left to its default: not worth mirroring, keep Triton's path
-            self._compiled[key] = kernel if all(n in kwargs for n in names[len(args):]) else False
+            self._compiled[key] = kernel if all(n in kwargs for n in self.arg_names[len(args):]) else False
             return kernel
         if kernel is False:
             return self.fn[grid](*args, **kwargs)
-        full = args + tuple(kwargs[n] for n in names[len(args):])
         g = tuple(grid) + (1, 1)
         stream = torch._C._cuda_getCurrentRawStream(key[0])
-        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *full)
+        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *args,
+                   *constexprs)
         return kernel
