@@ -66,6 +66,8 @@ def test_one_launch_update_is_the_reference_bit_for_bit(device, rows, most_recen
 def test_eager_training_equals_the_in_graph_update(history_len, algo, margin):
     """The eager step (one launch per GEMM) leaves the same scales and histories as the same
     steps with the update as graph ops under torch.compile (inductor)."""
+    from torch._inductor.utils import run_and_get_code
+
     import transformer_engine_proto as te
     from transformer_engine_proto import recipe as R
 
@@ -75,13 +77,25 @@ def test_eager_training_equals_the_in_graph_update(history_len, algo, margin):
     compiled = te.Linear(64, 64, device="cuda", params_dtype=torch.bfloat16)
     compiled.load_state_dict(eager.state_dict())
     run = torch.compile(compiled, backend="inductor", fullgraph=True)
+    code = []
+
+    def train_step(fn, x):
+        with te.autocast(recipe=recipe):
+            y = fn(x)
+        y.float().square().sum().backward()
+
     for step in range(3):
         x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16) * (step + 1)
-        for fn in (eager, run):
-            with te.autocast(recipe=recipe):
-                y = fn(x)
-            y.float().square().sum().backward()
+        train_step(eager, x)
+        if step == 0:  # the compiled forward's and backward's code
+            code += run_and_get_code(train_step, run, x)[1]
+        else:
+            train_step(run, x)
         assert torch.equal(eager.weight.grad, compiled.weight.grad), step
+    # under compile the rules are graph ops for inductor to fuse, not the eager one-launch kernels
+    code = "\n".join(code)
+    assert "_delayed_update_kernel" not in code and "_record_amax_kernel" not in code
+    assert "_record_grad_amax_kernel" not in code
     for name in ("fp8_scale", "amax_history", "grad_fp8_scale", "grad_amax_history"):
         assert torch.equal(getattr(eager.gemm, name), getattr(compiled.gemm, name)), name
 
@@ -91,8 +105,7 @@ def test_eager_training_equals_the_in_graph_update(history_len, algo, margin):
 def test_one_launch_amax_records_are_the_reference_bit_for_bit(device, cols):
     """Forward records (max into slot 0, inf/NaN counted and left out) and backward's gradient
     records (new generation after a fold, max within one), over finite, inf and NaN amaxes."""
-    from transformer_engine_proto.kernels.triton.delayed_scaling import delayed_record_amax, \
-        delayed_record_grad_amax
+    from transformer_engine_proto.kernels.triton.delayed_scaling import delayed_record_amax, delayed_record_grad_amax
 
     values = [0.0, 3.5, 1e-30, float("inf"), float("nan"), 7.25]
     for a in values:

@@ -14,6 +14,7 @@ import warnings
 from typing import Callable, List, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .. import recipe as R
 from ..kernels import kernel
@@ -89,7 +90,7 @@ class DelayedScalingState:
         Under torch.compile, or with the recipe's own functions: the rules as graph ops."""
         fwd_max, bwd_max = FP8_MAX[recipe.fp8_format.fwd_dtype], FP8_MAX[recipe.fp8_format.bwd_dtype]
         builtin = recipe.scaling_factor_compute_algo is None and recipe.amax_compute_algo in ("max", "most_recent")
-        if builtin and not torch.compiler.is_compiling():
+        if builtin and _eager_device(self.fp8_scale) is not None:
             kernel("delayed_scaling_update", self.fp8_scale.device)(
                 self.fp8_scale, self.amax_history, self.grad_fp8_scale, self.grad_amax_history,
                 self.grad_amax_pending, self.grad_amax_seen, self.nonfinite_amax_count, recipe.amax_history_len,
@@ -106,7 +107,7 @@ class DelayedScalingState:
         """History slot 0, columns first.. (0 input, 1 weight), takes the max with `amax`, except
         where `amax` is inf/NaN: that one is counted instead (`_keep_finite`). Eager: one launch."""
         cols = slice(first, first + amax.shape[0])
-        record = kernel("delayed_record_amax", None if torch.compiler.is_compiling() else amax.device)
+        record = kernel("delayed_record_amax", _eager_device(amax))
         record(self.amax_history[0, cols], amax, self.nonfinite_amax_count[cols])
 
     def reduce_pending_amaxes(self, all_reduce_max: Callable[[torch.Tensor], None]) -> None:
@@ -166,12 +167,19 @@ def record_grad_amax(state: Sequence[torch.Tensor], amax: torch.Tensor) -> None:
     rejects that). The first backward after a fold starts a new generation; later ones (a module
     applied twice, micro-batches on the weight cache) take the max."""
     pending, seen = state
-    kernel("delayed_record_grad_amax", None if torch.compiler.is_compiling() else amax.device)(pending, seen, amax)
+    kernel("delayed_record_grad_amax", _eager_device(amax))(pending, seen, amax)
 
 
 def fold_pending_grad_amax(history: torch.Tensor, state: Sequence[torch.Tensor]) -> None:
     """Forward's half: move an amax recorded since the last fold into history slot 0."""
     _fold(history, *state)
+
+
+def _eager_device(t: torch.Tensor):
+    """`t`'s device when this runs eagerly on real tensors (a one-launch kernel may serve), else
+    None: the rules as graph ops for torch.compile to trace (AOT traces a compiled backward
+    outside dynamo, where `is_compiling()` can be False, so the tensor itself is asked too)."""
+    return None if torch.compiler.is_compiling() or is_fake(t) else t.device
 
 
 def _longer(history: torch.Tensor, rows: int) -> torch.Tensor:
