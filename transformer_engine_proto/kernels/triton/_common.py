@@ -52,6 +52,19 @@ def triton_kernel(name: str):
     return decorate
 
 
+def cdiv(a, b):
+    """`triton.cdiv` for the host: Triton's is a constexpr function whose every call unwraps its
+    arguments (host time per launch); this is the same formula, SymInts included."""
+    return (a + b - 1) // b
+
+
+def next_power_of_2(n):
+    """`triton.next_power_of_2` for the host (plain ints; anything else goes to Triton's)."""
+    if type(n) is int:
+        return 1 if n <= 1 else 1 << (n - 1).bit_length()
+    return triton.next_power_of_2(n)
+
+
 def traced(x: torch.Tensor) -> bool:
     """Whether `x` is a tracing (fake) tensor. A plain real tensor, the eager case, answers with
     two C calls instead of `is_fake`'s unwrapping (host time per launch)."""

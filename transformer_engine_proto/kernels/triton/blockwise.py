@@ -26,6 +26,7 @@ from ..reference import blockwise as _ref
 from ._common import (
     INT32_LIMIT,
     as_kernel_input,
+    cdiv,
     finite_abs_bits,
     fp8_params,
     fp8_scaled_bits,
@@ -196,7 +197,7 @@ def fp8_blockwise_quantize(x: torch.Tensor, fp8_dtype, block_scaling_dim: int, r
                                            power_2, epsilon)
     dev = x.device
     x2d = x.contiguous().reshape(m, k)
-    mt, kt = triton.cdiv(m, TILE), triton.cdiv(k, TILE)
+    mt, kt = cdiv(m, TILE), cdiv(k, TILE)
     row_data = row_si = col_data = col_si = None
     if rowwise:
         row_data = torch.empty((m, k), dtype=fp8_dtype, device=dev)
@@ -206,7 +207,7 @@ def fp8_blockwise_quantize(x: torch.Tensor, fp8_dtype, block_scaling_dim: int, r
         col_data = torch.empty((k, m), dtype=fp8_dtype, device=dev)
         col_si = (_outer_dim_major(k, mt, dev) if block_scaling_dim == 1
                   else torch.empty((kt, mt), dtype=torch.float32, device=dev))
-    n_m, n_k = triton.cdiv(m, bm), triton.cdiv(k, bk)
+    n_m, n_k = cdiv(m, bm), cdiv(k, bk)
     dummy = row_si if rowwise else col_si
     xk, bf16_bits = as_kernel_input(x2d)
     _blockwise_kernel[(n_m * n_k,)](

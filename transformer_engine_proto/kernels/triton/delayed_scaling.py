@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT32_MAX, triton_kernel
+from ._common import FLOAT32_MAX, next_power_of_2, triton_kernel
 from .launch import fast_launch
 
 _FMAX32 = tl.constexpr(FLOAT32_MAX)  # a jit function reads a module global only as a constexpr
@@ -83,7 +83,7 @@ def delayed_scaling_update(fp8_scale: torch.Tensor, amax_history: torch.Tensor, 
         fp8_scale, amax_history, amax_history.stride(0), grad_fp8_scale, grad_amax_history,
         grad_amax_history.stride(0), grad_amax_pending, grad_amax_seen, nonfinite_count, rows,
         FWD_MAX=float(fwd_max), BWD_MAX=float(bwd_max), MARGIN_MUL=2.0 ** -margin, MOST_RECENT=bool(most_recent),
-        BLOCK=triton.next_power_of_2(rows), num_warps=4)
+        BLOCK=next_power_of_2(rows), num_warps=4)
 
 
 @fast_launch
@@ -107,7 +107,7 @@ def delayed_record_amax(slot: torch.Tensor, amax: torch.Tensor, count: torch.Ten
                          f"(amax, count contiguous), got {tuple(slot.shape)}, {tuple(amax.shape)}, "
                          f"{tuple(count.shape)}")
     n = slot.shape[0]
-    _record_amax_kernel[(1,)](slot, slot.stride(0), amax, count, n, BLOCK=triton.next_power_of_2(n), num_warps=1)
+    _record_amax_kernel[(1,)](slot, slot.stride(0), amax, count, n, BLOCK=next_power_of_2(n), num_warps=1)
 
 
 @fast_launch

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ..reference import mxfp8 as _ref_mx
-from ._common import INT32_LIMIT, soft_cast, triton_kernel
+from ._common import INT32_LIMIT, cdiv, soft_cast, triton_kernel
 from .launch import fast_launch
 
 # output dtype -> OUT constexpr
@@ -161,10 +161,10 @@ def mxfp8_dequantize(data: torch.Tensor, scale_inv: torch.Tensor, columnwise: bo
     out, out_k = out_buffer(shape, dtype, data.device)
     if columnwise:
         a, b, c = cfg["MB"], 32, cfg["BK"]
-        n_m, n_k = triton.cdiv(m, a * 32), triton.cdiv(k, c)
+        n_m, n_k = cdiv(m, a * 32), cdiv(k, c)
     else:
         a, b, c = cfg["BM"], cfg["NB"], 32
-        n_m, n_k = triton.cdiv(m, a), triton.cdiv(k, b * 32)
+        n_m, n_k = cdiv(m, a), cdiv(k, b * 32)
     _mxfp8_dequant_kernel[(n_m * n_k,)](
         data.view(torch.uint8), scale_inv.view(torch.uint8), out_k, m, k, n_k,
         COLWISE=bool(columnwise), E4M3=data.dtype == torch.float8_e4m3fn, OUT=OUT_KIND[dtype],

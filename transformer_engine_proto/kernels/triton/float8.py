@@ -31,6 +31,7 @@ from ._common import (
     INT32_LIMIT,
     abs_bits,
     as_kernel_input,
+    cdiv,
     finite_abs_bits,
     flat_2d,
     fp8_params,
@@ -191,7 +192,7 @@ def _cast_transpose_packed_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, 
 def _amax_into(x2d: torch.Tensor, amax_i32: torch.Tensor, finite: bool) -> None:
     n = x2d.numel()
     cfg = CONFIG["amax"]
-    grid = (triton.cdiv(n, cfg["BLOCK"]),)
+    grid = (cdiv(n, cfg["BLOCK"]),)
     xk, bf16_bits = as_kernel_input(x2d)
     _amax_kernel[grid](xk, amax_i32, n, FINITE=finite, BF16_BITS=bf16_bits, BLOCK=cfg["BLOCK"],
                        num_warps=cfg["num_warps"])
@@ -213,8 +214,8 @@ def _launch_cast(x2d, fp8_dtype, rowwise, columnwise, scale=None, amax_i32=None,
     packed = _packs(m, columnwise)
     cfg = CONFIG["cast_packed" if packed else "cast" if columnwise else "cast_rowwise"]
     bm, bk = cfg["BM"], cfg["BK"]
-    n_k = triton.cdiv(k, bk)
-    grid = (triton.cdiv(m, bm) * n_k,)
+    n_k = cdiv(k, bk)
+    grid = (cdiv(m, bm) * n_k,)
     row_arg = data.view(torch.uint8) if rowwise else scale_inv  # unused pointer when absent
     col_arg = (transpose.view(torch.int32) if packed else transpose.view(torch.uint8)
                ) if columnwise else scale_inv

@@ -27,6 +27,7 @@ from ._common import (
     INT32_LIMIT,
     abs_bits,
     as_kernel_input,
+    cdiv,
     flat_2d,
     float_bits,
     fp8_bits,
@@ -223,7 +224,7 @@ def mxfp8_quantize(x: torch.Tensor, fp8_dtype, rowwise: bool, columnwise: bool
     quarters = CONFIG["quarters"]
     if columnwise and quarters:
         nb = quarters["NB"]
-        n_k = triton.cdiv(k, nb * 32)
+        n_k = cdiv(k, nb * 32)
         _mxfp8_quarters_kernel[(m // 32 * n_k,)](
             xk,
             row_data.view(torch.uint8) if rowwise else dummy, row_scale if rowwise else dummy,
@@ -234,7 +235,7 @@ def mxfp8_quantize(x: torch.Tensor, fp8_dtype, rowwise: bool, columnwise: bool
         )
         return _mxfp8_outputs(row_data, row_scale, col_data, col_scale)
     mb, nb = cfg["MB"], cfg["NB"]
-    n_m, n_k = triton.cdiv(m, mb * 32), triton.cdiv(k, nb * 32)
+    n_m, n_k = cdiv(m, mb * 32), cdiv(k, nb * 32)
     _mxfp8_kernel[(n_m * n_k,)](
         xk,
         row_data.view(torch.uint8) if rowwise else dummy, row_scale if rowwise else dummy,

@@ -29,7 +29,16 @@ import triton.language as tl
 
 from ..reference import norm as _ref
 from . import float8 as _f8
-from ._common import as_kernel_input, finite_abs_bits, fp8_params, soft_cast, to_f32, triton_kernel
+from ._common import (
+    as_kernel_input,
+    cdiv,
+    finite_abs_bits,
+    fp8_params,
+    next_power_of_2,
+    soft_cast,
+    to_f32,
+    triton_kernel,
+)
 from .dequant import OUT_KIND, out_buffer, round_out
 from .launch import fast_launch
 
@@ -42,9 +51,9 @@ CONFIG = {
 
 
 def _tile(k: int, cfg) -> dict:
-    block = min(triton.next_power_of_2(k), cfg["MAX_BLOCK"])
+    block = min(next_power_of_2(k), cfg["MAX_BLOCK"])
     rows = max(1, cfg["TILE"] // block)
-    return dict(BLOCK=block, ROWS=rows, NCHUNK=triton.cdiv(k, block),
+    return dict(BLOCK=block, ROWS=rows, NCHUNK=cdiv(k, block),
                 num_warps=min(16, max(4, rows * block // 512)))
 
 
@@ -249,7 +258,7 @@ def _run_fwd(inp, weight, bias, eps, normalization, zero_centered_gamma, with_am
     wk, w_bf16 = as_kernel_input(weight.contiguous())
     bk, b_bf16 = as_kernel_input(bias.contiguous()) if bias is not None else (wk, False)
     cfg = _tile(k, CONFIG["fwd"])
-    _fwd_kernel[(triton.cdiv(m, cfg["ROWS"]),)](
+    _fwd_kernel[(cdiv(m, cfg["ROWS"]),)](
         xk, wk, bk, y_k, mu, rsigma, amax, m, k, float(eps),
         RMS=normalization == "RMSNorm", ZERO_CENTERED=bool(zero_centered_gamma), HAS_BIAS=bias is not None,
         AMAX=bool(with_amax), X_BF16=x_bf16, W_BF16=w_bf16, B_BF16=b_bf16, OUT=OUT_KIND[inp.dtype],
@@ -286,9 +295,9 @@ def norm_bwd(grad_out, inp, mu, rsigma, weight, normalization: str, zero_centere
     m = inp.numel() // k
     cfg = _tile(k, CONFIG["bwd"])
     # a power-of-two count of row tiles per program (a constexpr: one compile per bucket of M)
-    tiles = triton.cdiv(m, cfg["ROWS"])
-    iters = triton.next_power_of_2(triton.cdiv(tiles, CONFIG["bwd"]["MAX_PROGRAMS"]))
-    programs = triton.cdiv(tiles, iters)
+    tiles = cdiv(m, cfg["ROWS"])
+    iters = next_power_of_2(cdiv(tiles, CONFIG["bwd"]["MAX_PROGRAMS"]))
+    programs = cdiv(tiles, iters)
     new = torch.empty if cfg["NCHUNK"] == 1 else torch.zeros  # the chunked path accumulates in place
     dw = new((programs, k), dtype=torch.float32, device=inp.device)
     db = new((programs, k), dtype=torch.float32, device=inp.device) if has_bias else dw

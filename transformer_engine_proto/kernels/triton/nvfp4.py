@@ -33,6 +33,7 @@ from ._common import (
     INT32_LIMIT,
     abs_bits,
     as_kernel_input,
+    cdiv,
     finite_abs_bits,
     flat_2d,
     fp8_bits,
@@ -439,8 +440,8 @@ def _dequantize(row_data, row_scale, amax_row, col_data, col_scale, amax_col, rh
             return None
         r, c = row_data.shape[0], row_data.shape[1] * 2
         out, out_k = out_buffer((r, c), dtype, row_data.device)
-        n_c = triton.cdiv(c // 16, cfg["NB"])
-        _dequant_rows_kernel[(triton.cdiv(r, cfg["BR"]) * n_c,)](
+        n_c = cdiv(c // 16, cfg["NB"])
+        _dequant_rows_kernel[(cdiv(r, cfg["BR"]) * n_c,)](
             row_data, row_scale.view(torch.uint8), amax_row, out_k, r, c, n_c,
             OUT=OUT_KIND[dtype], SOFT=soft_cast(), BR=cfg["BR"], NB=cfg["NB"], num_warps=cfg["num_warps"])
         return out
@@ -449,8 +450,8 @@ def _dequantize(row_data, row_scale, amax_row, col_data, col_scale, amax_col, rh
         return None
     r, c = col_data.shape[0], col_data.shape[1] * 2
     out, out_k = out_buffer((c, r), dtype, col_data.device)
-    n_g = triton.cdiv(c // 16, cfg["G"])
-    _dequant_cols_kernel[(triton.cdiv(r, cfg["BR"]) * n_g,)](
+    n_g = cdiv(c // 16, cfg["G"])
+    _dequant_cols_kernel[(cdiv(r, cfg["BR"]) * n_g,)](
         col_data, col_scale.view(torch.uint8), amax_col, out_k, r, c, n_g, RHT=bool(rht),
         SIGNS=_signs_mask(rht_seed) if rht else 0, OUT=OUT_KIND[dtype], SOFT=soft_cast(),
         BR=cfg["BR"], G=cfg["G"], num_warps=cfg["num_warps"])
@@ -491,13 +492,13 @@ def _amax_pass(xk, bf16_bits, m, k, row: bool, col: bool, rht: bool, rht_seed: i
     amax_c = torch.zeros((1,), dtype=torch.int32, device=dev) if col else None
     if rht:
         ca = CONFIG["amax_rht"]
-        n_k = triton.cdiv(k, ca["BK"])
-        _amax_rht_kernel[(triton.cdiv(m, 16 * ca["G"]) * n_k,)](
+        n_k = cdiv(k, ca["BK"])
+        _amax_rht_kernel[(cdiv(m, 16 * ca["G"]) * n_k,)](
             xk, amax_r if amax_r is not None else amax_c, amax_c, m, k, n_k, SIGNS=_signs_mask(rht_seed),
             ROWWISE=amax_r is not None, BF16_BITS=bf16_bits, G=ca["G"], BK=ca["BK"], num_warps=ca["num_warps"])
     else:
         cm = CONFIG["amax"]
-        _amax_kernel[(triton.cdiv(m * k, cm["BLOCK"]),)](
+        _amax_kernel[(cdiv(m * k, cm["BLOCK"]),)](
             xk, amax_r if amax_r is not None else amax_c, m * k, FINITE=True, BF16_BITS=bf16_bits,
             BLOCK=cm["BLOCK"], num_warps=cm["num_warps"])
         if amax_r is not None and amax_c is not None:
@@ -554,8 +555,8 @@ def nvfp4_quantize(x: torch.Tensor, rowwise: bool, columnwise: bool, two_d: bool
     col_data = torch.empty((k, m // 2), dtype=u8, device=dev) if columnwise else None
     col_scale = torch.empty((k, m // 16), dtype=e4m3, device=dev) if columnwise else None
     dummy = amax_r if amax_r is not None else amax_c
-    n_k = triton.cdiv(k, 16 * nb)
-    _cast_kernel[(triton.cdiv(m, 16 * g) * n_k,)](
+    n_k = cdiv(k, 16 * nb)
+    _cast_kernel[(cdiv(m, 16 * g) * n_k,)](
         xk, rand if rand is not None else dummy, rand_columnwise if rand_columnwise is not None else dummy,
         (amax_r if amax_r is not None else dummy).view(torch.float32),
         (amax_c if amax_c is not None else dummy).view(torch.float32),
