@@ -103,3 +103,48 @@ def test_swiglu_interleaved_layout():
     want = F.silu(gates) * values
     _close(ops.SwiGLU(glu_interleave_size=2)(interleaved), want, 1e-6)
     _close(ops.SwiGLU()(torch.cat([gates, values], -1)), want, 1e-6)
+
+
+SCALED = {"ScaledSReLU": "SReLU", "ScaledSwiGLU": "SwiGLU", "ScaledSiTUGLU": "SiTUGLU",
+          "ScaledClampedQGeGLU": "ClampedSwiGLU"}
+
+
+@pytest.mark.parametrize("name", list(SCALED))
+def test_row_scaled_activations(name):
+    """op(x, scales) = activation(x) * scales[..., None], with gradients for both x and the scales
+    (float64 reference), one bfloat16 rounding after the scale, as an extra input of a Sequential,
+    compiled fullgraph, and a clear error for scales of the wrong shape."""
+    torch.manual_seed(0)
+    x, scales = _x(5, 3, 16, dtype=torch.float64), _x(5, 3, dtype=torch.float64)
+    ref = ACTIVATIONS[SCALED[name]]
+    op = getattr(ops, name)()
+    out, grads = _fwd_bwd(op, x.float().detach().requires_grad_(), scales.float().detach().requires_grad_())
+    ref_out, ref_grads = _fwd_bwd(lambda a, s: ref(a) * s.unsqueeze(-1), x, scales)
+    _close(out, ref_out.float())
+    _close(grads[0], ref_grads[0].float())
+    _close(grads[1], ref_grads[1].float())
+    assert grads[1].abs().sum() > 0  # the scales do get a gradient
+    xb, sb = x.detach().bfloat16(), scales.detach().bfloat16()
+    assert torch.equal(op(xb, sb), (ref(xb.float()) * sb.float().unsqueeze(-1)).bfloat16())
+    seq = ops.Sequential(op, ops.Identity())
+    assert seq.num_extra_inputs == 1 and torch.equal(seq(xb, sb), op(xb, sb))
+    compiled = torch.compile(seq, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(xb, sb), op(xb, sb))
+    with pytest.raises(ValueError, match=f"{name}: scales must have the input's shape without its last dim"):
+        op(xb, sb[:, :1])
+
+
+@pytest.mark.parametrize("name", ["ScaledSwiGLU", "ScaledSiTUGLU", "ScaledClampedQGeGLU"])
+def test_scaled_glus_take_their_parameters_and_refuse_recompute(name):
+    """TE's arguments: the interleave size positionally, the base op's parameters by keyword;
+    activation_recompute_in_mlp=True is refused as in TE (ScaledSReLU keeps it)."""
+    params = {"ScaledSiTUGLU": dict(beta1=1.5, beta2=3.0),
+              "ScaledClampedQGeGLU": dict(limit=2.0, alpha=1.0, glu_linear_offset=0.0)}.get(name, {})
+    op = getattr(ops, name)(4, **params)
+    base = getattr(ops, SCALED[name])(glu_interleave_size=4, **params)
+    x, scales = torch.randn(6, 16) * 4, torch.rand(6)
+    assert op.glu_interleave_size == 4 and op.activation_recompute_in_mlp is False
+    _close(op(x, scales), base(x) * scales.unsqueeze(-1))
+    with pytest.raises(ValueError, match="does not support activation recomputation"):
+        getattr(ops, name)(activation_recompute_in_mlp=True)
+    assert ops.ScaledSReLU(activation_recompute_in_mlp=True).activation_recompute_in_mlp

@@ -1,6 +1,8 @@
 """Activation operations with TE's definitions: element-wise `GELU` (tanh approximation), `QGELU`,
 `ReLU`, `SReLU`, `SiLU`, and the gated `GLU`, `GEGLU`, `QGEGLU`, `ReGLU`, `SReGLU`, `SwiGLU`, with
-SwiGLU's clamped (GPT-OSS) and soft-capped (Kimi K3) forms `ClampedSwiGLU` and `SiTUGLU`.
+SwiGLU's clamped (GPT-OSS) and soft-capped (Kimi K3) forms `ClampedSwiGLU` and `SiTUGLU`; and the
+row-scaled forms of grouped (MoE) MLPs, `ScaledSReLU`, `ScaledSwiGLU`, `ScaledSiTUGLU` and
+`ScaledClampedQGeGLU`, whose output rows are multiplied by an extra input (the routing weights).
 
 A gated op splits its input's last dim into halves (a, b) and returns act(a) * b: TE gates the
 first half, where `torch.nn.functional.glu` gates the second. Each op computes in float32 and
@@ -18,7 +20,7 @@ from ..errors import raise_error
 from .op import BasicOperation
 
 __all__ = ["ClampedSwiGLU", "GELU", "GEGLU", "GLU", "QGELU", "QGEGLU", "ReLU", "ReGLU", "SReLU", "SReGLU", "SiLU",
-           "SiTUGLU", "SwiGLU"]
+           "SiTUGLU", "SwiGLU", "ScaledClampedQGeGLU", "ScaledSReLU", "ScaledSiTUGLU", "ScaledSwiGLU"]
 
 
 def _gelu(x):
@@ -59,13 +61,16 @@ class _Activation(BasicOperation):
         input : torch.Tensor
             Any shape; gated ops halve the last dim, which must be even.
         """
-        x = input.float()
+        return self._activate(input.float()).to(input.dtype)
+
+    def _activate(self, x: torch.Tensor) -> torch.Tensor:
+        """The activation of float32 `x`, in float32."""
         if not self._GATED:
-            return type(self)._FN(x).to(input.dtype)
-        if input.dim() < 1 or input.shape[-1] % 2:
+            return type(self)._FN(x)
+        if x.dim() < 1 or x.shape[-1] % 2:
             raise_error(ValueError, f"{type(self).__name__}: a gated activation needs an even last dim")
         a, b = self._gate_layout(x).chunk(2, dim=-1)
-        return self._glu(a, b).to(input.dtype)
+        return self._glu(a, b)
 
     def _glu(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """The gated op on float32 halves: act(a) * b."""
@@ -196,3 +201,107 @@ class SiTUGLU(SwiGLU):
 
     def _glu(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return self.beta1 * torch.tanh(a / self.beta1) * torch.sigmoid(a) * (self.beta2 * torch.tanh(b / self.beta2))
+
+
+class _RowScaled:
+    """The activation times a scale per output row: the extra input, of the input's shape without
+    its last dim (TE's grouped-MLP middle ops). One rounding to the input's dtype, after the scale."""
+
+    num_extra_inputs = 1
+    _RECOMPUTE = False  # whether TE offers activation_recompute_in_mlp for this op
+
+    def _recompute_flag(self, activation_recompute_in_mlp: bool) -> bool:
+        if activation_recompute_in_mlp and not self._RECOMPUTE:
+            raise ValueError(f"{type(self).__name__} does not support activation recomputation in the fused "
+                             "grouped MLP")
+        return bool(activation_recompute_in_mlp)
+
+    def forward(self, input: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:  # noqa: A002 (TE's name)
+        """activation(input) * scales[..., None], in the input's dtype.
+
+        Parameters
+        ----------
+        input : torch.Tensor
+            As for the unscaled op.
+        scales : torch.Tensor
+            One scale per row: shape `input.shape[:-1]`; its gradient is computed when it requires one.
+        """
+        if tuple(scales.shape) != tuple(input.shape[:-1]):
+            raise_error(ValueError, f"{type(self).__name__}: scales must have the input's shape without its last "
+                                    f"dim, {tuple(input.shape[:-1])}; got {tuple(scales.shape)}")
+        return (self._activate(input.float()) * scales.float().unsqueeze(-1)).to(input.dtype)
+
+
+class ScaledSReLU(_RowScaled, SReLU):
+    """Squared ReLU times a per-row scale, TE's `ops.ScaledSReLU`: max(x, 0)^2 * scales[..., None],
+    called as `op(x, scales)` (or with the scales as an extra input of a `Sequential`).
+
+    Parameters
+    ----------
+    activation_recompute_in_mlp : bool, default = False
+        TE's fused grouped-MLP recomputation of the activation in backward: accepted and kept;
+        there is no fused grouped-MLP kernel here, and autograd saves the input either way.
+    """
+
+    _RECOMPUTE = True
+
+    def __init__(self, *, activation_recompute_in_mlp: bool = False) -> None:
+        super().__init__()
+        self.activation_recompute_in_mlp = self._recompute_flag(activation_recompute_in_mlp)
+
+
+class ScaledSwiGLU(_RowScaled, SwiGLU):
+    """`SwiGLU` times a per-row scale, TE's `ops.ScaledSwiGLU`: SiLU(a) * b * scales[..., None].
+
+    Parameters
+    ----------
+    glu_interleave_size : int, default = None
+        As in `SwiGLU`.
+    activation_recompute_in_mlp : bool, default = False
+        Must be False, as in TE (True is a ValueError).
+    """
+
+    def __init__(self, glu_interleave_size: Optional[int] = None, *, activation_recompute_in_mlp: bool = False
+                 ) -> None:
+        super().__init__(glu_interleave_size=glu_interleave_size)
+        self.activation_recompute_in_mlp = self._recompute_flag(activation_recompute_in_mlp)
+
+
+class ScaledSiTUGLU(_RowScaled, SiTUGLU):
+    """`SiTUGLU` times a per-row scale, TE's `ops.ScaledSiTUGLU`.
+
+    Parameters
+    ----------
+    glu_interleave_size : int, default = None
+        As in `SwiGLU`.
+    activation_recompute_in_mlp : bool, default = False
+        Must be False, as in TE (True is a ValueError).
+    beta1, beta2 : float, default = 4.0, 25.0
+        As in `SiTUGLU`.
+    """
+
+    def __init__(self, glu_interleave_size: Optional[int] = None, *, activation_recompute_in_mlp: bool = False,
+                 beta1: float = 4.0, beta2: float = 25.0) -> None:
+        super().__init__(beta1=beta1, beta2=beta2, glu_interleave_size=glu_interleave_size)
+        self.activation_recompute_in_mlp = self._recompute_flag(activation_recompute_in_mlp)
+
+
+class ScaledClampedQGeGLU(_RowScaled, ClampedSwiGLU):
+    """`ClampedSwiGLU` times a per-row scale, TE's `ops.ScaledClampedQGeGLU` (cuDNN grouped GEMM's
+    `geglu`).
+
+    Parameters
+    ----------
+    glu_interleave_size : int, default = None
+        As in `SwiGLU`.
+    activation_recompute_in_mlp : bool, default = False
+        Must be False, as in TE (True is a ValueError).
+    limit, alpha, glu_linear_offset : float, default = 7.0, 1.702, 1.0
+        As in `ClampedSwiGLU`.
+    """
+
+    def __init__(self, glu_interleave_size: Optional[int] = None, *, activation_recompute_in_mlp: bool = False,
+                 limit: float = 7.0, alpha: float = 1.702, glu_linear_offset: float = 1.0) -> None:
+        super().__init__(limit=limit, alpha=alpha, glu_linear_offset=glu_linear_offset,
+                         glu_interleave_size=glu_interleave_size)
+        self.activation_recompute_in_mlp = self._recompute_flag(activation_recompute_in_mlp)

@@ -8,6 +8,10 @@ from .activations import (  # noqa: F401
                           ClampedSwiGLU,
                           ReGLU,
                           ReLU,
+                          ScaledClampedQGeGLU,
+                          ScaledSiTUGLU,
+                          ScaledSReLU,
+                          ScaledSwiGLU,
                           SiLU,
                           SiTUGLU,
                           SReGLU,
@@ -23,5 +27,6 @@ from .shape_ops import ConstantScale, Dropout, Identity, Reshape  # noqa: F401
 
 __all__ = ["AddExtraInput", "AllGather", "AllReduce", "BasicLinear", "Bias", "ClampedSwiGLU", "ConstantScale",
            "Dropout", "GEGLU", "GELU", "GLU", "Identity", "L2Normalization", "LayerNorm", "MakeExtraOutput", "QGEGLU",
-           "QGELU", "Quantize", "ReGLU", "ReLU", "RMSNorm", "Reshape", "ReduceScatter", "SiLU", "SiTUGLU", "SReGLU",
+           "QGELU", "Quantize", "ReGLU", "ReLU", "RMSNorm", "Reshape", "ReduceScatter", "ScaledClampedQGeGLU",
+           "ScaledSiTUGLU", "ScaledSReLU", "ScaledSwiGLU", "SiLU", "SiTUGLU", "SReGLU",
            "SReLU", "SwiGLU"]
