@@ -10,8 +10,8 @@ The operations are ordinary modules: each GEMM runs through a `QuantizedGemm` as
 `Sequential` compiles into one graph with torch.compile, where inductor fuses what TE's fuser
 fuses by hand. The collectives (`AllGather`, `AllReduce`, `ReduceScatter`) run the package's
 tensor-parallel collective ops. Not built yet: tensor parallelism inside `BasicLinear` /
-`Linear`, TE's hand-fused operations and the `register_*_fusion` hooks, `GroupedLinear`, and user
-operations written against TE's `op_forward` / `op_backward` contract.
+`Linear`, TE's hand-fused operations and the `register_*_fusion` hooks, and user operations written
+against TE's `op_forward` / `op_backward` contract.
 """
 from . import basic
 from .basic import *  # noqa: F401,F403  (every basic operation, listed once in basic.__all__)
@@ -25,7 +25,6 @@ __all__ = ["Sequential", "Linear", "BasicOperation", "FusedOperation", "FusibleO
 _NOT_BUILT = {
     **dict.fromkeys(("register_forward_fusion", "register_backward_fusion", "register_forward_backward_fusion",
                      "fused"), "TE's hand-fused operations (torch.compile fuses a Sequential instead)"),
-    "GroupedLinear": "this operation",
 }
 
 
