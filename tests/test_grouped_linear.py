@@ -468,3 +468,33 @@ def test_cuda_inductor_tensor_splits_one_graph(rid, capture_scalars):
         torch.testing.assert_close(y, y_e, rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(dx, dx_e, rtol=2e-2, atol=2e-2)
     assert graph_breaks() == 0 and unique_graphs() == 1
+
+
+@pytest.mark.parametrize("recipe_id", ["delayed", "current", "mxfp8", "nvfp4"])
+def test_quantized_model_init_stores_each_expert_quantized(recipe_id):
+    """Inside quantized_model_init every expert's weight is stored quantized, as te.Linear's is: the
+    grouped layer gives the bits of a per-expert te.Linear loop sharing those stored weights,
+    forward and backward; without a recipe it says the weight is quantized."""
+    from transformer_engine_proto.tensor.quantized_tensor import QuantizedTensor
+
+    recipe = RECIPES[recipe_id]
+    torch.manual_seed(0)
+    with te.quantized_model_init(recipe=recipe):
+        g = te.GroupedLinear(N, K, OUT, bias=False, params_dtype=torch.bfloat16)
+        refs = [te.Linear(K, OUT, bias=False, params_dtype=torch.bfloat16) for _ in range(N)]
+    assert all(isinstance(w, QuantizedTensor) for w in g.weights)
+    for i, r in enumerate(refs):
+        r.weight = getattr(g, f"weight{i}")  # the same stored parameter
+    splits = [32, 0, 64]
+    x = torch.randn(sum(splits), K, dtype=torch.bfloat16)
+    xg, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with recipe_ctx(recipe):
+        y = g(xg, splits)
+        ref = torch.cat([r(xi) for r, xi in zip(refs, xr.split(splits))])
+    assert torch.equal(y, ref)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    ref.backward(dy)
+    assert torch.equal(xg.grad, xr.grad)
+    with pytest.raises(RuntimeError, match="the weight is quantized"):
+        g(x, splits)

@@ -42,6 +42,7 @@ from .base import TransformerEngineBaseModule
 from .fp8_state import FP8StateCheckpoint
 from .linear import _init_weight
 from .quantized_gemm import QuantizedGemm
+from .quantized_params import quantize_new_weights
 
 __all__ = ["GroupedLinear", "grouped_mm_supported"]
 
@@ -216,6 +217,13 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
             b = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
             self.register_parameter(f"bias{i}", b)
         self.gemms = nn.ModuleList(QuantizedGemm(device) for _ in range(num_gemms))
+        quantize_new_weights(self)  # inside quantized_model_init: each expert's weight is stored quantized
+
+    def _stored_quantized(self) -> bool:
+        """Whether the weights are stored quantized (quantized_model_init): the per-expert GEMMs read them."""
+        from ..tensor.quantized_tensor import QuantizedTensor
+
+        return isinstance(self.weight0, QuantizedTensor)
 
     @property
     def weights(self) -> List[torch.Tensor]:
@@ -316,8 +324,9 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
                                     f"{shape_str(inp)}")
         tokens = inp.shape[0]
         recipe = get_fp8_recipe()
-        grouped = recipe is None and self.use_grouped_tensor is not False and grouped_mm_supported(
-            inp.device, inp.dtype, self.in_features, self.out_features) and inp.dtype == self.weight0.dtype
+        grouped = (recipe is None and self.use_grouped_tensor is not False and not self._stored_quantized()
+                   and grouped_mm_supported(inp.device, inp.dtype, self.in_features, self.out_features)
+                   and inp.dtype == self.weight0.dtype)
         refusal = None
         if torch.compiler.is_dynamo_compiling() and not grouped:
             refusal = self._graph_sizes_refusal(inp.device, recipe is not None)
