@@ -102,6 +102,12 @@ def test_bad_quantizer_arguments():
         Float8Quantizer(torch.ones(1), torch.zeros(1, dtype=torch.float16))
     with pytest.raises(RuntimeError, match="scale/amax"):
         Float8Quantizer(torch.ones(1), torch.zeros(1)).stateless().quantize(torch.ones(2, 2))
+    with pytest.raises(TypeError, match="scale"):
+        Float8Quantizer(torch.ones(1, dtype=torch.bool), torch.zeros(1))
+    # a real scale of another dtype (TE's tests pass torch.tensor([1])) is read as float32
+    q = Float8Quantizer(torch.tensor([2]), torch.zeros(1))
+    assert q.scale.dtype == torch.float32 and q.scale.item() == 2.0
+    assert q.quantize(torch.tensor([[3.0]])).dequantize().item() == 3.0
 
 
 def test_transpose_and_usage_are_exact_relayouts():

@@ -498,3 +498,27 @@ def test_quantized_model_init_stores_each_expert_quantized(recipe_id):
     assert torch.equal(xg.grad, xr.grad)
     with pytest.raises(RuntimeError, match="the weight is quantized"):
         g(x, splits)
+
+
+def test_an_nd_input_splits_its_flattened_rows():
+    """As TE: a [b, s, in] input is split along its b * s rows; the output is [b, s, out]."""
+    g, refs = _pair()
+    x = torch.randn(4, 6, K)
+    splits = [10, 0, 14]
+    out = g(x, splits)
+    assert out.shape == (4, 6, OUT)
+    assert torch.equal(out, g(x.reshape(-1, K), splits).view(4, 6, OUT))
+    g.return_bias = True
+    out, biases = g(x, splits)
+    assert out.shape == (4, 6, OUT) and len(biases) == N
+    with pytest.raises(ValueError, match="GroupedLinear takes an input"):
+        g(torch.randn(K), [1, 0, 0])
+
+
+def test_a_weight_stored_for_another_recipe_is_named():
+    """A weight stored by quantized_model_init under one recipe, run under another: TE's words."""
+    with te.quantized_model_init(recipe=RECIPES["mxfp8"]):
+        g = te.GroupedLinear(N, K, OUT, params_dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="Recipe mismatch for the weight: it is stored quantized as a MXFP8Tensor"):
+        with recipe_ctx(RECIPES["current"]):
+            g(torch.randn(8, K, dtype=torch.bfloat16), [8, 0, 0])

@@ -118,3 +118,31 @@ def test_nvfp4_recipe_state_quantizers_by_role():
     assert [q.nvfp4_use_4over6 for q in bwd] == [False, True, False, False]
     with pytest.raises(TypeError, match="NVFP4BlockScaling"):
         NVFP4BlockScalingRecipeState(R.MXFP8BlockScaling(), mode="forward")
+
+
+def test_module_quantizers_follow_the_recipe_and_a_type_change_warns():
+    """`module.quantizers` (TE's per-GEMM scaling_fwd / scaling_bwd lists) are the last recipe's;
+    a forward under a recipe of another type warns once, TE's words, and the same type again does
+    not."""
+    import warnings
+
+    from transformer_engine_proto.tensor import Float8BlockQuantizer, Float8Quantizer
+
+    lin = te.LayerNormMLP(32, 64, device="cpu")
+    assert lin.quantizers == {"scaling_fwd": [], "scaling_bwd": []}
+    x = torch.randn(8, 32)
+    with te.autocast(recipe=R.DelayedScaling()):
+        lin(x)
+    q = lin.quantizers
+    assert len(q["scaling_fwd"]) == 6 and len(q["scaling_bwd"]) == 4  # two GEMMs
+    assert all(isinstance(t, Float8Quantizer) for t in q["scaling_fwd"] + q["scaling_bwd"])
+    assert q["scaling_bwd"][0].fp8_dtype == torch.float8_e5m2  # HYBRID: gradients in E5M2
+    with pytest.warns(UserWarning, match="Recipe type changed from DelayedScaling to Float8BlockScaling"):
+        with te.autocast(recipe=R.Float8BlockScaling()):
+            lin(torch.randn(128, 32))
+    assert all(isinstance(t, Float8BlockQuantizer) for t in lin.quantizers["scaling_fwd"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with te.autocast(recipe=R.Float8BlockScaling(fp8_format=R.Format.E4M3)):
+            lin(torch.randn(128, 32))
+        lin(torch.randn(128, 32))  # no recipe: no type to compare

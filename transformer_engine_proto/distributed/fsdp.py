@@ -315,8 +315,10 @@ def gathered_weight_cache(owner: str, weight: QuantizedTensor, key: str, is_firs
                          "quantized all-gather or quantized_model_init): it is quantized already")
     names = _weight_cache_names(key, tuple(weight.shape))
     if type(weight).__qualname__ != names[0]:
-        raise RuntimeError(f"{owner}: the gathered weight is a {type(weight).__name__}, recipe {key} "
-                           f"takes a {names[0]}")
+        raise RuntimeError(f"{owner}: Recipe mismatch for the weight: it is stored quantized as a "
+                           f"{type(weight).__name__} (quantized_model_init or an FSDP2 quantized all-gather), "
+                           f"recipe {key} takes a {names[0]}; check the recipes given to quantized_model_init() "
+                           "and autocast()")
     q = weight._quantizer
     stored = _stored_buffer_names(key, tuple(weight.shape), q.rowwise_usage, q.columnwise_usage)
     buffers = {n: getattr(weight, n) for n in stored}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import warnings
 from typing import Optional
 
 import torch
@@ -76,12 +77,24 @@ class TransformerEngineBaseModule(GemmOwner, nn.Module):
         if inp.dim() < 1 or inp.shape[-1] != features:
             raise_error(ValueError, f"{self.name}: {what} last dim must be {features}, "
                                     f"got shape {shape_str(inp)}")
-        if get_fp8_recipe() is not None:
+        recipe = get_fp8_recipe()
+        if recipe is not None:
             self._check_recipe_shapes()
+            if not torch.compiler.is_compiling():
+                self._note_recipe_type(type(recipe))
         # ---- precision debug tools: name this module's GEMMs for TE's debug API calls
         if _debug_state.SESSION.active:
             _debug_state.begin_forward(self)
         # ---- end debug
+
+    def _note_recipe_type(self, recipe_type: type) -> None:
+        """TE's warning when a module's recipe changes type between forwards (state built for the
+        old recipe, a stored weight's format, no longer match); once per change, eager forwards."""
+        previous = self.__dict__.get("_forward_recipe_type")
+        if previous is not None and not (issubclass(recipe_type, previous) or issubclass(previous, recipe_type)):
+            warnings.warn(f"{self.name}: Recipe type changed from {previous.__name__} to {recipe_type.__name__}. "
+                          "This may affect model behavior.", UserWarning, stacklevel=4)
+        self.__dict__["_forward_recipe_type"] = recipe_type
 
     def _check_recipe_shapes(self) -> None:
         """Fail early, naming the module, when a recipe's blocks do not divide a weight."""

@@ -41,6 +41,20 @@ class FP8StateCheckpoint:
                                                    amax_history=state[f"amax_history_{way}"])
         return meta
 
+    @property
+    def quantizers(self) -> dict:
+        """TE's `module.quantizers`: the quantizers of the recipe autocast last prepared this module
+        for, per GEMM `scaling_fwd` (input, weight, output) and `scaling_bwd` (grad_output,
+        grad_input); empty lists before any. The output and grad-input slots hold quantizers of the
+        recipe's formats that nothing uses here (no GEMM output is quantized)."""
+        from ..tensor.recipe_quantizers import quantizers_for_recipe
+
+        if self._last_recipe is None:
+            return {"scaling_fwd": [], "scaling_bwd": []}
+        q = quantizers_for_recipe(self._last_recipe)
+        n = len(self.gemm_weights())
+        return {"scaling_fwd": [q.input, q.weight, q.input] * n, "scaling_bwd": [q.grad_output, q.grad_output] * n}
+
     def _te_fp8_state(self) -> dict:
         fwd_scale, fwd_hist, bwd_scale, bwd_hist = [], [], [], []
         ours = {name: [] for name in _OURS}

@@ -308,9 +308,11 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
         Parameters
         ----------
         inp : torch.Tensor
-            [tokens, in_features], the tokens grouped by expert, float32, bfloat16 or float16.
+            [tokens, in_features], the tokens grouped by expert, float32, bfloat16 or float16. An
+            input of more dims is split along its flattened leading dims, as in TE: the output is
+            [-1, *inp.shape[1:-1], out_features].
         m_splits : list of int or torch.Tensor
-            `num_gemms` row counts summing to `tokens` (empty experts allowed): a list (TE's API)
+            `num_gemms` row counts summing to `tokens` (the flattened rows; empty experts allowed): a list (TE's API)
             or a 1-D integer tensor (under torch.compile, with
             `torch._dynamo.config.capture_scalar_outputs = True`, a new split then reuses the
             graph). A wrong count or sum is a `ValueError` naming the layer.
@@ -320,8 +322,12 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
         """
         self._check_input(inp, self.in_features)
         if inp.dim() != 2:
-            raise_error(ValueError, f"{self.name}: GroupedLinear takes a 2-D input [tokens, in_features], got shape "
-                                    f"{shape_str(inp)}")
+            if inp.dim() < 2:
+                raise_error(ValueError, f"{self.name}: GroupedLinear takes an input [tokens, in_features], got shape "
+                                        f"{shape_str(inp)}")
+            out = self.forward(inp.reshape(-1, self.in_features), m_splits, is_first_microbatch)
+            unflatten = lambda t: t.view(-1, *inp.shape[1:-1], self.out_features)  # noqa: E731
+            return (unflatten(out[0]), out[1]) if self.return_bias else unflatten(out)
         tokens = inp.shape[0]
         recipe = get_fp8_recipe()
         grouped = (recipe is None and self.use_grouped_tensor is not False and not self._stored_quantized()

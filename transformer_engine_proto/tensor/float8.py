@@ -205,12 +205,19 @@ class Float8Quantizer(_Float8QuantizerBase):
 
     def __post_init__(self):
         _check_fp8_dtype(self.fp8_dtype)
+        scale = self.scale
+        if (isinstance(scale, torch.Tensor) and scale.numel() == 1 and scale.dtype != torch.float32
+                and not scale.dtype.is_complex and scale.dtype != torch.bool):
+            # an integer / other float scale (TE's tests pass torch.tensor([1])): read as float32, a
+            # copy (the scale is only read; amax, which quantize writes, must be float32 itself)
+            object.__setattr__(self, "scale", scale.float())
         for name in ("scale", "amax"):
             t = getattr(self, name)
             if t is None:
                 continue  # a stateless description (what tensors carry as metadata)
             if not isinstance(t, torch.Tensor) or t.numel() != 1 or t.dtype != torch.float32:
-                raise TypeError(f"Float8Quantizer.{name} must be a float32 tensor with one element")
+                raise TypeError(f"Float8Quantizer.{name} must be a float32 tensor with one element"
+                                + (" (a real-valued scale of another dtype is converted)" if name == "scale" else ""))
         _check_scale_value(self.scale)
 
     def stateless(self) -> "Float8Quantizer":
