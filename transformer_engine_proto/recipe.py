@@ -6,6 +6,7 @@ as a constant and guards on it, and `autocast` can detect a recipe changed mid-r
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, NamedTuple, Optional, Union
@@ -89,6 +90,13 @@ class Recipe:
     def custom(self) -> bool:
         return isinstance(self, CustomRecipe)
 
+    def high_precision_gemms(self) -> frozenset:
+        """The GEMMs this recipe itself keeps in high precision: with TE's
+        `backward_override="high_precision"` the backward ones (dgrad, wgrad), which then read the
+        original operands; none otherwise."""
+        return frozenset({"dgrad", "wgrad"}) if getattr(self, "backward_override", None) == "high_precision" \
+            else frozenset()
+
 
 def require_recipe(recipe, where: str) -> None:
     """A TypeError naming `where` unless `recipe` is a Recipe instance; a Recipe class (the
@@ -99,6 +107,35 @@ def require_recipe(recipe, where: str) -> None:
         raise TypeError(f"{where}: got the recipe class {recipe.__name__}; pass an instance: {recipe.__name__}()")
     raise TypeError(f"{where}: recipe must be a transformer_engine_proto.recipe.Recipe instance, "
                     f"got {type(recipe).__name__}")
+
+
+_BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
+
+
+def _default_backward_override() -> Optional[str]:
+    """TE's default: the NVTE_BACKWARD_OVERRIDE environment variable, else None."""
+    return os.environ.get("NVTE_BACKWARD_OVERRIDE") or None
+
+
+def _backward_override_field():
+    return field(default_factory=_default_backward_override)
+
+
+def _check_backward_override(recipe) -> None:
+    """TE's backward precision modes: None (backward in the recipe's format) or "high_precision"
+    (dgrad and wgrad on the original high-precision operands). "dequantized" (backward on the
+    forward's quantized operands, dequantized) is not built; delayed scaling allows only None, as
+    in TE."""
+    value, name = recipe.backward_override, type(recipe).__name__
+    if value not in _BACKWARD_OVERRIDES:
+        raise ValueError(f"{name}.backward_override must be None, 'high_precision' or 'dequantized' "
+                         f"(NVTE_BACKWARD_OVERRIDE), got {value!r}")
+    if value is not None and isinstance(recipe, DelayedScaling):
+        raise ValueError(f"DelayedScaling supports backward_override=None only (as in TE), got {value!r}")
+    if value == "dequantized":
+        raise NotImplementedError(f"{name}: backward_override='dequantized' (backward GEMMs on the forward's "
+                                  "quantized operands, dequantized) is not supported; 'high_precision' runs "
+                                  "them on the original operands")
 
 
 def _check_format(fmt) -> None:
@@ -139,9 +176,11 @@ class DelayedScaling(Recipe):
     reduce_amax: bool = True
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    backward_override: Optional[str] = _backward_override_field()
 
     def __post_init__(self):
         _check_format(self.fp8_format)
+        _check_backward_override(self)
         if not callable(self.amax_compute_algo) and self.amax_compute_algo not in ("max", "most_recent"):
             raise ValueError(
                 f"amax_compute_algo must be 'max', 'most_recent' or a callable, got {self.amax_compute_algo!r}"
@@ -167,9 +206,11 @@ class Float8CurrentScaling(Recipe):
     margin: int = 0
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    backward_override: Optional[str] = _backward_override_field()
 
     def __post_init__(self):
         _check_format(self.fp8_format)
+        _check_backward_override(self)
         _check_margin(self)
         _check_qparams(self)
 
@@ -182,9 +223,11 @@ class MXFP8BlockScaling(Recipe):
     fp8_format: Format = Format.E4M3
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    backward_override: Optional[str] = _backward_override_field()
 
     def __post_init__(self):
         _check_format(self.fp8_format)
+        _check_backward_override(self)
         if self.margin != 0:  # kept for TE's signature; a nonzero margin would otherwise be ignored silently
             raise ValueError(f"MXFP8BlockScaling.margin is not used (MXFP8 block scales are powers of two "
                              f"rounded up from each block's amax, so blocks never overflow); got margin="
@@ -205,9 +248,11 @@ class Float8BlockScaling(Recipe):
     grad_block_scaling_dim: int = 1
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    backward_override: Optional[str] = _backward_override_field()
 
     def __post_init__(self):
         _check_format(self.fp8_format)
+        _check_backward_override(self)
         _check_qparams(self)
         for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
             if getattr(self, name) not in (1, 2):
@@ -244,8 +289,10 @@ class NVFP4BlockScaling(Recipe):
     nvfp4_4over6: str = "none"
     nvfp4_4over6_e4m3_use_256: str = "all"
     nvfp4_4over6_err_mode: str = "MAE"
+    backward_override: Optional[str] = _backward_override_field()
 
     def __post_init__(self):
+        _check_backward_override(self)
         if self.fp4_format == "E2M1":  # the string this package took before TE's Format.E2M1
             object.__setattr__(self, "fp4_format", Format.E2M1)
         if self.fp4_format is not Format.E2M1:
@@ -308,8 +355,10 @@ class CustomRecipe(Recipe):
     fp8_dpa: bool = False
     fp8_mha: bool = False
     quantization_alignment: int = 128
+    backward_override: Optional[str] = _backward_override_field()
 
     def __post_init__(self):
+        _check_backward_override(self)
         if not callable(self.qfactory):
             raise TypeError(f"CustomRecipe: qfactory must be callable, got {type(self.qfactory).__name__}")
         if self.quantization_alignment <= 0:

@@ -44,6 +44,8 @@ class RecipeKey:
             return key
         key = repr(recipe)
         _RECIPES[key] = recipe
+        # the GEMMs the recipe itself keeps in high precision (TE's backward_override)
+        key = RecipeKey.with_high_precision_gemms(key, recipe.high_precision_gemms())
         _LAST[:] = recipe, key
         return key
 
@@ -59,8 +61,9 @@ class RecipeKey:
     def with_high_precision_gemms(key: str, gemms: Iterable[str]) -> str:
         """The key of `key`'s recipe with `gemms` (of "fprop", "dgrad", "wgrad") run in high
         precision: what a Linear op gets when a per-GEMM precision choice keeps some of its GEMMs
-        out of the recipe's format. `key` itself when there are none (or the recipe is off)."""
-        gemms = set(gemms)
+        out of the recipe's format, besides those `key` keeps already. `key` itself when there are
+        none (or the recipe is off)."""
+        gemms = set(gemms) | RecipeKey.high_precision_gemms(key)  # the recipe's own stay
         unknown = gemms - set(GEMMS)
         if unknown:
             raise ValueError(f"high-precision GEMMs {sorted(unknown)}: expected names among {GEMMS}")

@@ -254,6 +254,7 @@ def _check_stored_weight_precision(op_key: str) -> None:
     """A weight stored quantized has no high-precision copy for fprop / dgrad to read."""
     if RecipeKey.high_precision_gemms(op_key) & {"fprop", "dgrad"}:
         raise_error(NotImplementedError,
-                    "fprop / dgrad pinned to bf16 (pin_gemm_precision) on a weight stored quantized "
+                    "fprop / dgrad pinned to bf16 (pin_gemm_precision, or dgrad by the recipe's "
+                    "backward_override='high_precision') on a weight stored quantized "
                     "(quantized_model_init or an FSDP2 quantized all-gather): the weight exists only "
                     "quantized; unpin them for this layer")
