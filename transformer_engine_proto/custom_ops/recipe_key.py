@@ -6,7 +6,9 @@ torch.compile bakes into the graph as a constant (and guards on). The grammar:
     high_precision                                      no recipe: every GEMM in high precision
     <repr(recipe)>                                      a registered recipe (frozen dataclass repr)
     <repr(recipe)>|high_precision_gemms=<g>[+<g>...]    that recipe, the named GEMMs (of fprop,
-                                                        dgrad, wgrad) kept in high precision
+                                                        dgrad, wgrad) kept in high precision (by the
+                                                        recipe's backward_override or a per-GEMM
+                                                        precision choice)
 
 Every key is built here (`of`, `with_high_precision_gemms`) and read here (`recipe`, `quantizers`,
 `base`, `high_precision_gemms`). A derived recipe (e.g. TP amax reduction's) is a recipe of its
