@@ -20,7 +20,6 @@ from .. import recipe as R
 from ..kernels import kernel
 from ..kernels.reference.common import FP8_MAX
 from ..kernels.reference.delayed_scaling import fold_pending_grad_amax as _fold
-from ..kernels.reference.delayed_scaling import keep_finite as _keep_finite
 from ..kernels.reference.delayed_scaling import update_from_history
 from .saved_state import saved_state
 
@@ -97,15 +96,13 @@ class DelayedScalingState:
                 recipe.amax_compute_algo == "most_recent", fwd_max, bwd_max, recipe.margin)
             return
         update_from_history(self.fp8_scale, self.amax_history, recipe, fwd_max, pin=saved_state)
-        slot = self.grad_amax_history[0]
-        before = slot.clone()
-        fold_pending_grad_amax(self.grad_amax_history, self.grad_amax_state())
-        _keep_finite(slot, slot, before, self.nonfinite_amax_count[2:3])
+        fold_pending_grad_amax(self.grad_amax_history, self.grad_amax_state(), self.nonfinite_amax_count[2:3])
         update_from_history(self.grad_fp8_scale, self.grad_amax_history, recipe, bwd_max, pin=saved_state)
 
     def record_amax(self, amax: torch.Tensor, first: int = 0) -> None:
         """History slot 0, columns first.. (0 input, 1 weight), takes the max with `amax`, except
-        where `amax` is inf/NaN: that one is counted instead (`_keep_finite`). Eager: one launch."""
+        where `amax` is inf/NaN: that one is counted instead (`reference.delayed_scaling.keep_finite`).
+        Eager: one launch."""
         cols = slice(first, first + amax.shape[0])
         record = kernel("delayed_record_amax", _eager_device(amax))
         record(self.amax_history[0, cols], amax, self.nonfinite_amax_count[cols])
@@ -170,9 +167,10 @@ def record_grad_amax(state: Sequence[torch.Tensor], amax: torch.Tensor) -> None:
     kernel("delayed_record_grad_amax", _eager_device(amax))(pending, seen, amax)
 
 
-def fold_pending_grad_amax(history: torch.Tensor, state: Sequence[torch.Tensor]) -> None:
-    """Forward's half: move an amax recorded since the last fold into history slot 0."""
-    _fold(history, *state)
+def fold_pending_grad_amax(history: torch.Tensor, state: Sequence[torch.Tensor], count: torch.Tensor) -> None:
+    """Forward's half: move an amax recorded since the last fold into history slot 0 (an inf/NaN
+    one is counted in `count`, not kept)."""
+    _fold(history, *state, count)
 
 
 def _eager_device(t: torch.Tensor):

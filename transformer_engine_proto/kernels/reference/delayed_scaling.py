@@ -50,27 +50,38 @@ def keep_finite(slot: torch.Tensor, new: torch.Tensor, fallback: torch.Tensor, c
     count.add_((~ok).to(count.dtype))
 
 
-def fold_pending_grad_amax(history: torch.Tensor, pending: torch.Tensor, seen: torch.Tensor) -> None:
+def fold_pending_grad_amax(history: torch.Tensor, pending: torch.Tensor, seen: torch.Tensor,
+                           count: torch.Tensor) -> None:
     """Move the gradient amax backward recorded since the last fold (`pending`: [amax, generation];
-    new when its generation differs from `seen`) into history slot 0; an inf/NaN one is counted by
-    the caller's `keep_finite`."""
-    new = pending[1:2] != seen
-    history[0].copy_(torch.where(new, torch.maximum(history[0], pending[0:1]), history[0]))
+    new when its generation differs from `seen`) into history slot 0, except an inf/NaN result,
+    which is counted in `count` and left out (`keep_finite`)."""
+    slot = history[0]
+    folded = torch.where(pending[1:2] != seen, torch.maximum(slot, pending[0:1]), slot)
+    keep_finite(slot, folded, slot, count)
     seen.copy_(pending[1:2])
 
 
 def update_from_history(scale: torch.Tensor, amax_history: torch.Tensor, recipe, fp8_max: float,
                         pin=lambda t: t) -> None:
-    """One history's step, in place: `scale` from the first `recipe.amax_history_len` rows by
-    the recipe (`amax_compute_algo`, `margin` or `scaling_factor_compute_algo`), then the roll.
-    `pin` wraps the new scale before it is written (under torch.compile: `saved_state`, so
-    backward reads this step's scale)."""
-    history = amax_history[: recipe.amax_history_len]
-    amax = history_amax(history, recipe.amax_compute_algo)
-    if recipe.scaling_factor_compute_algo is not None:
-        new = recipe.scaling_factor_compute_algo(amax, scale, fp8_max, recipe).to(scale.dtype).expand_as(scale)
+    """One history's step by a recipe, in place: `update_scale_and_roll` over its first
+    `recipe.amax_history_len` rows with its `amax_compute_algo`, `margin` or
+    `scaling_factor_compute_algo`."""
+    scaling = recipe.scaling_factor_compute_algo
+    scale_of = None if scaling is None else (lambda amax: scaling(amax, scale, fp8_max, recipe))
+    update_scale_and_roll(scale, amax_history[: recipe.amax_history_len], recipe.amax_compute_algo, fp8_max,
+                          recipe.margin, scale_of, pin)
+
+
+def update_scale_and_roll(scale: torch.Tensor, history: torch.Tensor, algo, fp8_max: float, margin: int,
+                          scale_of=None, pin=lambda t: t) -> None:
+    """`scale` from the history's amax (by `algo`) with TE's rule, or the recipe's `scale_of(amax)`;
+    then the roll. `pin` wraps the new scale before it is written (under torch.compile:
+    `saved_state`, so backward reads this step's scale)."""
+    amax = history_amax(history, algo)
+    if scale_of is None:
+        new = scale_from_history_amax(scale, amax, fp8_max, margin)
     else:
-        new = scale_from_history_amax(scale, amax, fp8_max, recipe.margin)
+        new = scale_of(amax).to(scale.dtype).expand_as(scale)
     scale.copy_(pin(new))
     roll_history(history)
 
@@ -101,12 +112,7 @@ def delayed_scaling_update(fp8_scale: torch.Tensor, amax_history: torch.Tensor, 
     """A step's update of one GEMM's state with TE's built-in rules, in place (the spec of the
     one-launch Triton kernel): fold the pending gradient amax (an inf/NaN one counted in
     `nonfinite_count[2]` and left out), then both scales from their histories, then both rolls."""
-    slot = grad_amax_history[0]
-    before = slot.clone()
-    fold_pending_grad_amax(grad_amax_history, grad_amax_pending, grad_amax_seen)
-    keep_finite(slot, slot, before, nonfinite_count[2:3])
+    fold_pending_grad_amax(grad_amax_history, grad_amax_pending, grad_amax_seen, nonfinite_count[2:3])
+    algo = "most_recent" if most_recent else "max"
     for scale, history, fp8_max in ((fp8_scale, amax_history, fwd_max), (grad_fp8_scale, grad_amax_history, bwd_max)):
-        history = history[:history_len]
-        amax = history_amax(history, "most_recent" if most_recent else "max")
-        scale.copy_(scale_from_history_amax(scale, amax, fp8_max, margin))
-        roll_history(history)
+        update_scale_and_roll(scale, history[:history_len], algo, fp8_max, margin)
