@@ -32,6 +32,7 @@ import gc
 import os
 import sys
 import time
+from typing import Optional
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 for _p in (_HERE, os.path.dirname(_HERE)):
@@ -126,21 +127,16 @@ def make_variant(variant: str, args, device, dtype):
     return model, recipe
 
 
-def run_variant(variant, mode, args, device, dtype):
-
-    C.reset_compile_state(device)
-    if device.type == "cuda":  # peak memory of this variant: what it allocates beyond what is left over
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    model, recipe = make_variant(variant, args, device, dtype)
+def training_step(model, recipe, variant: str, mode: str, args, device, losses: Optional[list] = None):
+    """The step every Llama benchmark times (a closure): forward under the variant's autocast on a
+    fixed batch, backward, grad clipping, an AdamW step; `mode` "eager" runs `model` itself, else
+    `torch.compile(model, mode=...)`. Appends each loss to `losses` when given."""
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
     fwd = model if mode == "eager" else torch.compile(model, mode=None if mode == "default" else mode)
     g = torch.Generator(device="cpu").manual_seed(1)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
-    losses = []
 
     def step():
         if mode == "reduce-overhead":
@@ -151,7 +147,22 @@ def run_variant(variant, mode, args, device, dtype):
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
+        if losses is not None:
+            losses.append(loss.detach())
+
+    return step
+
+
+def run_variant(variant, mode, args, device, dtype):
+
+    C.reset_compile_state(device)
+    if device.type == "cuda":  # peak memory of this variant: what it allocates beyond what is left over
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    model, recipe = make_variant(variant, args, device, dtype)
+    losses = []
+    step = training_step(model, recipe, variant, mode, args, device, losses)
 
     t0 = time.perf_counter()
     step()

@@ -30,17 +30,7 @@ import torch  # noqa: E402
 def profile_variant(variant: str, args, device, dtype, log) -> dict:
     C.reset_compile_state(device)
     model, recipe = L.make_variant(variant, args, device, dtype)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
-    ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1)).to(device)
-
-    def step():
-        with C.te_autocast(recipe, variant):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    step = L.training_step(model, recipe, variant, "eager", args, device)
 
     for _ in range(3):
         step()
