@@ -38,6 +38,7 @@ from .. import kernels
 from ..autocast import get_fp8_recipe
 from ..capabilities import default_device
 from ..errors import raise_error, shape_str
+from ..tensor import QuantizedTensor
 from .base import TransformerEngineBaseModule
 from .fp8_state import FP8StateCheckpoint
 from .linear import _init_weight
@@ -219,12 +220,6 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
         self.gemms = nn.ModuleList(QuantizedGemm(device) for _ in range(num_gemms))
         quantize_new_weights(self)  # inside quantized_model_init: each expert's weight is stored quantized
 
-    def _stored_quantized(self) -> bool:
-        """Whether the weights are stored quantized (quantized_model_init): the per-expert GEMMs read them."""
-        from ..tensor.quantized_tensor import QuantizedTensor
-
-        return isinstance(self.weight0, QuantizedTensor)
-
     @property
     def weights(self) -> List[torch.Tensor]:
         return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
@@ -312,8 +307,8 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
             input of more dims is split along its flattened leading dims, as in TE: the output is
             [-1, *inp.shape[1:-1], out_features].
         m_splits : list of int or torch.Tensor
-            `num_gemms` row counts summing to `tokens` (the flattened rows; empty experts allowed): a list (TE's API)
-            or a 1-D integer tensor (under torch.compile, with
+            `num_gemms` row counts summing to `tokens` (the flattened rows; empty experts allowed):
+            a list (TE's API) or a 1-D integer tensor (under torch.compile, with
             `torch._dynamo.config.capture_scalar_outputs = True`, a new split then reuses the
             graph). A wrong count or sum is a `ValueError` naming the layer.
         is_first_microbatch : {None, True, False}, default = None
@@ -330,7 +325,9 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
             return (unflatten(out[0]), out[1]) if self.return_bias else unflatten(out)
         tokens = inp.shape[0]
         recipe = get_fp8_recipe()
-        grouped = (recipe is None and self.use_grouped_tensor is not False and not self._stored_quantized()
+        # weights stored quantized (quantized_model_init) are read by the per-expert GEMMs
+        grouped = (recipe is None and self.use_grouped_tensor is not False
+                   and not isinstance(self.weight0, QuantizedTensor)
                    and grouped_mm_supported(inp.device, inp.dtype, self.in_features, self.out_features)
                    and inp.dtype == self.weight0.dtype)
         refusal = None

@@ -68,7 +68,11 @@ class GroupedLinear(_GroupedLinearModule, BasicOperation):
         super().__init__(num_groups, in_features, out_features, bias=bias,
                          params_dtype=param_dtype("te.ops.GroupedLinear", dtype), device=device,
                          fuse_wgrad_accumulation=accumulate_into_main_grad, delay_wgrad_compute=delay_wgrad_compute)
-        self.num_groups = num_groups
+
+    @property
+    def num_groups(self) -> int:
+        """TE's name for the module's `num_gemms`."""
+        return self.num_gemms
 
     def forward(self, input: torch.Tensor, split_sizes: Union[Sequence[int], torch.Tensor]  # noqa: A002
                 ) -> torch.Tensor:
