@@ -295,23 +295,30 @@ def test_equal_fresh_recipe_each_step_does_not_recompile(make):
 
 def test_delayed_scaling_graph_has_no_float32_division():
     """Inductor lowers an fp32 division on CUDA to Triton's approximate one (up to 2 ulp off eager),
-    so the in-graph delayed-scaling update must divide in float64 (`true_div`). Checked on the
-    forward graph AOT produces: every division there yields float64."""
+    so the update's graph-op form (a recipe with its own amax function) must divide in float64
+    (`true_div`); TE's built-in rules are one op (`te_proto::delayed_scaling_updated`, whose body is
+    the eager kernel). Checked on the forward graphs AOT produces."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
 
-    divisions = []
+    divisions, targets = [], []
 
     def fw(gm, inputs):
         for node in gm.graph.nodes:
-            if node.op == "call_function" and "div" in str(node.target):
-                divisions.append((str(node.target), node.meta["val"].dtype))
+            if node.op == "call_function":
+                targets.append(str(node.target))
+                if "div" in str(node.target):
+                    divisions.append((str(node.target), node.meta["val"].dtype))
         return boxed_nop(gm, inputs)
 
-    fresh_dynamo()
-    m = Linear(64, 64)
-    run = torch.compile(m, fullgraph=True, backend=aot_autograd(fw_compiler=fw, bw_compiler=boxed_nop))
-    with autocast(recipe=R.DelayedScaling(amax_history_len=4)):
-        run(torch.randn(8, 64, requires_grad=True)).sum().backward()
-    assert divisions, "the delayed-scaling update should divide in-graph"
+    for recipe in (R.DelayedScaling(amax_history_len=4), R.DelayedScaling(amax_history_len=4,
+                                                                          amax_compute_algo=lambda h: h.amax(0))):
+        fresh_dynamo()
+        m = Linear(64, 64)
+        run = torch.compile(m, fullgraph=True, backend=aot_autograd(fw_compiler=fw, bw_compiler=boxed_nop))
+        with autocast(recipe=recipe):
+            run(torch.randn(8, 64, requires_grad=True)).sum().backward()
+        if recipe.amax_compute_algo == "max":
+            assert "te_proto.delayed_scaling_updated.default" in targets and not divisions
+    assert divisions, "the graph-op update should divide in-graph"
     assert all(dtype == torch.float64 for _, dtype in divisions), divisions
