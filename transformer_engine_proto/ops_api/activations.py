@@ -6,7 +6,8 @@ row-scaled forms of grouped (MoE) MLPs, `ScaledSReLU`, `ScaledSwiGLU`, `ScaledSi
 
 A gated op splits its input's last dim into halves (a, b) and returns act(a) * b: TE gates the
 first half, where `torch.nn.functional.glu` gates the second. Each op computes in float32 and
-rounds once to the input's dtype, as TE's kernels do; autograd derives the backward.
+rounds once to the input's dtype (torch.autocast's under it), as TE's kernels do; autograd derives
+the backward.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import raise_error
-from .op import BasicOperation
+from .op import BasicOperation, compute_dtype
 
 __all__ = ["ClampedSwiGLU", "GELU", "GEGLU", "GLU", "QGELU", "QGEGLU", "ReLU", "ReGLU", "SReLU", "SReGLU", "SiLU",
            "SiTUGLU", "SwiGLU", "ScaledClampedQGeGLU", "ScaledSReLU", "ScaledSiTUGLU", "ScaledSwiGLU"]
@@ -61,7 +62,7 @@ class _Activation(BasicOperation):
         input : torch.Tensor
             Any shape; gated ops halve the last dim, which must be even.
         """
-        return self._activate(input.float()).to(input.dtype)
+        return self._activate(input.float()).to(compute_dtype(input, input.dtype))
 
     def _activate(self, x: torch.Tensor) -> torch.Tensor:
         """The activation of float32 `x`, in float32."""
@@ -229,7 +230,7 @@ class _RowScaled:
         if tuple(scales.shape) != tuple(input.shape[:-1]):
             raise_error(ValueError, f"{type(self).__name__}: scales must have the input's shape without its last "
                                     f"dim, {tuple(input.shape[:-1])}; got {tuple(scales.shape)}")
-        return (self._activate(input.float()) * scales.float().unsqueeze(-1)).to(input.dtype)
+        return (self._activate(input.float()) * scales.float().unsqueeze(-1)).to(compute_dtype(input, input.dtype))
 
 
 class ScaledSReLU(_RowScaled, SReLU):
