@@ -450,7 +450,6 @@ def test_bad_arguments_give_clear_errors():
         (ValueError, "glu_interleave_size", lambda: ops.SwiGLU(glu_interleave_size=0)),
         (ValueError, "ClampedSwiGLU: limit must be finite and positive", lambda: ops.ClampedSwiGLU(limit=0.0)),
         (ValueError, "SiTUGLU: beta2 must be finite and positive", lambda: ops.SiTUGLU(beta2=float("inf"))),
-        (NotImplementedError, "cache_quantized_input", lambda: ops.GELU(cache_quantized_input=True)),
         (ValueError, "probability", lambda: ops.Dropout(1.5)),
         (ValueError, "at most one -1", lambda: ops.Reshape((-1, -1))),
         (TypeError, "must be a number", lambda: ops.ConstantScale("2")),
