@@ -21,7 +21,8 @@ one internal name. Unless `--no-stubs`, a pytest plugin (STUB_PLUGIN) stands in 
 TE's test code, is a stub whose every use raises `NotImplementedError("te_conformance stub: <name>")`,
 so only the tests that actually use it fail, each in the family of the name it needed (a name our
 module refuses on purpose, like a te.ops op not built yet, keeps its reason). One
-internal that ModelConfig calls at import (`check_set_window_size`) is a small working shim instead.
+internal that ModelConfig calls at import (`check_set_window_size`) is a small working shim instead,
+and a constant the tests use as a value (`_extra_state.UNSAFE_PICKLE_EXTRA_STATE_ENV`) is TE's.
 
     git -C <TE mirror> archive HEAD tests/pytorch | tar -x -C /tmp/te_src
     python benchmarks/te_conformance.py --te-src /tmp/te_src --out /tmp/te_conf --te-commit <sha>
@@ -132,7 +133,10 @@ def check_set_window_size(attn_mask_type, window_size=None):
 
 
 _SHIMS = {"transformer_engine.pytorch.attention.dot_product_attention.utils": {
-    "check_set_window_size": check_set_window_size}}
+    "check_set_window_size": check_set_window_size},
+    # the environment variable's name (a string the tests set and restore), not behaviour
+    "transformer_engine.pytorch._extra_state": {
+    "UNSAFE_PICKLE_EXTRA_STATE_ENV": "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"}}
 sys.meta_path.insert(0, _Finder())
 for _name, _names in _SHIMS.items():
     vars(importlib.import_module(_name)).update(_names)

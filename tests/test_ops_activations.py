@@ -148,3 +148,18 @@ def test_scaled_glus_take_their_parameters_and_refuse_recompute(name):
     with pytest.raises(ValueError, match="does not support activation recomputation"):
         getattr(ops, name)(activation_recompute_in_mlp=True)
     assert ops.ScaledSReLU(activation_recompute_in_mlp=True).activation_recompute_in_mlp
+
+
+@pytest.mark.parametrize("name", ["GELU", "SwiGLU"])
+def test_cache_quantized_input_saves_fp8_and_differentiates_there(name):
+    """cache_quantized_input=True: the same forward; the backward is the activation's gradient at
+    the input's FP8 (E4M3, current scaling) copy, the one TE's op saves."""
+    from transformer_engine_proto.tensor import Float8CurrentScalingQuantizer
+    torch.manual_seed(0)
+    x = _x(8, 32)
+    y, (dx,) = _fwd_bwd(getattr(ops, name)(cache_quantized_input=True), x)
+    _close(y, ACTIVATIONS[name](x))
+    x_fp8 = Float8CurrentScalingQuantizer(torch.float8_e4m3fn)(x.detach()).dequantize().requires_grad_()
+    assert not torch.equal(x_fp8, x)
+    _, (dx_ref,) = _fwd_bwd(ACTIVATIONS[name], x_fp8)
+    _close(dx, dx_ref)

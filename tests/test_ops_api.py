@@ -103,6 +103,21 @@ def test_norm_over_several_trailing_dims():
     _close(op(x), F.layer_norm(x, (4, 8), op.weight, op.bias, 1e-5))
 
 
+@pytest.mark.parametrize("shape", [(4, 8), (8,)])
+def test_norm_of_an_input_with_no_batch_dims(shape):
+    """An input that is exactly `normalized_shape` (one row): forward and backward as torch's."""
+    torch.manual_seed(0)
+    op = ops.LayerNorm(shape)
+    with torch.no_grad():
+        op.weight.normal_()
+        op.bias.normal_()
+    x = _x(*shape)
+    got = _fwd_bwd(lambda t, w, b: op(t), x, op.weight, op.bias)
+    want = _fwd_bwd(lambda t, w, b: F.layer_norm(t, shape, w, b, 1e-5), x, op.weight, op.bias)
+    for a, b in zip((got[0], *got[1]), (want[0], *want[1])):
+        _close(a, b, 1e-4)
+
+
 def test_shape_scale_dropout_quantize_ops():
     torch.manual_seed(0)
     x = _x(4, 6)
@@ -435,7 +450,6 @@ def test_bad_arguments_give_clear_errors():
         (ValueError, "glu_interleave_size", lambda: ops.SwiGLU(glu_interleave_size=0)),
         (ValueError, "ClampedSwiGLU: limit must be finite and positive", lambda: ops.ClampedSwiGLU(limit=0.0)),
         (ValueError, "SiTUGLU: beta2 must be finite and positive", lambda: ops.SiTUGLU(beta2=float("inf"))),
-        (NotImplementedError, "cache_quantized_input", lambda: ops.GELU(cache_quantized_input=True)),
         (ValueError, "probability", lambda: ops.Dropout(1.5)),
         (ValueError, "at most one -1", lambda: ops.Reshape((-1, -1))),
         (TypeError, "must be a number", lambda: ops.ConstantScale("2")),

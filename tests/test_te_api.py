@@ -65,3 +65,10 @@ def test_capability_queries_by_compute_capability(monkeypatch, cc, expect):
             assert f"{cc[0]}.{cc[1]}" in reason
         else:
             assert reason == ""
+
+
+def test_quantizer_role_is_a_top_level_name():
+    """TE exports `QuantizerRole` from `transformer_engine.pytorch` (its tests build one per weight)."""
+    from transformer_engine_proto.quantization import QuantizerRole
+    assert te.QuantizerRole is QuantizerRole
+    assert te.QuantizerRole(tensor_type="weight").tensor_type == "weight"

@@ -84,6 +84,14 @@ def test_te_only_quantizer_options_are_refused_not_ignored():
         te.MXFP8Quantizer(DType.kFloat8E4M3, fp8_dtype=DType.kFloat8E5M2)
 
 
+def test_nvfp4_random_sign_mask_off_is_taken_without_an_rht():
+    """TE's tests pass with_random_sign_mask=False with with_rht=False: no RHT, nothing to mask."""
+    q = te.NVFP4Quantizer(with_rht=False, with_random_sign_mask=False)
+    assert q == te.NVFP4Quantizer()
+    with pytest.raises(NotImplementedError, match="with_random_sign_mask=False"):
+        te.NVFP4Quantizer(with_rht=True, with_random_sign_mask=False)
+
+
 def test_quantized_tensors_answer_te_attribute_names():
     x = torch.randn(64, 128)
     f8 = te.Float8CurrentScalingQuantizer(DType.kFloat8E4M3)(x)

@@ -42,7 +42,7 @@ from .module import (  # noqa: F401  # noqa: F401
 )
 from .module.precision_report import pin_gemm_precision, precision_report  # noqa: F401
 from .precision.policy import GemmPolicy  # noqa: F401
-from .quantization import fp8_model_init, get_default_recipe, quantized_model_init  # noqa: F401
+from .quantization import QuantizerRole, fp8_model_init, get_default_recipe, quantized_model_init  # noqa: F401
 from .recompute import checkpoint  # noqa: F401
 from .tensor import (  # noqa: F401  # noqa: F401  # noqa: F401
                            Float8BlockQuantizer,

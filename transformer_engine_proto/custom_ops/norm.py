@@ -79,6 +79,8 @@ def norm(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], 
         raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
     if normalization == "RMSNorm" and bias is not None:
         raise ValueError("RMSNorm has no bias")
+    if inp.dim() == 1:  # the kernels reduce over rows for the weight gradient: a 1-D input is one row
+        return norm(inp.unsqueeze(0), weight, bias, eps, normalization, zero_centered_gamma).squeeze(0)
     out, _, _ = _norm_fwd_call(inp, weight, bias, float(eps), normalization, zero_centered_gamma)
     return out
 

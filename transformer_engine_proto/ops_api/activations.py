@@ -6,7 +6,8 @@ row-scaled forms of grouped (MoE) MLPs, `ScaledSReLU`, `ScaledSwiGLU`, `ScaledSi
 
 A gated op splits its input's last dim into halves (a, b) and returns act(a) * b: TE gates the
 first half, where `torch.nn.functional.glu` gates the second. Each op computes in float32 and
-rounds once to the input's dtype, as TE's kernels do; autograd derives the backward.
+rounds once to the input's dtype (torch.autocast's under it), as TE's kernels do; autograd derives
+the backward.
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import raise_error
-from .op import BasicOperation
+from .fp8_saved_input import activation_with_fp8_saved_input
+from .op import BasicOperation, compute_dtype
 
 __all__ = ["ClampedSwiGLU", "GELU", "GEGLU", "GLU", "QGELU", "QGEGLU", "ReLU", "ReGLU", "SReLU", "SReGLU", "SiLU",
            "SiTUGLU", "SwiGLU", "ScaledClampedQGeGLU", "ScaledSReLU", "ScaledSiTUGLU", "ScaledSwiGLU"]
@@ -43,11 +45,7 @@ class _Activation(BasicOperation):
 
     def __init__(self, *, cache_quantized_input: bool = False) -> None:
         super().__init__()
-        if cache_quantized_input:
-            raise NotImplementedError(
-                f"{type(self).__name__}: cache_quantized_input=True (saving the input in FP8 for backward) "
-                "is not supported; the input is saved in its own precision")
-        self.cache_quantized_input = False
+        self.cache_quantized_input = bool(cache_quantized_input)
 
     def _gate_layout(self, x: torch.Tensor) -> torch.Tensor:
         """The input as [gates | values] along the last dim (SwiGLU's interleaved layout overrides)."""
@@ -61,7 +59,10 @@ class _Activation(BasicOperation):
         input : torch.Tensor
             Any shape; gated ops halve the last dim, which must be even.
         """
-        return self._activate(input.float()).to(input.dtype)
+        dtype = compute_dtype(input, input.dtype)
+        if self.cache_quantized_input:
+            return activation_with_fp8_saved_input(lambda x: self._activate(x.float()).to(dtype), input.to(dtype))
+        return self._activate(input.float()).to(dtype)
 
     def _activate(self, x: torch.Tensor) -> torch.Tensor:
         """The activation of float32 `x`, in float32."""
@@ -81,8 +82,8 @@ _ARGS_DOC = """
     Parameters
     ----------
     cache_quantized_input : bool, default = False
-        TE's FP8 copy of the input saved for backward: True is a `NotImplementedError` (the input
-        is saved in its own precision).
+        Save the input for backward in FP8 (E4M3, current scaling) instead of its own precision:
+        less memory; the input gradient is taken at the dequantized copy.
     """
 
 
@@ -112,8 +113,8 @@ class SwiGLU(_Activation):
     Parameters
     ----------
     cache_quantized_input : bool, default = False
-        TE's FP8 copy of the input saved for backward: True is a `NotImplementedError` (the input
-        is saved in its own precision).
+        Save the input for backward in FP8 (E4M3, current scaling) instead of its own precision:
+        less memory; the input gradient is taken at the dequantized copy.
     glu_interleave_size : int, default = None
         TE's block-interleaved layout: the last dim alternates blocks of this many gates and
         values ([a1 a2 b1 b2 a3 a4 b3 b4] for 2) instead of all gates then all values.
@@ -162,7 +163,7 @@ class ClampedSwiGLU(SwiGLU):
     glu_linear_offset : float, default = 1.0
         Added to the clamped linear half (0 disables it).
     cache_quantized_input : bool, default = False
-        TE's FP8 copy of the input saved for backward: True is a `NotImplementedError`.
+        Save the input for backward in FP8, as in `SwiGLU`.
     glu_interleave_size : int, default = None
         TE's block-interleaved layout, as in `SwiGLU`.
     """
@@ -189,7 +190,7 @@ class SiTUGLU(SwiGLU):
     beta2 : float, default = 25.0
         Soft cap of the linear half (finite, positive).
     cache_quantized_input : bool, default = False
-        TE's FP8 copy of the input saved for backward: True is a `NotImplementedError`.
+        Save the input for backward in FP8, as in `SwiGLU`.
     glu_interleave_size : int, default = None
         TE's block-interleaved layout, as in `SwiGLU`.
     """
@@ -229,7 +230,7 @@ class _RowScaled:
         if tuple(scales.shape) != tuple(input.shape[:-1]):
             raise_error(ValueError, f"{type(self).__name__}: scales must have the input's shape without its last "
                                     f"dim, {tuple(input.shape[:-1])}; got {tuple(scales.shape)}")
-        return (self._activate(input.float()) * scales.float().unsqueeze(-1)).to(input.dtype)
+        return (self._activate(input.float()) * scales.float().unsqueeze(-1)).to(compute_dtype(input, input.dtype))
 
 
 class ScaledSReLU(_RowScaled, SReLU):

@@ -21,7 +21,7 @@ from ..module.base import TransformerEngineBaseModule
 from ..module.fp8_state import FP8StateCheckpoint
 from ..module.quantized_gemm import QuantizedGemm
 from ..module.quantized_params import quantize_new_weights
-from .op import BasicOperation, FusedOperation
+from .op import BasicOperation, FusedOperation, compute_dtype
 
 __all__ = ["BasicLinear", "Bias", "Linear"]
 
@@ -122,8 +122,10 @@ class BasicLinear(FP8StateCheckpoint, TransformerEngineBaseModule, BasicOperatio
         return [(self.gemm, self.weight)]
 
     def linear(self, input: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:  # noqa: A002
-        """x W^T (+ `bias`, added by the GEMM as `te.Linear` adds its own)."""
+        """x W^T (+ `bias`, added by the GEMM as `te.Linear` adds its own), in the weight's dtype
+        (torch.autocast's under it), as TE's op: the input is cast to it."""
         self._check_input(input, self.in_features)
+        input = input.to(compute_dtype(input, self.weight.dtype))  # noqa: A001
         if self.accumulate_into_main_grad and getattr(self.weight, "overwrite_main_grad", False):
             raise_error(NotImplementedError, f"{self.name}: weight.overwrite_main_grad is not supported "
                                              "(the weight gradient is added into main_grad)")

@@ -19,7 +19,8 @@ from torch import nn
 
 from ..errors import raise_error
 
-__all__ = ["FusibleOperation", "BasicOperation", "FusedOperation", "split_extra_outputs", "check_extra_inputs"]
+__all__ = ["FusibleOperation", "BasicOperation", "FusedOperation", "split_extra_outputs", "check_extra_inputs",
+           "compute_dtype"]
 
 
 class FusibleOperation(nn.Module):
@@ -39,6 +40,15 @@ def split_extra_outputs(op: FusibleOperation, result):
     if op.num_extra_outputs == 0:
         return result, ()
     return result[0], tuple(result[1:])
+
+
+def compute_dtype(input: torch.Tensor, default: torch.dtype) -> torch.dtype:  # noqa: A002 (TE's name)
+    """The dtype an op computes in, as TE's ops choose it: torch.autocast's dtype where it is on
+    for the input's device, else `default` (a linear op's weight dtype, an activation's input
+    dtype). The op casts its input to it; autograd casts the gradient back."""
+    if torch.is_autocast_enabled(input.device.type):
+        return torch.get_autocast_dtype(input.device.type)
+    return default
 
 
 def check_extra_inputs(op: nn.Module, extra_inputs: tuple) -> None:

@@ -265,12 +265,18 @@ class NVFP4Tensor(NVFP4TensorStorage, QuantizedTensor):
     """NVFP4 tensor (1D or 2D blocks, optional RHT on the columnwise operand)."""
 
 
+def _random_sign_masks(kwargs) -> tuple:
+    """TE's `with_random_sign_mask` values built here: the RHT always draws its signs from
+    `rht_seed`; without an RHT the mask has nothing to act on, so either value means the same."""
+    return (True,) if kwargs.get("with_rht") else (True, False)
+
+
 @te_constructor(("fp4_dtype", "rowwise", "columnwise", "with_amax_reduction", "amax_reduction_group", "with_rht",
                  "with_post_rht_amax", "with_2d_quantization", "stochastic_rounding", "row_scaled_nvfp4",
                  "nvfp4_use_4over6", "nvfp4_e4m3_max", "nvfp4_4over6_err_mode"),
                 te_only={"fp4_dtype": (torch.float4_e2m1fn_x2,), "with_amax_reduction": (False,),
                          "amax_reduction_group": (None,), "with_post_rht_amax": (False, True),
-                         "with_random_sign_mask": (True,)})
+                         "with_random_sign_mask": _random_sign_masks})
 @dataclass(frozen=True)
 class NVFP4Quantizer(Quantizer):
     """NVFP4 settings. 2D (16x16) blocks are for weights; the RHT (columnwise only) and

@@ -62,13 +62,13 @@ def check_input(x: torch.Tensor, what: str = "quantize") -> None:
 def te_constructor(te_positional: Tuple[str, ...] = (), te_only: Optional[Dict[str, tuple]] = None):
     """Let a quantizer dataclass also take TE's constructor: `rowwise=` / `columnwise=` for
     `rowwise_usage` / `columnwise_usage`, a `DType` for any `*_dtype`, TE-only keywords
-    (`te_only`: name -> the values this package implements; any other value is a
-    NotImplementedError naming it, never silently ignored), and where TE's positional order
-    differs from the dataclass's (`te_positional`), TE's order when the first argument is a dtype
-    (TE's first parameter; a call whose first argument is not a dtype keeps the dataclass's order,
-    the one dynamo rebuilds quantizers with). Under torch.compile positional arguments win over
-    same-named keywords: torch 2.11's dynamo counts the kw_only usage fields as positional and
-    passes every later field's default as a keyword."""
+    (`te_only`: name -> the values this package implements, or a function of the call's keywords
+    giving them; any other value is a NotImplementedError naming it, never silently ignored), and
+    where TE's positional order differs from the dataclass's (`te_positional`), TE's order when the
+    first argument is a dtype (TE's first parameter; a call whose first argument is not a dtype
+    keeps the dataclass's order, the one dynamo rebuilds quantizers with). Under torch.compile
+    positional arguments win over same-named keywords: torch 2.11's dynamo counts the kw_only
+    usage fields as positional and passes every later field's default as a keyword."""
     te_only = te_only or {}
 
     def decorate(cls):
@@ -95,6 +95,8 @@ def te_constructor(te_positional: Tuple[str, ...] = (), te_only: Optional[Dict[s
                     kwargs[ours] = bool(kwargs.pop(te_name))
             for name, supported in te_only.items():
                 if name in kwargs:
+                    if callable(supported):
+                        supported = supported(kwargs)
                     value = as_torch_dtype(kwargs.pop(name))
                     if not any(value is s or value == s for s in supported):
                         raise NotImplementedError(f"{cls.__name__}: {name}={value!r} is not supported by "
