@@ -163,3 +163,20 @@ def test_cache_quantized_input_saves_fp8_and_differentiates_there(name):
     assert not torch.equal(x_fp8, x)
     _, (dx_ref,) = _fwd_bwd(ACTIVATIONS[name], x_fp8)
     _close(dx, dx_ref)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_cache_quantized_input_compiles_fullgraph(backend):
+    """cache_quantized_input=True under torch.compile(fullgraph=True): the forward bitwise eager's,
+    the FP8-saved backward eager's (bitwise under aot_eager; inductor fuses the float32 math, so
+    there to rounding, as for the op without the cache)."""
+    torch.manual_seed(0)
+    op = ops.SwiGLU(cache_quantized_input=True)
+    x = _x(8, 32)
+    y, (dx,) = _fwd_bwd(op, x)
+    y_c, (dx_c,) = _fwd_bwd(torch.compile(op, backend=backend, fullgraph=True), x)
+    assert torch.equal(y_c, y)
+    if backend == "aot_eager":
+        assert torch.equal(dx_c, dx)
+    else:
+        _close(dx_c, dx)

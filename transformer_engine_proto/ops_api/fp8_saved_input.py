@@ -28,11 +28,10 @@ class _FP8SavedInput(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        x = ctx.x_fp8.dequantize().requires_grad_()
+        x = ctx.x_fp8.dequantize()
         ctx.x_fp8 = None
-        with torch.enable_grad():
-            y = ctx.fn(x)
-        (dx,) = torch.autograd.grad(y, x, dy)
+        _, vjp = torch.func.vjp(ctx.fn, x)  # torch.func, not autograd.grad: dynamo traces it
+        (dx,) = vjp(dy)
         return None, dx
 
 
