@@ -156,12 +156,13 @@ def resolve_files(tests_dir: Path, patterns) -> list[Path]:
     return out
 
 
-def run_file(path: Path, tests_dir: Path, xml_dir: Path, limit_s: float, stubs: bool) -> dict:
-    """One test file in its own pytest subprocess; returns its parsed result."""
+def run_file(path: Path, tests_dir: Path, xml_dir: Path, limit_s: float, stubs: bool, extra=()) -> dict:
+    """One test file in its own pytest subprocess (`extra`: more pytest arguments, such as
+    pytest-xdist's `-n 12` for a file of thousands of cases); returns its parsed result."""
     rel = path.relative_to(tests_dir).as_posix()
     xml = xml_dir / (rel.replace("/", "__") + ".xml")
     cmd = [sys.executable, "-m", "transformer_engine_proto.as_te", "-m", "pytest", str(path), "-q",
-           "-p", "no:cacheprovider", f"--junitxml={xml}", f"--rootdir={tests_dir}"]
+           "-p", "no:cacheprovider", f"--junitxml={xml}", f"--rootdir={tests_dir}", *extra]
     if stubs:
         cmd += ["-p", "_te_conformance_stubs"]
     if rel.startswith("debug/"):  # TE's qa script passes these to the debug tests (debug/conftest.py)
@@ -294,6 +295,7 @@ def main(argv=None):
     ap.add_argument("--jobs", type=int, default=1, help="files run at once")
     ap.add_argument("--no-stubs", action="store_true", help="no stand-ins for TE-internal names (see docstring)")
     ap.add_argument("--te-commit", default="", help="TE commit the tests come from (recorded)")
+    ap.add_argument("--pytest-args", default="", help="more arguments for each file's pytest, e.g. '-n 12'")
     args = ap.parse_args(argv)
     tests_dir = (args.te_src / "tests/pytorch").resolve()
     files = resolve_files(tests_dir, args.files)
@@ -302,13 +304,16 @@ def main(argv=None):
     xml_dir.mkdir(exist_ok=True)
     (xml_dir / "_te_conformance_stubs.py").write_text(STUB_PLUGIN)
     with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        results = list(pool.map(lambda p: run_file(p, tests_dir, xml_dir, args.limit_s, not args.no_stubs), files))
+        extra = args.pytest_args.split()
+        results = list(pool.map(lambda p: run_file(p, tests_dir, xml_dir, args.limit_s, not args.no_stubs, extra),
+                                files))
     import torch
     meta = {"te_commit": args.te_commit or "unknown", "torch": torch.__version__,
             "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
             "ours": subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
                                    capture_output=True, text=True).stdout.strip(),
-            "limit_s_per_file": args.limit_s, "stubs": not args.no_stubs, "date": time.strftime("%Y-%m-%d %H:%M")}
+            "limit_s_per_file": args.limit_s, "stubs": not args.no_stubs,
+            "pytest_args": args.pytest_args, "date": time.strftime("%Y-%m-%d %H:%M")}
     summ = summarise(results)
     (args.out / "conformance.json").write_text(json.dumps({"meta": meta, **summ, "files": results}, indent=1))
     write_md(meta, results, summ, args.out / "conformance.md")
