@@ -52,6 +52,8 @@ ENV = {"NVTE_TORCH_COMPILE": "0", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0", "NVTE
 
 STUB_PLUGIN = r'''
 import importlib, importlib.abc, importlib.machinery, os, sys, types
+import transformer_engine_proto.as_te
+transformer_engine_proto.as_te.install()  # pytest-xdist workers start without `-m ...as_te`
 _TESTS = os.environ["TE_CONFORMANCE_TESTS_DIR"]
 _ROOTS = ("transformer_engine", "transformer_engine_torch")
 
