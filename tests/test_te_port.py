@@ -277,6 +277,31 @@ def test_quantized_model_init_trains_compiles_and_checkpoints(rid):
         assert torch.equal(resumed(x), model(x))
 
 
+@pytest.mark.parametrize("rid", QUANTIZED_IDS)
+def test_quantized_weights_without_a_recipe_run_in_high_precision(rid):
+    """Outside autocast a weight stored quantized is dequantized and the GEMM runs in high
+    precision (as TE): out = x @ W_dequantized^T, the weight's gradient reaches the parameter;
+    compiled (fullgraph) equals eager."""
+    torch.manual_seed(0)
+    with te.quantized_model_init(enabled=True, recipe=RECIPES[rid]):
+        lin = te.Linear(128, 64, bias=False, params_dtype=torch.bfloat16)
+    x = torch.randn(32, 128, dtype=torch.bfloat16, requires_grad=True)
+    fresh_dynamo()
+    compiled = torch.compile(lin, fullgraph=True, backend="aot_eager")
+    results = []
+    for fn in (lin, compiled):
+        x.grad = lin.weight.grad = None
+        y = fn(x)
+        y.float().square().sum().backward()
+        results.append((y.detach(), x.grad.clone(), lin.weight.grad.clone()))
+    w = lin.weight.dequantize()
+    torch.testing.assert_close(results[0][0].float(), x.detach().float() @ w.float().T, rtol=1e-2, atol=1e-2)
+    assert results[0][2].shape == lin.weight.shape and results[0][2].abs().sum() > 0
+    for eager, comp in zip(*results):
+        assert torch.equal(eager, comp)
+    assert graph_breaks() == 0
+
+
 def test_quantized_model_init_names_the_layer_a_recipe_cannot_store():
     with pytest.raises(ValueError, match="linear_bad.*MXFP8BlockScaling"):
         with te.quantized_model_init(enabled=True, recipe=recipe.MXFP8BlockScaling()):

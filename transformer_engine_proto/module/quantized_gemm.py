@@ -32,6 +32,7 @@ from ..distributed import tp as _tp
 from ..errors import raise_error
 from ..precision import policy as _policy
 from ..tensor import QuantizedTensor, TensorProto
+from .quantized_params import dequantized_weight
 
 __all__ = ["QuantizedGemm", "DEFAULT_HISTORY_LEN"]
 
@@ -156,6 +157,8 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         key = self.recipe_key()
         delayed = isinstance(recipe, R.DelayedScaling)
         cache_mode, cache = linear_ops.CACHE_OFF, []
+        if recipe is None and isinstance(weight, QuantizedTensor):  # no recipe: a high-precision GEMM
+            weight = dequantized_weight(weight)
         if is_first_microbatch is not None or isinstance(weight, QuantizedTensor):
             cache_mode, cache = self._weight_cache(recipe, key, weight, is_first_microbatch)
         # te.checkpoint's recompute: the first forward's scales, no history update, no amax recorded

@@ -18,7 +18,7 @@ from ..quantization import param_init_state
 from ..tensor import Float8CurrentScalingQuantizer, Quantizer
 from ..tensor.recipe_quantizers import quantizers_for_recipe
 
-__all__ = ["quantize_new_weights", "weight_param_quantizer"]
+__all__ = ["quantize_new_weights", "weight_param_quantizer", "dequantized_weight"]
 
 
 def weight_param_quantizer(recipe: R.Recipe) -> Quantizer:
@@ -66,3 +66,19 @@ def quantize_new_weights(module: nn.Module) -> None:
         name = next(n for n, p in module._parameters.items() if p is weight)
         setattr(module, name, _quantized_parameter(weight, state.recipe, state.preserve_high_precision_init_val,
                                                    module.name))
+
+
+class _Dequantized(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight):
+        return weight.dequantize()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def dequantized_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A weight stored quantized, in high precision for a GEMM run without a recipe (TE's
+    behaviour outside autocast); its gradient reaches the parameter unchanged."""
+    return _Dequantized.apply(weight)
