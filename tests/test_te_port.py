@@ -223,6 +223,18 @@ def test_in_place_ops_write_back_into_quantized_tensors():
     assert not torch.allclose(ts[0].dequantize(), x, rtol=0.07, atol=0.07)
 
 
+def test_quantized_parameter_detaches_under_inference_mode():
+    """`weight.detach()` of a parameter stored quantized, inside `torch.inference_mode` (an
+    evaluation step reading its weights, as TE's tests do): a quantized tensor sharing the data."""
+    with te.quantized_model_init(enabled=True, recipe=recipe.DelayedScaling()):
+        lin = te.Linear(32, 32, params_dtype=torch.bfloat16)
+    with torch.inference_mode():
+        d = lin.weight.detach()
+        assert torch.equal(d.dequantize(), lin.weight.dequantize())
+    assert isinstance(d, QuantizedTensor) and not d.requires_grad
+    assert d._data.data_ptr() == lin.weight._data.data_ptr()
+
+
 def _param_bytes(p: torch.Tensor) -> int:
     bufs = p.get_buffers().values() if isinstance(p, QuantizedTensor) else [p]
     return sum(b.numel() * b.element_size() for b in bufs)

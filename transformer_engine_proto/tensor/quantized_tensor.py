@@ -128,7 +128,10 @@ def handles(*funcs):
 
 @handles(aten.detach.default, aten.alias.default)
 def _detach(func, args, kwargs):
-    return args[0]._rebuild(args[0].get_buffers())
+    # a normal tensor (as torch's detach of a normal tensor under inference_mode): autograd then
+    # shares its version counter with the source, which an inference tensor cannot have
+    with torch.inference_mode(False):
+        return args[0]._rebuild(args[0].get_buffers())
 
 
 @handles(aten.clone.default)
