@@ -63,6 +63,17 @@ def test_copy_requantizes_into_existing_buffers(case):
     torch.testing.assert_close(plain, t.dequantize(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("case", FORMAT_CASES, ids=repr)
+def test_copy_from_a_tensor_with_more_usages_keeps_its_values(case):
+    """copy_ into a rowwise-only tensor from one of the same format holding both usages (with
+    other scales: 3x the data): the source's values exactly, not re-rounded on new scales."""
+    dst, _ = _q(case, columnwise=False)
+    src, _ = _q(case, torch.randn(128, 256) * 3)
+    assert set(dst.get_buffers()) < set(src.get_buffers())
+    dst.copy_(src)
+    torch.testing.assert_close(dst.dequantize(), src.dequantize(), rtol=0, atol=0)
+
+
 def test_fallback_runs_on_dequantized_and_warns_once():
     case = FORMAT_CASES[1]
     t, _ = _q(case)

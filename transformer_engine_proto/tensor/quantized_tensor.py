@@ -183,9 +183,14 @@ def _copy(func, args, kwargs):
         return dst.copy_(src.dequantize(dtype=dst.dtype))
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"copy_: shape mismatch {tuple(src.shape)} -> {tuple(dst.shape)}")
-    if type(src) is type(dst) and src.get_buffers().keys() == dst.get_buffers().keys():
-        for name, buf in dst.get_buffers().items():
-            buf.copy_(getattr(src, name))
+    mine = dst.get_buffers()
+    same_layout = type(src) is type(dst) and all(getattr(src, m) == getattr(dst, m) for m in dst._META_FIELDS)
+    theirs = src.get_buffers() if same_layout else {}
+    if all(n in theirs and theirs[n].dtype == b.dtype and theirs[n].shape == b.shape for n, b in mine.items()):
+        # the same format holding (at least) our buffers: its values exactly, no re-rounding on our
+        # scale (a source with more usages, e.g. a transpose, gives the buffers this tensor keeps)
+        for name, buf in mine.items():
+            buf.copy_(theirs[name])
         return dst
     if isinstance(src, QuantizedTensor):
         src = src.dequantize()
