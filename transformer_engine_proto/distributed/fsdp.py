@@ -306,10 +306,8 @@ def gathered_weight_cache(owner: str, weight: QuantizedTensor, key: str, is_firs
     """The buffers of a quantized weight (an FSDP2 quantized all-gather, or a parameter made by
     `quantized_model_init`) in the order the Linear op's weight cache takes them (both usages;
     one stored usage is relayed out into the other where the format allows), after checking
-    it suits this call."""
-    if key == RecipeKey.HIGH_PRECISION:
-        raise RuntimeError(f"{owner}: the weight is quantized ({type(weight).__name__}: an FSDP2 quantized "
-                           "all-gather or quantized_model_init) but no recipe is active")
+    it suits this call. Only with a recipe active: without one, `QuantizedGemm` dequantizes the
+    weight for a high-precision GEMM."""
     if is_first_microbatch is not None:
         raise ValueError(f"{owner}: is_first_microbatch is not supported with a quantized weight (FSDP2 "
                          "quantized all-gather or quantized_model_init): it is quantized already")
