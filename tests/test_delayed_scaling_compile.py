@@ -101,15 +101,16 @@ def test_callable_options_match_eager_under_inductor(device, recipe):
 
 @pytest.mark.parametrize("recipe", CALLABLE_RECIPES, ids=["amax_compute_algo", "scaling_factor_compute_algo"])
 def test_callable_options_set_the_scale_they_compute(recipe):
-    """After a step's update the scale is the callables' result on the history that step saw."""
+    """After a step's update (at the autocast exit) the scale is the callables' result on the
+    history as the step's forward left it."""
     torch.manual_seed(0)
     m = Linear(64, 32)
     fwd_max = 448.0
     for step in range(3):
-        history = m.gemm.amax_history[: recipe.amax_history_len].clone()
         scale = m.gemm.fp8_scale.clone()
         with autocast(recipe=recipe):
             y = m(torch.randn(16, 64) * (step + 1))
+            history = m.gemm.amax_history[: recipe.amax_history_len].clone()
         y.sum().backward()
         if recipe.scaling_factor_compute_algo is None:
             amax = _mean_of_history(history)

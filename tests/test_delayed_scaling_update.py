@@ -1,6 +1,6 @@
 """The one-launch delayed-scaling update (kernels/triton/delayed_scaling.py) is its reference bit for
 bit, over history lengths, amax algorithms, margins, formats, pending / stale gradient amaxes and
-non-finite values; and eager training with it equals the in-graph update torch.compile runs."""
+non-finite values, with and without a newly recorded amax; and eager training equals compiled training."""
 import math
 import os
 
@@ -32,8 +32,9 @@ def _state(rows: int, seed: int, device, nonfinite: bool):
     if nonfinite:
         pending[0] = float("inf") if seed % 3 else float("nan")
         hist[0, 1] = float("nan")  # loaded from a checkpoint, say: the max over it is NaN
+    recorded = torch.tensor([float(seed % 4 < 2)])  # a forward recorded amaxes on seeds 0, 1 only
     tensors = [torch.rand(2, generator=g) + 0.5, hist, torch.rand(1, generator=g) + 0.5, ghist, pending, seen,
-               torch.tensor([0, 0, 5], dtype=torch.int64)]
+               torch.tensor([0, 0, 5], dtype=torch.int64), recorded]
     return [t.to(device) for t in tensors]
 
 
@@ -52,21 +53,29 @@ def test_one_launch_update_is_the_reference_bit_for_bit(device, rows, most_recen
         args = (rows, most_recent, fwd_max, bwd_max, margin)
         reference.delayed_scaling.delayed_scaling_update(*expect, *args)
         fused(*got, *args)
-        for name, e, o in zip(["scale", "history", "grad scale", "grad history", "pending", "seen", "count"],
-                              expect, got):
+        for name, e, o in zip(["scale", "history", "grad scale", "grad history", "pending", "seen", "count",
+                               "recorded"], expect, got):
             assert _same(e, o.cpu()), f"{name} differs (seed {seed})"
-        assert (expect[1][0] == 0).all() and (expect[3][0] == 0).all()  # slot 0 free for the next amax
-        if rows > 1:  # and the rest rolled
-            before = _state(rows, seed, "cpu", nonfinite)[1]
-            assert _same(expect[1][1: rows - 1], before[2:rows]) and _same(expect[1][rows - 1], before[0])
+        before = _state(rows, seed, "cpu", nonfinite)
+        assert expect[7].item() == 0  # the flag is cleared
+        if seed % 4 < 2:  # recorded: slot 0 free for the next amax and the rest rolled
+            assert (expect[1][0] == 0).all()
+            if rows > 1:
+                assert _same(expect[1][1: rows - 1], before[1][2:rows]) and _same(expect[1][rows - 1], before[1][0])
+        else:  # nothing recorded: the forward scales and history as they were
+            assert _same(expect[0], before[0]) and _same(expect[1], before[1])
+        if seed % 2:  # a new gradient amax: folded, then slot 0 freed by the roll
+            assert (expect[3][0] == 0).all()
+        else:  # none: the gradient scale and history as they were
+            assert _same(expect[2], before[2]) and _same(expect[3], before[3])
 
 
 @_on_gpu
 @pytest.mark.parametrize("history_len,algo,margin", [(1, "most_recent", 0), (16, "max", 1), (1024, "max", 0)])
 def test_eager_training_equals_the_in_graph_update(history_len, algo, margin):
-    """The eager step (one launch per GEMM) leaves the same scales and histories as the same
-    steps compiled by inductor, where the update is the functional op's kernel and the amax
-    records are graph ops."""
+    """The eager steps leave the same scales and histories as the same steps compiled by
+    inductor: the update runs at autocast entry in both (one launch per GEMM), and the compiled
+    graphs hold only the amax records, as graph ops."""
     from torch._inductor.utils import run_and_get_code
 
     import transformer_engine_proto as te
@@ -93,10 +102,10 @@ def test_eager_training_equals_the_in_graph_update(history_len, algo, margin):
         else:
             train_step(run, x)
         assert torch.equal(eager.weight.grad, compiled.weight.grad), step
-    # under compile the update is one kernel (from the functional op); the records are graph ops
-    # for inductor to fuse, not the eager kernels (they mutate, and AOT does not order them)
+    # the update is not in the compiled graphs; the records are graph ops for inductor to fuse,
+    # not the eager kernels (they mutate, and AOT does not order them)
     code = "\n".join(code)
-    assert "_delayed_update_kernel" in code and "_record_amax_kernel" not in code
+    assert "_delayed_update_kernel" not in code and "_record_amax_kernel" not in code
     assert "_record_grad_amax_kernel" not in code
     for name in ("fp8_scale", "amax_history", "grad_fp8_scale", "grad_amax_history"):
         assert torch.equal(getattr(eager.gemm, name), getattr(compiled.gemm, name)), name
@@ -115,10 +124,13 @@ def test_one_launch_amax_records_are_the_reference_bit_for_bit(device, cols):
             history = torch.tensor([[2.0, 0.5], [9.0, 9.0]])
             count = torch.tensor([1, 0, 4], dtype=torch.int64)
             amax = torch.tensor([a, b])[: cols.stop - cols.start]
-            expect, got = (history.clone(), count.clone()), (history.to(device), count.to(device))
-            reference.delayed_scaling.delayed_record_amax(expect[0][0, cols], amax, expect[1][cols])
-            delayed_record_amax(got[0][0, cols], amax.to(device), got[1][cols])
+            recorded = torch.zeros(1)
+            expect = (history.clone(), count.clone(), recorded.clone())
+            got = (history.to(device), count.to(device), recorded.to(device))
+            reference.delayed_scaling.delayed_record_amax(expect[0][0, cols], amax, expect[1][cols], expect[2])
+            delayed_record_amax(got[0][0, cols], amax.to(device), got[1][cols], got[2])
             assert _same(expect[0], got[0].cpu()) and torch.equal(expect[1], got[1].cpu()), (a, b, cols)
+            assert expect[2].item() == 1 and got[2].item() == 1  # the next update moves the forward scales
             for gen, seen in ((0.0, 0.0), (1.0, 0.0), (1.0, 1.0)):
                 state = [torch.tensor([b, gen]), torch.tensor([seen])]
                 expect = [t.clone() for t in state]

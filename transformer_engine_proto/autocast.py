@@ -6,8 +6,10 @@ It is a plain Python object (an attribute of a threading.local) that torch.compi
 guards on, so entering autocast with another recipe recompiles instead of silently reusing a
 graph traced for the old one; the guards read the calling thread's state.
 On entry (outside compiled code) live modules, a registry shared by all threads, are told the
-recipe so they can allocate the recipe's state buffers eagerly; a compiled graph then only reads
-and mutates them.
+recipe so they can allocate the recipe's state buffers eagerly. Delayed scaling's update runs
+eagerly around an outermost training block: its forward half when the block exits (TE's timing),
+its gradient half when the next one is entered; a compiled graph only reads the scales and records
+amaxes.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from typing import Optional
 from . import recipe as _recipe
 
 __all__ = ["autocast", "fp8_autocast", "is_fp8_enabled", "get_fp8_recipe", "get_fp8_recipe_key", "FP8GlobalState",
-           "in_activation_recompute_phase", "get_gemm_policy_key", "in_training_autocast"]
+           "in_activation_recompute_phase", "get_gemm_policy_key", "in_training_autocast", "checkpoint_scales"]
 
 
 @dataclass
@@ -50,6 +52,10 @@ class _ThreadState(threading.local):
         # True while `te.checkpoint` recomputes a forward in backward: modules then use the scales of
         # the first forward and record no amax (delayed scaling). A trace-time constant under compile.
         self.recompute_phase = False
+        # a deque while `te.checkpoint` runs eagerly: its first forward appends each delayed-scaling
+        # GEMM's forward scales, its recompute takes them back in the same order (autocast's exit
+        # rewrites the scale buffers in between). None otherwise, and always under torch.compile.
+        self.checkpoint_scales = None
 
     @classmethod
     def register_module(cls, module) -> None:
@@ -73,6 +79,11 @@ def in_activation_recompute_phase() -> bool:
     """Whether the running forward is `te.checkpoint`'s recompute (TE's
     `FP8GlobalStateManager.in_fp8_activation_recompute_phase`)."""
     return FP8GlobalState.recompute_phase
+
+
+def checkpoint_scales():
+    """`te.checkpoint`'s deque of forward scales (eager), or None."""
+    return FP8GlobalState.checkpoint_scales
 
 
 def in_training_autocast() -> bool:
@@ -121,11 +132,17 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[_
     # one thread compiles
     if torch.compiler.is_dynamo_compiling():
         raise RuntimeError("enter autocast outside the torch.compile'd region (compile the model, not the context)")
+    saved = FP8GlobalState.state
+    # delayed scaling's update, around an outermost training block: its gradient half on entry
+    # (the last backward's amax, before this forward reads the scale), its forward half on exit
+    advance = (enabled and isinstance(recipe, _recipe.DelayedScaling) and torch.is_grad_enabled()
+               and not saved.enabled)
     if enabled:
         with FP8GlobalState.lock:
             for module in list(FP8GlobalState.modules):
                 module.prepare_for_recipe(recipe)
-    saved = FP8GlobalState.state
+                if advance:
+                    module.advance_delayed_scaling(recipe, forward_half=False, grad_half=True)
     FP8GlobalState.state = _State(enabled=bool(enabled), recipe=recipe if enabled else None,
                                   key=RecipeKey.of(recipe if enabled else None), group=amax_reduction_group,
                                   policy="" if gemm_policy is None else policy_key(gemm_policy),
@@ -137,6 +154,10 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[_
         from .custom_ops import shared_input
 
         shared_input.clear()  # quantized inputs shared within the forward
+        if advance:
+            with FP8GlobalState.lock:
+                for module in list(FP8GlobalState.modules):
+                    module.advance_delayed_scaling(recipe, forward_half=True, grad_half=False)
 
 
 def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Optional[_recipe.Recipe] = None,

@@ -3,8 +3,9 @@
 The forward and backward of each callable are captured inside `autocast(recipe=...)`, and each
 call of the graphed callable enters the same autocast (so a fallback to the module's own forward,
 e.g. in eval mode, runs the recipe too). Delayed scaling's state (amax history, scales, the
-gradient-amax handoff) lives in module buffers that the captured kernels read and update in
-place, so every replay advances it exactly as an eager step would. The warm-up iterations that
+gradient-amax handoff) lives in module buffers that the captured kernels read and record amaxes
+into; the autocast around each call updates them at its exit and entry, so every call advances
+the state exactly as an eager step would. The warm-up iterations that
 torch runs before capturing also advance it: the state is saved before and put back after, as TE
 does (`restore_fp8_tensors`), so step 1 of the graphed run starts where an eager run would.
 """

@@ -3,21 +3,22 @@
 Built on `torch.utils.checkpoint.checkpoint`. The recomputed forward runs in the autocast state of
 the first forward (the recipe is put back for it, since backward usually runs after autocast has
 exited) with `FP8GlobalState.recompute_phase` set: modules then quantize with the scales the
-first forward used and neither update delayed scaling's amax history nor record an amax, so each
-amax is recorded once per step and the numbers equal the un-checkpointed run bit for bit.
+first forward used (each delayed-scaling GEMM keeps a copy of them in the first forward, since
+autocast's exit rewrites the buffers before backward, as TE's checkpoint does) and record no amax,
+so each amax is recorded once per step and the numbers equal the un-checkpointed run bit for bit.
 
 Under torch.compile the function is traced once, as non-reentrant `torch.utils.checkpoint`, and
 AOT autograd's partitioner replays graph ops (not Python) in backward: the flag is a trace-time
-constant (False). One catch: the forward updates delayed scaling's state in place (amax history,
-scales), and an op replayed in backward reads those buffers as they are then, after the update,
-so a replayed scale computation would give the next step's scale. A selective-checkpoint policy
-(`_keep_small`) therefore saves every op whose tensor inputs are all small (at most
-`SMALL_NUMEL` elements: the scaling state, amaxes, scales) and recomputes the rest (everything
-on activations). `use_reentrant=True` (TE's default) is eager only; under compile the
+constant (False). An op replayed in backward reads the state buffers as they are then, after
+autocast's exit has updated them, so a selective-checkpoint policy (`_keep_small`) saves the
+step's scales (`saved_state`) and every op whose tensor inputs are all small (at most
+`SMALL_NUMEL` elements: amaxes, scales), and recomputes the rest (everything on activations).
+`use_reentrant=True` (TE's default) is eager only; under compile the
 non-reentrant form is traced (torch logs a one-time warning that context_fn is used).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 from typing import Any, Callable
 
@@ -29,14 +30,25 @@ __all__ = ["checkpoint"]
 
 
 @contextlib.contextmanager
-def _recompute_phase(state):
-    """The first forward's autocast state, with the recompute flag set."""
-    saved_state, saved_flag = FP8GlobalState.state, FP8GlobalState.recompute_phase
-    FP8GlobalState.state, FP8GlobalState.recompute_phase = state, True
+def _first_forward(scales):
+    """The first forward: delayed-scaling GEMMs append their forward scales to `scales`."""
+    saved = FP8GlobalState.checkpoint_scales
+    FP8GlobalState.checkpoint_scales = scales
     try:
         yield
     finally:
-        FP8GlobalState.state, FP8GlobalState.recompute_phase = saved_state, saved_flag
+        FP8GlobalState.checkpoint_scales = saved
+
+
+@contextlib.contextmanager
+def _recompute_phase(state, scales):
+    """The first forward's autocast state, with the recompute flag set and its scales to take back."""
+    saved = FP8GlobalState.state, FP8GlobalState.recompute_phase, FP8GlobalState.checkpoint_scales
+    FP8GlobalState.state, FP8GlobalState.recompute_phase, FP8GlobalState.checkpoint_scales = state, True, scales
+    try:
+        yield
+    finally:
+        FP8GlobalState.state, FP8GlobalState.recompute_phase, FP8GlobalState.checkpoint_scales = saved
 
 
 # Ops whose tensor inputs are all at most this many elements are saved, not recomputed, under compile
@@ -50,6 +62,8 @@ def _keep_small(ctx, op, *args, **kwargs):
     buffer (the next step's scale), so the scale computation is saved (a few floats) instead."""
     from torch.utils.checkpoint import CheckpointPolicy
 
+    if op is torch.ops.te_proto.saved_state.default:  # the step's scales: autocast's exit rewrites the buffers
+        return CheckpointPolicy.MUST_SAVE
     sizes = [a.numel() for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
     if sizes and max(sizes) <= SMALL_NUMEL:
         return CheckpointPolicy.MUST_SAVE
@@ -88,9 +102,10 @@ def checkpoint(function: Callable, *args: Any, distribute_saved_activations: boo
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=_compiled_context,
                                                  preserve_rng_state=preserve_rng_state, **kwargs)
     state = FP8GlobalState.state
+    scales = collections.deque()
     if not use_reentrant:
         def context_fn():
-            return contextlib.nullcontext(), _recompute_phase(state)
+            return _first_forward(scales), _recompute_phase(state, scales)
 
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=context_fn,
                                                  preserve_rng_state=preserve_rng_state, **kwargs)
@@ -98,7 +113,7 @@ def checkpoint(function: Callable, *args: Any, distribute_saved_activations: boo
     calls = []
 
     def run(*a):
-        ctx = _recompute_phase(state) if calls else contextlib.nullcontext()
+        ctx = _recompute_phase(state, scales) if calls else _first_forward(scales)
         calls.append(None)
         with ctx:
             return function(*a, **kwargs)

@@ -1,4 +1,4 @@
-"""Delayed scaling, in one place: a GEMM's scaling state, its in-graph update, the gradient amax's
+"""Delayed scaling, in one place: a GEMM's scaling state, its update, its amax records, the gradient amax's
 way from backward to the next forward, its checkpoint form and its non-finite report.
 
 The state lives in buffers so torch.compile sees it as graph inputs it may mutate (no host sync).
@@ -20,8 +20,7 @@ from .. import recipe as R
 from ..kernels import kernel
 from ..kernels.reference.common import FP8_MAX
 from ..kernels.reference.delayed_scaling import fold_pending_grad_amax as _fold
-from ..kernels.reference.delayed_scaling import update_from_history
-from .inductor_lowering import inline_in_inductor
+from ..kernels.reference.delayed_scaling import only_where, update_from_history
 from .saved_state import saved_state
 
 __all__ = ["DelayedScalingState", "DEFAULT_HISTORY_LEN", "record_grad_amax", "fold_pending_grad_amax"]
@@ -29,7 +28,7 @@ __all__ = ["DelayedScalingState", "DEFAULT_HISTORY_LEN", "record_grad_amax", "fo
 DEFAULT_HISTORY_LEN = 1024
 _NONFINITE_ROLES = ("input", "weight", "grad")
 _STATE = ("fp8_scale", "amax_history", "grad_fp8_scale", "grad_amax_history", "grad_amax_pending", "grad_amax_seen",
-          "nonfinite_amax_count")
+          "nonfinite_amax_count", "amax_recorded")
 _nonfinite_warned = False  # one warning per process (the counters keep counting)
 
 
@@ -51,6 +50,9 @@ class DelayedScalingState:
         # inf/NaN amaxes skipped per role (input, weight, grad): counted in-graph, reported once by
         # `poll_nonfinite` at autocast entry
         buffer("nonfinite_amax_count", torch.zeros(3, dtype=torch.int64, device=device))
+        # set when a forward records its amaxes, cleared by the update: only a GEMM that ran moves
+        # its forward scales (as TE, which updates the modules that ran in the autocast block)
+        buffer("amax_recorded", torch.zeros(1, device=device))
         self._nonfinite_poll = None  # CUDA: (host copy, event) of a count copy in flight
 
     def grad_amax_state(self) -> List[torch.Tensor]:
@@ -82,31 +84,37 @@ class DelayedScalingState:
             if isinstance(saved, torch.Tensor):
                 self.load_state(name, saved)
 
-    # ---- in-graph: the step's update and amax records ------------------------------------------
-    def update_scales(self, recipe: R.DelayedScaling) -> None:
-        """Fold the pending gradient amax into its history, then new scales from both histories.
+    # ---- the step's update (eager, at autocast exit and entry) and the amax records (in the step)
+    def update_scales(self, recipe: R.DelayedScaling, forward_half: bool = True, grad_half: bool = True) -> None:
+        """The step's update with TE's rules (`kernels/reference/delayed_scaling.py`): the forward
+        half (when a forward recorded an amax since its last update) moves the input and weight
+        scales from their history, the gradient half (when backward left a new amax) folds it in
+        and moves the gradient scale; each history then rolls.
 
-        TE's built-in rules: eager, the `delayed_scaling_update` kernel (one launch on CUDA); under
-        torch.compile, the functional op `te_proto::delayed_scaling_updated` (one node instead of
-        ~55 graph ops per GEMM) whose outputs are copied back into the buffers. A recipe's own
-        functions: the rules as graph ops."""
+        Autocast runs the forward half when an outermost training block exits (TE's timing) and the
+        gradient half when the next one is entered, before its forward reads the scale (TE: after
+        the backward). Both run eagerly, so no compiled graph holds them: TE's built-in rules are
+        the `delayed_scaling_update` kernel (one launch on CUDA). Traced (FSDP2's pre-all-gather
+        hook under torch.compile), or with the recipe's own functions, the rules run as torch ops."""
         fwd_max, bwd_max = FP8_MAX[recipe.fp8_format.fwd_dtype], FP8_MAX[recipe.fp8_format.bwd_dtype]
         builtin = recipe.scaling_factor_compute_algo is None and recipe.amax_compute_algo in ("max", "most_recent")
-        if builtin:
-            state = (self.fp8_scale, self.amax_history, self.grad_fp8_scale, self.grad_amax_history,
-                     self.grad_amax_pending, self.grad_amax_seen, self.nonfinite_amax_count)
-            args = (recipe.amax_history_len, recipe.amax_compute_algo == "most_recent", fwd_max, bwd_max,
-                    float(recipe.margin))
-            if _eager_device(self.fp8_scale) is not None:
-                kernel("delayed_scaling_update", self.fp8_scale.device)(*state, *args)
-                return
-            new = torch.ops.te_proto.delayed_scaling_updated(*state, *args)
-            for buf, value in zip(state[:4] + state[5:], new):
-                buf.copy_(saved_state(value) if buf is self.fp8_scale or buf is self.grad_fp8_scale else value)
+        if builtin and _eager_device(self.fp8_scale) is not None:
+            kernel("delayed_scaling_update", self.fp8_scale.device)(
+                self.fp8_scale, self.amax_history, self.grad_fp8_scale, self.grad_amax_history,
+                self.grad_amax_pending, self.grad_amax_seen, self.nonfinite_amax_count, self.amax_recorded,
+                recipe.amax_history_len, recipe.amax_compute_algo == "most_recent", fwd_max, bwd_max, recipe.margin,
+                forward_half, grad_half)
             return
-        update_from_history(self.fp8_scale, self.amax_history, recipe, fwd_max, pin=saved_state)
-        fold_pending_grad_amax(self.grad_amax_history, self.grad_amax_state(), self.nonfinite_amax_count[2:3])
-        update_from_history(self.grad_fp8_scale, self.grad_amax_history, recipe, bwd_max, pin=saved_state)
+        L = recipe.amax_history_len
+        if forward_half:
+            only_where(self.amax_recorded > 0, [self.fp8_scale, self.amax_history[:L]],
+                       lambda s, h: update_from_history(s, h, recipe, fwd_max), pin=saved_state)
+            self.amax_recorded.zero_()
+        if grad_half:
+            new_grad = self.grad_amax_pending[1:2] != self.grad_amax_seen
+            fold_pending_grad_amax(self.grad_amax_history, self.grad_amax_state(), self.nonfinite_amax_count[2:3])
+            only_where(new_grad, [self.grad_fp8_scale, self.grad_amax_history[:L]],
+                       lambda s, h: update_from_history(s, h, recipe, bwd_max), pin=saved_state)
 
     def record_amax(self, amax: torch.Tensor, first: int = 0) -> None:
         """History slot 0, columns first.. (0 input, 1 weight), takes the max with `amax`, except
@@ -114,7 +122,7 @@ class DelayedScalingState:
         Eager: one launch."""
         cols = slice(first, first + amax.shape[0])
         record = kernel("delayed_record_amax", _eager_device(amax))
-        record(self.amax_history[0, cols], amax, self.nonfinite_amax_count[cols])
+        record(self.amax_history[0, cols], amax, self.nonfinite_amax_count[cols], self.amax_recorded)
 
     def reduce_pending_amaxes(self, all_reduce_max: Callable[[torch.Tensor], None]) -> None:
         """Reduce (max, across ranks) the amaxes not yet consumed by an update: the forward's
@@ -180,31 +188,6 @@ def fold_pending_grad_amax(history: torch.Tensor, state: Sequence[torch.Tensor],
     """Forward's half: move an amax recorded since the last fold into history slot 0 (an inf/NaN
     one is counted in `count`, not kept)."""
     _fold(history, *state, count)
-
-
-@torch.library.custom_op("te_proto::delayed_scaling_updated", mutates_args=())
-def _delayed_scaling_updated(fp8_scale: torch.Tensor, amax_history: torch.Tensor, grad_fp8_scale: torch.Tensor,
-                             grad_amax_history: torch.Tensor, grad_amax_pending: torch.Tensor,
-                             grad_amax_seen: torch.Tensor, nonfinite_count: torch.Tensor, history_len: int,
-                             most_recent: bool, fwd_max: float, bwd_max: float, margin: float) -> List[torch.Tensor]:
-    """The update as a functional op: new fp8_scale, amax_history, grad_fp8_scale,
-    grad_amax_history, grad_amax_seen and nonfinite count. Functional because a mutating op is not
-    ordered inside a compiled selective-checkpoint region."""
-    out = [t.clone() for t in (fp8_scale, amax_history, grad_fp8_scale, grad_amax_history)]
-    seen, count = grad_amax_seen.clone(), nonfinite_count.clone()
-    kernel("delayed_scaling_update", fp8_scale.device)(*out, grad_amax_pending, seen, count, history_len, most_recent,
-                                                       fwd_max, bwd_max, margin)
-    return out + [seen, count]
-
-
-inline_in_inductor(torch.ops.te_proto.delayed_scaling_updated.default, _delayed_scaling_updated._init_fn)
-
-
-@_delayed_scaling_updated.register_fake
-def _(fp8_scale, amax_history, grad_fp8_scale, grad_amax_history, grad_amax_pending, grad_amax_seen, nonfinite_count,
-      *args):
-    return [torch.empty_like(t) for t in (fp8_scale, amax_history, grad_fp8_scale, grad_amax_history, grad_amax_seen,
-                                          nonfinite_count)]
 
 
 def _eager_device(t: torch.Tensor):

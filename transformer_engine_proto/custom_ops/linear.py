@@ -457,7 +457,7 @@ def _setup_context(ctx, inputs, output):
     cache = list(a["weight_cache"]) if call.cache_mode == CACHE_USE and call.input_requires_grad else []
     ctx.n_saved, ctx.n_cache, ctx.n_cache_in = len(saved), len(cache), len(a["weight_cache"])
     ctx.n_prequantized = len(a["inp_quantized"])
-    # Scales are snapshotted (the next call's delayed-scaling update rewrites them in place);
+    # Scales are snapshotted (the delayed-scaling update at autocast exit rewrites them in place);
     # the buffers backward writes into (grad amax state, main_grad) are kept by reference, not
     # saved, so a module applied twice before its backwards does not trip autograd's version check.
     clone = lambda t: None if t is None else t.clone()  # noqa: E731

@@ -1,13 +1,13 @@
-"""`saved_state(t)`: a module-state value that backward reads exactly as the forward computed it.
+"""`saved_state(t)`: a module-state value that backward reads exactly as the forward read it.
 
-The delayed-scaling scales are computed in the forward graph from the amax history, written into
-their buffers, and read again by backward (the gradient's scale, the columnwise copies' scales).
-AOT's min-cut partitioner (torch 2.11 to 2.13, pytorch/pytorch#197039) may recompute such a value
-in backward from the buffers it came from, which the same forward graph has mutated by then: the
-backward would quantize with the next step's scale, silently. Routing the value through this op
-pins it: under inductor its body is tagged MUST_SAVE, and since the forward writes it into the
-buffer (the forward needs it) the partitioner must save it. Eager and the other backends see the
-value itself (no op, no copy).
+The forward reads the delayed-scaling scales from their buffers, and backward needs the same
+values (the columnwise copies' scales), but autocast's exit rewrites the input / weight scales in
+place in between. AOT's min-cut partitioner may recompute a value in backward from the buffer it
+came from (then autograd's version check fails the backward). Routing the value through this op
+pins it: under inductor its body is tagged MUST_SAVE, and since the forward uses it the
+partitioner saves it; te.checkpoint's compiled policy saves it too. (The gradient scale, read
+only by backward, changes at the next autocast entry, after that backward.) Eager and the other
+backends see the value itself (no op, no copy).
 """
 from __future__ import annotations
 

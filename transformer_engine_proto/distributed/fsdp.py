@@ -36,9 +36,9 @@ why it gathers in high precision), `fsdp_quantize_shard` (what is gathered) and 
 
 Delayed scaling: the module's scale buffer is used, and the pre-all-gather of each forward
 all-reduces (max) the GEMM's pending amaxes (input, weight, grad) across the shard group before
-the in-graph scale update (`DelayedScaling.reduce_amax`), so scales stay identical on every rank.
-With a quantized gather that update runs in the hook (the weight is quantized before the
-module's forward), and the all-reduced weight amax is recorded there.
+the scale update (`DelayedScaling.reduce_amax`), so scales stay identical on every rank: the
+update of these GEMMs runs in the hook, after the reduction (not at autocast exit / entry, as for other
+GEMMs), and the all-reduced weight amax of a quantized gather is recorded there.
 
 A backward re-gather (reshard_after_forward) reuses the forward's recipe and scales. FSDP2's
 hooks are `torch._dynamo.disable`d: compile each FSDP unit's inner `forward`. Limits: the gather
@@ -57,7 +57,7 @@ from torch import nn
 from torch.utils._pytree import tree_map, tree_map_only
 
 from .. import recipe as R
-from ..autocast import get_fp8_recipe_key
+from ..autocast import get_fp8_recipe_key, in_training_autocast
 from ..custom_ops import linear as _linear_ops
 from ..custom_ops.recipe_key import RecipeKey
 from ..tensor import QuantizedTensor
@@ -178,10 +178,10 @@ class FSDPWeight(torch.Tensor):
         recipe = RecipeKey.recipe(key)
         gemm = getattr(module, self._gemm_name) if self._gemm_name else None
         delayed = isinstance(recipe, R.DelayedScaling) and gemm is not None
-        if delayed and not in_backward:
+        if delayed and not in_backward:  # this GEMM's update: after the reduction, not at autocast exit / entry
             if recipe.reduce_amax:
                 gemm.reduce_pending_amaxes(lambda t: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group))
-            if layout != HP:  # the module skips its update for a prequantized weight: do it here
+            if in_training_autocast():
                 gemm.update_scales(recipe)
         rows = -(-outer_size[0] // world)
         x = _pad_rows(self._tensor.to(dtype), rows)
@@ -397,6 +397,7 @@ def enable_quantized_all_gather(model: nn.Module, strict: bool = False) -> int:
                 raise ValueError(f"{m.name}: fuse_wgrad_accumulation is not supported with FSDP2")
             if isinstance(weight, FSDPWeight):
                 continue
+            gemm.scales_updated_by_autocast = False  # the pre-all-gather reduces, then updates
             new = nn.Parameter(FSDPWeight(weight.data, gname, strict), requires_grad=weight.requires_grad)
             new.__dict__.update({k: v for k, v in weight.__dict__.items() if not k.startswith("_")})
             setattr(m, pname, new)

@@ -68,6 +68,14 @@ class TransformerEngineBaseModule(GemmOwner, nn.Module):
             if isinstance(recipe, DelayedScaling):
                 gemm.poll_nonfinite(self.name)
 
+    def advance_delayed_scaling(self, recipe, forward_half: bool, grad_half: bool) -> None:
+        """Delayed scaling's update of this module's GEMMs (`DelayedScalingState.update_scales`):
+        autocast asks for the forward half when an outermost training block exits, the gradient
+        half when one is entered. A GEMM without a new amax for a half keeps that half as it is."""
+        for gemm, _ in self.gemm_weights():
+            if gemm.scales_updated_by_autocast:
+                gemm.update_scales(recipe, forward_half, grad_half)
+
     def _check_input(self, inp: torch.Tensor, features: int, what: str = "input") -> None:
         if not isinstance(inp, torch.Tensor):
             raise_error(TypeError, f"{self.name}: {what} must be a torch.Tensor, got {type(inp).__name__}")

@@ -22,7 +22,7 @@ from ..constants import FP8TensorMeta
 __all__ = ["FP8StateCheckpoint"]
 
 _FWD, _BWD = 3, 2  # TE's per-GEMM slots: (input, weight, output), (grad_output, grad_input)
-_OURS = ("grad_amax_pending", "grad_amax_seen", "nonfinite_amax_count")  # no TE counterpart
+_OURS = ("grad_amax_pending", "grad_amax_seen", "nonfinite_amax_count", "amax_recorded")  # no TE counterpart
 
 
 class FP8StateCheckpoint:

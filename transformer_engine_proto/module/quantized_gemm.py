@@ -14,16 +14,17 @@ from torch import nn
 
 from .. import recipe as R
 from ..autocast import (
+    checkpoint_scales,
     get_fp8_recipe,
     get_fp8_recipe_key,
     get_gemm_policy_key,
     in_activation_recompute_phase,
-    in_training_autocast,
 )
 from ..capabilities import default_device
 from ..custom_ops import linear_ops
 from ..custom_ops.delayed_scaling import DEFAULT_HISTORY_LEN, DelayedScalingState
 from ..custom_ops.recipe_key import RecipeKey
+from ..custom_ops.saved_state import saved_state
 from ..debug import debug_gemm as _debug_gemm  # precision debug tools: the debug GEMM path
 from ..distributed import amax_reduction as _amax_reduction
 from ..distributed import fsdp as _fsdp
@@ -54,6 +55,9 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         self.quantized_sp_gather = True
         # GEMMs pinned to a precision (`pin_gemm_precision`), as the string the policy reads
         self.pinned_precision = ""
+        # delayed scaling's update runs at training-autocast exit and entry, except where FSDP2's
+        # pre-all-gather must reduce the amaxes first (distributed/fsdp.py updates there)
+        self.scales_updated_by_autocast = True
 
     def _apply(self, fn, recurse=True):
         """`model.to(torch.bfloat16)` / `.half()` move these buffers but keep their dtypes: the
@@ -163,8 +167,8 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
             cache_mode, cache = self._weight_cache(recipe, key, weight, is_first_microbatch)
         # te.checkpoint's recompute: the first forward's scales, no history update, no amax recorded
         record = delayed and not in_activation_recompute_phase()
-        if record and cache_mode != linear_ops.CACHE_USE:
-            self._advance_scales(recipe, weight)
+        if record:
+            self._check_history_len(recipe, weight)
         main_grad = _main_grad(weight) if fuse_wgrad_accumulation and weight.requires_grad else None
         # precision debug tools: a layer with an active debug feature takes the debug GEMM path
         debug_linear = _debug_gemm.linear_for(self, recipe is not None)
@@ -180,8 +184,8 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
             _check_stored_weight_precision(op_key)
         out, amaxes, new_cache = (debug_linear or linear_ops.linear)(
             inp, weight, bias, key=op_key,
-            fp8_scale=self.fp8_scale if delayed else None,
-            grad_fp8_scale=self.grad_fp8_scale if delayed else None,
+            fp8_scale=self._forward_scale() if delayed else None,
+            grad_fp8_scale=saved_state(self.grad_fp8_scale) if delayed else None,  # pinned as the forward scale
             grad_amax_state=self.grad_amax_state() if delayed else (),
             weight_cache=cache, main_grad=main_grad, cache_mode=cache_mode,
             save_original_input=save_original_input, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
@@ -194,6 +198,18 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         for buf, new in zip(cache, new_cache):
             buf.copy_(new.detach())
         return out
+
+    def _forward_scale(self) -> torch.Tensor:
+        """The input / weight scales of this forward. Autocast's exit rewrites the buffer before
+        backward reads the value: traced, it is pinned (`saved_state`); in an eager `te.checkpoint`,
+        the first forward keeps a copy and the recompute takes it back."""
+        scales = checkpoint_scales()
+        if scales is None or torch.compiler.is_compiling():
+            return saved_state(self.fp8_scale)
+        if in_activation_recompute_phase():
+            return scales.popleft()
+        scales.append(self.fp8_scale.clone())
+        return self.fp8_scale
 
     def _weight_cache(self, recipe, key: str, weight, is_first_microbatch):
         """(cache mode, cache buffers) of this call. A weight FSDP2 gathered already quantized
@@ -216,9 +232,9 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         cache = [getattr(self, n) for n in self._cache_names]
         return (linear_ops.CACHE_FILL if is_first_microbatch else linear_ops.CACHE_USE), cache
 
-    def _advance_scales(self, recipe: R.DelayedScaling, weight) -> None:
-        """The delayed-scaling update of a step's first forward (not in an evaluation block, which
-        records its amaxes and moves no scale, as TE)."""
+    def _check_history_len(self, recipe: R.DelayedScaling, weight) -> None:
+        """The histories hold the recipe's `amax_history_len` (grown eagerly; under torch.compile
+        the buffers must have been allocated at autocast entry)."""
         if recipe.amax_history_len > self.amax_history.shape[0]:
             if torch.compiler.is_dynamo_compiling():
                 raise RuntimeError(
@@ -226,8 +242,6 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
                     f"({self.amax_history.shape[0]}); enter autocast outside torch.compile first"
                 )
             self.prepare_for_recipe(recipe, weight)
-        if in_training_autocast():
-            self.update_scales(recipe)
 
     def _gather_input(self, inp, weight, key: str, delayed: bool, sequence_gather, quantized_ok: bool):
         """(gathered input, its quantized buffers or (), all-reduced input amax for delayed scaling

@@ -4,8 +4,10 @@ They are TE's: the new scale is `fp8_max / amax` (amax: the max or the most rece
 or the recipe's function of it) times 2**-margin, kept where the amax is 0 or non-finite (or the
 recipe's own scaling function); the history then rolls so slot 0 is free for the step's amax. The
 gradient's amax, recorded by the previous backward, is folded into its history first, and an
-inf/NaN one is counted, not kept. `custom_ops/delayed_scaling.py` applies them to a module's
-buffers (eager and in-graph alike); `quantization.py` to TE-layout state.
+inf/NaN one is counted, not kept. As in TE, only state that saw a new amax moves: the
+forward half when a forward recorded one since its last update (`amax_recorded`), the gradient half
+when a backward did (its pending generation is new).
+`custom_ops/delayed_scaling.py` applies them to a module's buffers; `quantization.py` to TE-layout state.
 """
 from __future__ import annotations
 
@@ -61,6 +63,16 @@ def fold_pending_grad_amax(history: torch.Tensor, pending: torch.Tensor, seen: t
     seen.copy_(pending[1:2])
 
 
+def only_where(flag: torch.Tensor, tensors, update, pin=lambda t: t) -> None:
+    """Run the in-place `update(*tensors)` and keep its result only where the one-element bool
+    `flag` is set (else the tensors keep their values); a select, no host sync. `pin` wraps each
+    value before it is written (as `update_scale_and_roll`'s)."""
+    new = [t.clone() for t in tensors]
+    update(*new)
+    for t, n in zip(tensors, new):
+        t.copy_(pin(torch.where(flag, n, t)))
+
+
 def update_from_history(scale: torch.Tensor, amax_history: torch.Tensor, recipe, fp8_max: float,
                         pin=lambda t: t) -> None:
     """One history's step by a recipe, in place: `update_scale_and_roll` over its first
@@ -87,10 +99,12 @@ def update_scale_and_roll(scale: torch.Tensor, history: torch.Tensor, algo, fp8_
 
 
 @register_kernel("delayed_record_amax")
-def delayed_record_amax(slot: torch.Tensor, amax: torch.Tensor, count: torch.Tensor) -> None:
+def delayed_record_amax(slot: torch.Tensor, amax: torch.Tensor, count: torch.Tensor, recorded: torch.Tensor) -> None:
     """A forward's amaxes into history slot 0 (`slot`, a row of columns): the max with what the
-    slot holds, except an inf/NaN amax, which is counted in `count` (per column) instead."""
+    slot holds, except an inf/NaN amax, which is counted in `count` (per column) instead; and
+    `recorded` set, so the next update moves the forward scales."""
     keep_finite(slot, torch.maximum(slot, amax), slot, count)
+    recorded.fill_(1.0)
 
 
 @register_kernel("delayed_record_grad_amax")
@@ -107,12 +121,21 @@ def delayed_record_grad_amax(pending: torch.Tensor, seen: torch.Tensor, amax: to
 @register_kernel("delayed_scaling_update")
 def delayed_scaling_update(fp8_scale: torch.Tensor, amax_history: torch.Tensor, grad_fp8_scale: torch.Tensor,
                            grad_amax_history: torch.Tensor, grad_amax_pending: torch.Tensor,
-                           grad_amax_seen: torch.Tensor, nonfinite_count: torch.Tensor, history_len: int,
-                           most_recent: bool, fwd_max: float, bwd_max: float, margin: int) -> None:
-    """A step's update of one GEMM's state with TE's built-in rules, in place (the spec of the
-    one-launch Triton kernel): fold the pending gradient amax (an inf/NaN one counted in
-    `nonfinite_count[2]` and left out), then both scales from their histories, then both rolls."""
-    fold_pending_grad_amax(grad_amax_history, grad_amax_pending, grad_amax_seen, nonfinite_count[2:3])
+                           grad_amax_seen: torch.Tensor, nonfinite_count: torch.Tensor, amax_recorded: torch.Tensor,
+                           history_len: int, most_recent: bool, fwd_max: float, bwd_max: float, margin: int,
+                           forward_half: bool, grad_half: bool) -> None:
+    """One GEMM's update with TE's built-in rules, in place (the spec of the one-launch Triton
+    kernel). The forward half, when a forward recorded its amaxes since the last one
+    (`amax_recorded`, then cleared): the scales from the history, then the roll. The gradient half,
+    when backward left a new amax pending: the fold (an inf/NaN amax counted in
+    `nonfinite_count[2]` and left out), the scale from the history, the roll."""
     algo = "most_recent" if most_recent else "max"
-    for scale, history, fp8_max in ((fp8_scale, amax_history, fwd_max), (grad_fp8_scale, grad_amax_history, bwd_max)):
-        update_scale_and_roll(scale, history[:history_len], algo, fp8_max, margin)
+    if forward_half:
+        only_where(amax_recorded > 0, [fp8_scale, amax_history[:history_len]],
+                   lambda s, h: update_scale_and_roll(s, h, algo, fwd_max, margin))
+        amax_recorded.zero_()
+    if grad_half:
+        new_grad = grad_amax_pending[1:2] != grad_amax_seen
+        fold_pending_grad_amax(grad_amax_history, grad_amax_pending, grad_amax_seen, nonfinite_count[2:3])
+        only_where(new_grad, [grad_fp8_scale, grad_amax_history[:history_len]],
+                   lambda s, h: update_scale_and_roll(s, h, algo, bwd_max, margin))

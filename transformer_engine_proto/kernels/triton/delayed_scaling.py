@@ -52,28 +52,41 @@ def _update_column(scale_ptr, hist_ptr, stride, slot0, L, FMAX: tl.constexpr, MA
 @fast_launch
 @triton.jit
 def _delayed_update_kernel(scale_ptr, hist_ptr, hist_stride, gscale_ptr, ghist_ptr, ghist_stride, pending_ptr,
-                           seen_ptr, count_ptr, L, FWD_MAX: tl.constexpr, BWD_MAX: tl.constexpr,
-                           MARGIN_MUL: tl.constexpr, MOST_RECENT: tl.constexpr, BLOCK: tl.constexpr):
-    # the gradient amax backward left pending: folded into slot 0 when new, kept out if inf/NaN
-    g0 = tl.load(ghist_ptr)
-    p_amax = tl.load(pending_ptr)
-    p_gen = tl.load(pending_ptr + 1)
-    folded = tl.where(p_gen != tl.load(seen_ptr), tl.maximum(g0, p_amax, propagate_nan=tl.PropagateNan.ALL), g0)
-    finite = tl.abs(folded) <= _FMAX32
-    tl.store(seen_ptr, p_gen)
-    tl.store(count_ptr + 2, tl.load(count_ptr + 2) + (1 - finite.to(tl.int64)))
-    gslot = tl.where(finite, folded, g0)
-    for col in tl.static_range(2):  # forward: input, weight
-        _update_column(scale_ptr + col, hist_ptr + col, hist_stride, tl.load(hist_ptr + col), L, FWD_MAX,
-                       MARGIN_MUL, MOST_RECENT, BLOCK)
-    _update_column(gscale_ptr, ghist_ptr, ghist_stride, gslot, L, BWD_MAX, MARGIN_MUL, MOST_RECENT, BLOCK)
+                           seen_ptr, count_ptr, recorded_ptr, L, FWD_MAX: tl.constexpr, BWD_MAX: tl.constexpr,
+                           MARGIN_MUL: tl.constexpr, MOST_RECENT: tl.constexpr, BLOCK: tl.constexpr,
+                           FORWARD_HALF: tl.constexpr, GRAD_HALF: tl.constexpr):
+    if FORWARD_HALF:
+        recorded = tl.load(recorded_ptr)
+        tl.debug_barrier()  # every warp has read the flag before it is cleared
+        tl.store(recorded_ptr, 0.0)
+        if recorded > 0:  # a forward recorded its amaxes since the last update
+            for col in tl.static_range(2):  # input, weight
+                _update_column(scale_ptr + col, hist_ptr + col, hist_stride, tl.load(hist_ptr + col), L, FWD_MAX,
+                               MARGIN_MUL, MOST_RECENT, BLOCK)
+    if GRAD_HALF:
+        # the gradient amax backward left pending: folded into slot 0 when new, kept out if inf/NaN
+        g0 = tl.load(ghist_ptr)
+        p_amax = tl.load(pending_ptr)
+        p_gen = tl.load(pending_ptr + 1)
+        new_grad = p_gen != tl.load(seen_ptr)
+        folded = tl.where(new_grad, tl.maximum(g0, p_amax, propagate_nan=tl.PropagateNan.ALL), g0)
+        finite = tl.abs(folded) <= _FMAX32
+        tl.debug_barrier()  # every warp has read the flags before they are written
+        tl.store(seen_ptr, p_gen)
+        tl.store(count_ptr + 2, tl.load(count_ptr + 2) + (1 - finite.to(tl.int64)))
+        gslot = tl.where(finite, folded, g0)
+        if new_grad:
+            _update_column(gscale_ptr, ghist_ptr, ghist_stride, gslot, L, BWD_MAX, MARGIN_MUL, MOST_RECENT, BLOCK)
+        else:
+            tl.store(ghist_ptr, gslot)
 
 
 @triton_kernel("delayed_scaling_update")
 def delayed_scaling_update(fp8_scale: torch.Tensor, amax_history: torch.Tensor, grad_fp8_scale: torch.Tensor,
                            grad_amax_history: torch.Tensor, grad_amax_pending: torch.Tensor,
-                           grad_amax_seen: torch.Tensor, nonfinite_count: torch.Tensor, history_len: int,
-                           most_recent: bool, fwd_max: float, bwd_max: float, margin: int) -> None:
+                           grad_amax_seen: torch.Tensor, nonfinite_count: torch.Tensor, amax_recorded: torch.Tensor,
+                           history_len: int, most_recent: bool, fwd_max: float, bwd_max: float, margin: int,
+                           forward_half: bool, grad_half: bool) -> None:
     if amax_history.shape[1:] != (2,) or grad_amax_history.shape[1:] != (1,) or amax_history.stride(1) != 1:
         raise ValueError(f"delayed_scaling_update: histories must be (rows, 2) with contiguous rows and "
                          f"(rows, 1), got {tuple(amax_history.shape)} (strides {amax_history.stride()}) and "
@@ -81,14 +94,14 @@ def delayed_scaling_update(fp8_scale: torch.Tensor, amax_history: torch.Tensor, 
     rows = min(history_len, amax_history.shape[0])
     _delayed_update_kernel[(1,)](
         fp8_scale, amax_history, amax_history.stride(0), grad_fp8_scale, grad_amax_history,
-        grad_amax_history.stride(0), grad_amax_pending, grad_amax_seen, nonfinite_count, rows,
+        grad_amax_history.stride(0), grad_amax_pending, grad_amax_seen, nonfinite_count, amax_recorded, rows,
         FWD_MAX=float(fwd_max), BWD_MAX=float(bwd_max), MARGIN_MUL=2.0 ** -margin, MOST_RECENT=bool(most_recent),
-        BLOCK=next_power_of_2(rows), num_warps=4)
+        BLOCK=next_power_of_2(rows), FORWARD_HALF=bool(forward_half), GRAD_HALF=bool(grad_half), num_warps=4)
 
 
 @fast_launch
 @triton.jit
-def _record_amax_kernel(slot_ptr, slot_stride, amax_ptr, count_ptr, N, BLOCK: tl.constexpr):
+def _record_amax_kernel(slot_ptr, slot_stride, amax_ptr, count_ptr, recorded_ptr, N, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
     m = i < N
     slot = tl.load(slot_ptr + i * slot_stride, mask=m, other=0.0)
@@ -98,16 +111,17 @@ def _record_amax_kernel(slot_ptr, slot_stride, amax_ptr, count_ptr, N, BLOCK: tl
     tl.debug_barrier()
     tl.store(slot_ptr + i * slot_stride, tl.where(ok, new, slot), mask=m)
     tl.store(count_ptr + i, count + (1 - ok.to(tl.int64)), mask=m)
+    tl.store(recorded_ptr, 1.0)
 
 
 @triton_kernel("delayed_record_amax")
-def delayed_record_amax(slot: torch.Tensor, amax: torch.Tensor, count: torch.Tensor) -> None:
+def delayed_record_amax(slot: torch.Tensor, amax: torch.Tensor, count: torch.Tensor, recorded: torch.Tensor) -> None:
     if amax.shape != slot.shape or count.shape != slot.shape or not (amax.is_contiguous() and count.is_contiguous()):
         raise ValueError(f"delayed_record_amax: slot, amax and count must be one row of the same length "
                          f"(amax, count contiguous), got {tuple(slot.shape)}, {tuple(amax.shape)}, "
                          f"{tuple(count.shape)}")
     n = slot.shape[0]
-    _record_amax_kernel[(1,)](slot, slot.stride(0), amax, count, n, BLOCK=next_power_of_2(n), num_warps=1)
+    _record_amax_kernel[(1,)](slot, slot.stride(0), amax, count, recorded, n, BLOCK=next_power_of_2(n), num_warps=1)
 
 
 @fast_launch
