@@ -8,6 +8,9 @@ graph traced for the old one; the guards read the calling thread's state.
 On entry (outside compiled code) live modules, a registry shared by all threads, are told the
 recipe so they can allocate the recipe's state buffers eagerly; a compiled graph then only reads
 and mutates them.
+Entry takes the recipe's key from its fields then: modules read the copy registered with the key
+(`entered_recipe`), so a block keeps the settings it entered with when the recipe is edited
+inside it, and an edit takes effect at the next entry (a new key: compiled code recompiles).
 """
 from __future__ import annotations
 
@@ -20,15 +23,16 @@ from typing import Optional
 from . import recipe as _recipe
 
 __all__ = ["autocast", "fp8_autocast", "is_fp8_enabled", "get_fp8_recipe", "get_fp8_recipe_key", "FP8GlobalState",
-           "in_activation_recompute_phase", "get_gemm_policy_key", "in_training_autocast"]
+           "in_activation_recompute_phase", "get_gemm_policy_key", "in_training_autocast", "entered_recipe"]
 
 
 @dataclass
 class _State:
     enabled: bool = False
-    recipe: Optional[_recipe.Recipe] = None  # None unless enabled
-    # The recipe's registry key (a string): compiled code reads this, so dynamo guards on a plain
-    # constant and never has to rebuild a recipe object (torch 2.11 cannot for frozen dataclasses).
+    recipe: Optional[_recipe.Recipe] = None  # the user's object (TE's get_fp8_recipe); None unless enabled
+    entered: Optional[_recipe.Recipe] = None  # its fields at entry: the copy registered with `key`
+    # The recipe's registry key (a string, from its fields at entry): compiled code reads this, so
+    # dynamo guards on a plain constant, which changes when the recipe is edited.
     key: str = "high_precision"
     group: object = None  # amax_reduction_group / fp8_group, as given (FP8GlobalStateManager.get_fp8_group)
     first_module_pending: bool = True  # FP8GlobalStateManager.is_first_fp8_module
@@ -89,6 +93,12 @@ def get_fp8_recipe() -> Optional[_recipe.Recipe]:
     return FP8GlobalState.state.recipe  # one read of the thread-local: every Linear call asks
 
 
+def entered_recipe() -> Optional[_recipe.Recipe]:
+    """The active recipe's settings as the block entered with them (a copy that edits of the
+    user's recipe inside the block do not reach): what modules read its fields from."""
+    return FP8GlobalState.state.entered
+
+
 def _default_recipe() -> _recipe.Recipe:
     return _recipe.DelayedScaling()
 
@@ -121,13 +131,15 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[_
     # one thread compiles
     if torch.compiler.is_dynamo_compiling():
         raise RuntimeError("enter autocast outside the torch.compile'd region (compile the model, not the context)")
+    key = RecipeKey.of(recipe if enabled else None)  # the recipe's fields now: later edits do not reach it
+    entered = RecipeKey.recipe(key)
     if enabled:
         with FP8GlobalState.lock:
             for module in list(FP8GlobalState.modules):
-                module.prepare_for_recipe(recipe)
+                module.prepare_for_recipe(recipe, entered, key)
     saved = FP8GlobalState.state
-    FP8GlobalState.state = _State(enabled=bool(enabled), recipe=recipe if enabled else None,
-                                  key=RecipeKey.of(recipe if enabled else None), group=amax_reduction_group,
+    FP8GlobalState.state = _State(enabled=bool(enabled), recipe=recipe if enabled else None, entered=entered,
+                                  key=key, group=amax_reduction_group,
                                   policy="" if gemm_policy is None else policy_key(gemm_policy),
                                   training=torch.is_grad_enabled())
     try:
