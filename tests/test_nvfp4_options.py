@@ -407,7 +407,8 @@ def test_recipe_key_and_repr_round_trip():
     assert rebuilt == r and repr(rebuilt) == key
     assert RecipeKey.quantizers(key).input.nvfp4_use_4over6 and RecipeKey.quantizers(key).input.row_scaled_nvfp4
     derived = RecipeKey.with_high_precision_gemms(key, ["wgrad"])
-    assert RecipeKey.recipe(derived) is RecipeKey.recipe(key) and RecipeKey.quantizers(derived).input == RecipeKey.quantizers(key).input
+    assert RecipeKey.recipe(derived) is RecipeKey.recipe(key)
+    assert RecipeKey.quantizers(derived).input == RecipeKey.quantizers(key).input
 
 
 # ---- a Linear trained under the recipe: compiled == eager, bitwise ---------------------------------------

@@ -226,11 +226,12 @@ class DelayedScaling(Recipe):
         _check_backward_override(self)
         if not callable(self.amax_compute_algo) and self.amax_compute_algo not in ("max", "most_recent"):
             raise ValueError(
-                f"DelayedScaling.amax_compute_algo must be 'max', 'most_recent' or a callable, got {self.amax_compute_algo!r}"
+                f"DelayedScaling.amax_compute_algo must be 'max', 'most_recent' or a callable, "
+                f"got {self.amax_compute_algo!r}"
             )
         if self.scaling_factor_compute_algo is not None and not callable(self.scaling_factor_compute_algo):
-            raise TypeError("DelayedScaling.scaling_factor_compute_algo must be None or a callable (amax, scale, fp8_max, recipe) "
-                            f"-> scale, got {type(self.scaling_factor_compute_algo).__name__}")
+            raise TypeError("DelayedScaling.scaling_factor_compute_algo must be None or a callable (amax, scale, "
+                            f"fp8_max, recipe) -> scale, got {type(self.scaling_factor_compute_algo).__name__}")
         if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int) \
                 or self.amax_history_len < 1:
             raise ValueError(f"DelayedScaling.amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
@@ -299,7 +300,8 @@ class Float8BlockScaling(Recipe):
         _check_qparams(self)
         for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
             if getattr(self, name) not in (1, 2):
-                raise ValueError(f"Float8BlockScaling.{name} must be 1 (1x128 tiles) or 2 (128x128), got {getattr(self, name)}")
+                raise ValueError(f"Float8BlockScaling.{name} must be 1 (1x128 tiles) or 2 (128x128), "
+                                 f"got {getattr(self, name)}")
 
 
 _NVFP4_4OVER6_SCOPES = ("none", "weights", "activations", "all")
