@@ -42,7 +42,10 @@ def test_compiled_step_runs_no_library_python_per_linear(rid):
     the compiled region (autocast entry), not the Linear ops (about 220 calls per Linear fwd+bwd
     when inductor calls the opaque ops)."""
     calls = _compiled_step_calls(RECIPES[rid])
-    assert calls <= 10 * LAYERS, f"{calls} library Python calls in one compiled step of {LAYERS} Linears"
+    # delayed scaling's update runs eagerly at autocast's exit and entry (on CPU its reference
+    # rules, about 40 calls per GEMM); the ops themselves still run no Python
+    budget = (10 + 45 * (rid == "delayed")) * LAYERS
+    assert calls <= budget, f"{calls} library Python calls in one compiled step of {LAYERS} Linears"
 
 
 def test_inlining_off_runs_the_op_bodies_every_step():

@@ -279,7 +279,7 @@ def test_no_grad_inference_matches_eager(backend, rid):
 @pytest.mark.parametrize("make", [lambda: None, lambda: R.Float8CurrentScaling()], ids=["default", "current"])
 def test_equal_fresh_recipe_each_step_does_not_recompile(make):
     """`with autocast():` / `with autocast(recipe=Float8CurrentScaling()):` inside the training loop
-    makes a new (equal, frozen) recipe object every step. Recipes compare by value, so the graph
+    makes a new (equal) recipe object every step. Recipes compare by value, so the graph
     must be reused (regression: when dynamo guarded the recipe object by identity, every step
     recompiled and step 9 raised FailOnRecompileLimitHit under fullgraph=True; compiled code now
     reads the recipe's key string from the autocast state)."""

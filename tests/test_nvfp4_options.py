@@ -398,16 +398,17 @@ def test_recipe_key_and_repr_round_trip():
     r = R.NVFP4BlockScaling(disable_rht=True, row_scaled_activation=True, nvfp4_4over6="activations",
                             nvfp4_4over6_err_mode="MSE")
     key = RecipeKey.of(r)
-    assert key == repr(r) and RecipeKey.recipe(key) is r
+    assert key == repr(r) and RecipeKey.recipe(key) == r
     for field in ("row_scaled_activation=True", "nvfp4_4over6='activations'", "nvfp4_4over6_err_mode='MSE'",
                   "nvfp4_4over6_e4m3_use_256='all'"):
         assert field in key
     assert key != RecipeKey.of(R.NVFP4BlockScaling(disable_rht=True))
-    rebuilt = R.NVFP4BlockScaling(**{f.name: getattr(r, f.name) for f in dataclasses.fields(r)})
-    assert rebuilt == r and hash(rebuilt) == hash(r) and repr(rebuilt) == key
+    rebuilt = R.NVFP4BlockScaling(**{f.name: getattr(r, f.name) for f in dataclasses.fields(r) if f.init})
+    assert rebuilt == r and repr(rebuilt) == key
     assert RecipeKey.quantizers(key).input.nvfp4_use_4over6 and RecipeKey.quantizers(key).input.row_scaled_nvfp4
     derived = RecipeKey.with_high_precision_gemms(key, ["wgrad"])
-    assert RecipeKey.recipe(derived) is r and RecipeKey.quantizers(derived).input == RecipeKey.quantizers(key).input
+    assert RecipeKey.recipe(derived) is RecipeKey.recipe(key)
+    assert RecipeKey.quantizers(derived).input == RecipeKey.quantizers(key).input
 
 
 # ---- a Linear trained under the recipe: compiled == eager, bitwise ---------------------------------------

@@ -9,7 +9,8 @@ def test_a_recipe_key_names_its_recipe_and_its_quantizers():
     recipe = R.Float8CurrentScaling()
     key = RecipeKey.of(recipe)
     assert key == repr(recipe)
-    assert RecipeKey.recipe(key) is recipe
+    registered = RecipeKey.recipe(key)
+    assert registered == recipe and registered is not recipe  # a copy: editing `recipe` cannot reach it
     assert RecipeKey.recipe(RecipeKey.of(None)) is None and RecipeKey.of(None) == RecipeKey.HIGH_PRECISION
     assert RecipeKey.quantizers(key).input is not None
     assert RecipeKey.quantizers(key) is RecipeKey.quantizers(key)  # cached, shared

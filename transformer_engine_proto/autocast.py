@@ -10,6 +10,9 @@ recipe so they can allocate the recipe's state buffers eagerly. Delayed scaling'
 eagerly around an outermost training block: its forward half when the block exits (TE's timing),
 its gradient half when the next one is entered; a compiled graph only reads the scales and records
 amaxes.
+Entry takes the recipe's key from its fields then: modules read the copy registered with the key
+(`entered_recipe`), so a block keeps the settings it entered with when the recipe is edited
+inside it, and an edit takes effect at the next entry (a new key: compiled code recompiles).
 """
 from __future__ import annotations
 
@@ -22,15 +25,17 @@ from typing import Optional
 from . import recipe as _recipe
 
 __all__ = ["autocast", "fp8_autocast", "is_fp8_enabled", "get_fp8_recipe", "get_fp8_recipe_key", "FP8GlobalState",
-           "in_activation_recompute_phase", "get_gemm_policy_key", "in_training_autocast", "checkpoint_scales"]
+           "in_activation_recompute_phase", "get_gemm_policy_key", "in_training_autocast", "checkpoint_scales",
+           "entered_recipe"]
 
 
 @dataclass
 class _State:
     enabled: bool = False
-    recipe: Optional[_recipe.Recipe] = None  # None unless enabled
-    # The recipe's registry key (a string): compiled code reads this, so dynamo guards on a plain
-    # constant and never has to rebuild a recipe object (torch 2.11 cannot for frozen dataclasses).
+    recipe: Optional[_recipe.Recipe] = None  # the user's object (TE's get_fp8_recipe); None unless enabled
+    entered: Optional[_recipe.Recipe] = None  # its fields at entry: the copy registered with `key`
+    # The recipe's registry key (a string, from its fields at entry): compiled code reads this, so
+    # dynamo guards on a plain constant, which changes when the recipe is edited.
     key: str = "high_precision"
     group: object = None  # amax_reduction_group / fp8_group, as given (FP8GlobalStateManager.get_fp8_group)
     first_module_pending: bool = True  # FP8GlobalStateManager.is_first_fp8_module
@@ -100,6 +105,12 @@ def get_fp8_recipe() -> Optional[_recipe.Recipe]:
     return FP8GlobalState.state.recipe  # one read of the thread-local: every Linear call asks
 
 
+def entered_recipe() -> Optional[_recipe.Recipe]:
+    """The active recipe's settings as the block entered with them (a copy that edits of the
+    user's recipe inside the block do not reach): what modules read its fields from."""
+    return FP8GlobalState.state.entered
+
+
 def _default_recipe() -> _recipe.Recipe:
     return _recipe.DelayedScaling()
 
@@ -132,19 +143,21 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[_
     # one thread compiles
     if torch.compiler.is_dynamo_compiling():
         raise RuntimeError("enter autocast outside the torch.compile'd region (compile the model, not the context)")
+    key = RecipeKey.of(recipe if enabled else None)  # the recipe's fields now: later edits do not reach it
+    entered = RecipeKey.recipe(key)
     saved = FP8GlobalState.state
     # delayed scaling's update, around an outermost training block: its gradient half on entry
     # (the last backward's amax, before this forward reads the scale), its forward half on exit
-    advance = (enabled and isinstance(recipe, _recipe.DelayedScaling) and torch.is_grad_enabled()
+    advance = (enabled and isinstance(entered, _recipe.DelayedScaling) and torch.is_grad_enabled()
                and not saved.enabled)
     if enabled:
         with FP8GlobalState.lock:
             for module in list(FP8GlobalState.modules):
-                module.prepare_for_recipe(recipe)
+                module.prepare_for_recipe(recipe, entered, key)
                 if advance:
-                    module.advance_delayed_scaling(recipe, forward_half=False, grad_half=True)
-    FP8GlobalState.state = _State(enabled=bool(enabled), recipe=recipe if enabled else None,
-                                  key=RecipeKey.of(recipe if enabled else None), group=amax_reduction_group,
+                    module.advance_delayed_scaling(entered, forward_half=False, grad_half=True)
+    FP8GlobalState.state = _State(enabled=bool(enabled), recipe=recipe if enabled else None, entered=entered,
+                                  key=key, group=amax_reduction_group,
                                   policy="" if gemm_policy is None else policy_key(gemm_policy),
                                   training=torch.is_grad_enabled())
     try:
@@ -157,7 +170,7 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[_
         if advance:
             with FP8GlobalState.lock:
                 for module in list(FP8GlobalState.modules):
-                    module.advance_delayed_scaling(recipe, forward_half=True, grad_half=False)
+                    module.advance_delayed_scaling(entered, forward_half=True, grad_half=False)
 
 
 def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Optional[_recipe.Recipe] = None,

@@ -1,10 +1,20 @@
 """Recipes: what low-precision format each tensor role uses, with TE's names and defaults.
 
-Recipes are frozen dataclasses so they hash and compare by value: torch.compile treats a recipe
-as a constant and guards on it, and `autocast` can detect a recipe changed mid-run.
+Recipes are mutable dataclasses, as in TE: a field may be assigned after construction. Every
+assignment is checked (a bad value or an unknown field raises, naming the recipe class and the
+field, and leaves the recipe as it was). Recipes compare by value and are unhashable (as TE's);
+`QParams` is frozen (as TE's): assign a new one to the recipe's field.
+
+An edit takes effect at the next `autocast(recipe=...)` entry. Entry takes the recipe's key (its
+repr, `custom_ops/recipe_key.py`) and registers a private copy of its fields under it: the key
+changes with any field, so torch.compile, which guards on the key, recompiles, and eager code
+reads the copy. A block therefore keeps the settings it entered with: editing the recipe inside
+an open `autocast` block changes nothing in that block (`get_fp8_recipe()` still returns the
+user's object, edits included, as TE's does).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -57,7 +67,7 @@ class Format(Enum):
 @dataclass(frozen=True)
 class QParams:
     """Per-tensor-role knobs (TE's `QParams`): current/blockwise scaling use the first two, NVFP4
-    the last three."""
+    the last three. Frozen, as TE's: to change a role, assign a new one to the recipe's field."""
 
     power_2_scale: bool = False
     amax_epsilon: float = 0.0
@@ -68,6 +78,34 @@ class QParams:
 
 class Recipe:
     """Base of all recipes; the predicates mirror TE's `Recipe.delayed()` etc."""
+
+    def __post_init__(self):
+        self._validate()
+
+    def _validate(self) -> None:
+        """Raise a ValueError / TypeError naming the field for a bad value (each recipe's checks)."""
+
+    def _edited(self, name: str, old) -> None:
+        """Hook: field `name` was just assigned (was `old`), before validation."""
+
+    def __setattr__(self, name: str, value) -> None:
+        """TE's in-place edit, checked: an unknown field is an AttributeError (a typo would
+        otherwise be ignored silently), a bad value raises and leaves the recipe unchanged."""
+        fields = getattr(self, "__dataclass_fields__", None)
+        if fields is None or name.startswith("_") or (name in fields and name not in self.__dict__):
+            object.__setattr__(self, name, value)  # the dataclass __init__: __post_init__ validates
+            return
+        if name not in fields:
+            raise AttributeError(f"{type(self).__name__} has no field {name!r}; its fields: {', '.join(fields)}")
+        saved = dict(self.__dict__)
+        object.__setattr__(self, name, value)
+        try:
+            self._edited(name, saved[name])
+            self._validate()
+        except Exception:
+            self.__dict__.clear()
+            self.__dict__.update(saved)
+            raise
 
     def delayed(self) -> bool:
         return isinstance(self, DelayedScaling)
@@ -138,9 +176,11 @@ def _check_backward_override(recipe) -> None:
                                   "them on the original operands")
 
 
-def _check_format(fmt) -> None:
+def _check_format(recipe) -> None:
+    fmt = recipe.fp8_format
     if not isinstance(fmt, Format) or fmt is Format.E2M1:
-        raise TypeError(f"fp8_format must be an FP8 recipe.Format (E4M3, E5M2, HYBRID), got {fmt!r}")
+        raise TypeError(f"{type(recipe).__name__}.fp8_format must be an FP8 recipe.Format (E4M3, E5M2, HYBRID), "
+                        f"got {fmt!r}")
 
 
 def _check_margin(recipe) -> None:
@@ -155,13 +195,16 @@ def _check_qparams(recipe) -> None:
         q = getattr(recipe, name)
         if not isinstance(q, QParams):
             raise TypeError(f"{type(recipe).__name__}.{name} must be a recipe.QParams, got {q!r}")
+        if q.random_hadamard_transform or q.stochastic_rounding or q.fp4_2d_quantization:
+            raise ValueError(f"{type(recipe).__name__}.{name}: FP8 scaling uses only power_2_scale and amax_epsilon "
+                             f"(the others are NVFP4's), got {q!r}")
         eps = q.amax_epsilon
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 <= eps < float("inf")):
             raise ValueError(f"{type(recipe).__name__}.{name}.amax_epsilon must be a finite number >= 0 "
                              f"(the amax is clamped to at least it), got {eps!r}")
 
 
-@dataclass(frozen=True)
+@dataclass
 class DelayedScaling(Recipe):
     """Scale from a history of amaxes recorded in earlier steps (TE's default FP8 recipe)."""
 
@@ -178,23 +221,24 @@ class DelayedScaling(Recipe):
     fp8_mha: bool = False
     backward_override: Optional[str] = _backward_override_field()
 
-    def __post_init__(self):
-        _check_format(self.fp8_format)
+    def _validate(self) -> None:
+        _check_format(self)
         _check_backward_override(self)
         if not callable(self.amax_compute_algo) and self.amax_compute_algo not in ("max", "most_recent"):
             raise ValueError(
-                f"amax_compute_algo must be 'max', 'most_recent' or a callable, got {self.amax_compute_algo!r}"
+                f"DelayedScaling.amax_compute_algo must be 'max', 'most_recent' or a callable, "
+                f"got {self.amax_compute_algo!r}"
             )
         if self.scaling_factor_compute_algo is not None and not callable(self.scaling_factor_compute_algo):
-            raise TypeError("scaling_factor_compute_algo must be None or a callable (amax, scale, fp8_max, recipe) "
-                            f"-> scale, got {type(self.scaling_factor_compute_algo).__name__}")
+            raise TypeError("DelayedScaling.scaling_factor_compute_algo must be None or a callable (amax, scale, "
+                            f"fp8_max, recipe) -> scale, got {type(self.scaling_factor_compute_algo).__name__}")
         if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int) \
                 or self.amax_history_len < 1:
-            raise ValueError(f"amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
+            raise ValueError(f"DelayedScaling.amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
         _check_margin(self)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Float8CurrentScaling(Recipe):
     """Per-tensor scale from the amax of the tensor being quantized, computed just in time."""
 
@@ -208,14 +252,14 @@ class Float8CurrentScaling(Recipe):
     fp8_mha: bool = False
     backward_override: Optional[str] = _backward_override_field()
 
-    def __post_init__(self):
-        _check_format(self.fp8_format)
+    def _validate(self) -> None:
+        _check_format(self)
         _check_backward_override(self)
         _check_margin(self)
         _check_qparams(self)
 
 
-@dataclass(frozen=True)
+@dataclass
 class MXFP8BlockScaling(Recipe):
     """OCP MX: E8M0 power-of-two scale per 32 values along the reduction dimension."""
 
@@ -225,8 +269,8 @@ class MXFP8BlockScaling(Recipe):
     fp8_mha: bool = False
     backward_override: Optional[str] = _backward_override_field()
 
-    def __post_init__(self):
-        _check_format(self.fp8_format)
+    def _validate(self) -> None:
+        _check_format(self)
         _check_backward_override(self)
         if self.margin != 0:  # kept for TE's signature; a nonzero margin would otherwise be ignored silently
             raise ValueError(f"MXFP8BlockScaling.margin is not used (MXFP8 block scales are powers of two "
@@ -234,7 +278,7 @@ class MXFP8BlockScaling(Recipe):
                              f"{self.margin!r}, leave it at 0")
 
 
-@dataclass(frozen=True)
+@dataclass
 class Float8BlockScaling(Recipe):
     """DeepSeek-style blockwise FP8: 1x128 tiles for activations/grads, 128x128 for weights."""
 
@@ -250,32 +294,48 @@ class Float8BlockScaling(Recipe):
     fp8_mha: bool = False
     backward_override: Optional[str] = _backward_override_field()
 
-    def __post_init__(self):
-        _check_format(self.fp8_format)
+    def _validate(self) -> None:
+        _check_format(self)
         _check_backward_override(self)
         _check_qparams(self)
         for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
             if getattr(self, name) not in (1, 2):
-                raise ValueError(f"{name} must be 1 (1x128 tiles) or 2 (128x128), got {getattr(self, name)}")
+                raise ValueError(f"Float8BlockScaling.{name} must be 1 (1x128 tiles) or 2 (128x128), "
+                                 f"got {getattr(self, name)}")
 
 
 _NVFP4_4OVER6_SCOPES = ("none", "weights", "activations", "all")
 _NVFP4_4OVER6_ERR_MODES = ("MAE", "MSE")
+_NVFP4_ROLES = ("fp4_quant_fwd_inp", "fp4_quant_fwd_weight", "fp4_quant_bwd_grad")
+# each disable_* switch: the QParams bit it turns off, and the roles that have it on by default
+_NVFP4_SWITCHES = {
+    "disable_rht": ("random_hadamard_transform", ("fp4_quant_fwd_inp", "fp4_quant_bwd_grad")),
+    "disable_stochastic_rounding": ("stochastic_rounding", ("fp4_quant_bwd_grad",)),
+    "disable_2d_quantization": ("fp4_2d_quantization", ("fp4_quant_fwd_weight",)),
+}
 
 
-@dataclass(frozen=True)
+@dataclass
 class NVFP4BlockScaling(Recipe):
     """NVFP4: E2M1 values, an E4M3 scale per 16 values and one FP32 global amax per tensor.
 
     Defaults follow TE: weights use 2D 16x16 blocks, gradients use stochastic rounding, and the
     columnwise (wgrad) operands of activations and gradients get a random Hadamard transform.
 
+    What each role's quantizer does is its QParams (`fp4_quant_fwd_inp`, `fp4_quant_fwd_weight`,
+    `fp4_quant_bwd_grad`), derived from the `disable_*` switches at construction, as in TE, and
+    assignable per role (None derives it again). A switch set to True later turns its option off
+    in every role (a role assigned that option while the switch is on is an error); set back to
+    False, it restores the option in the roles that have it by default, as construction would.
+    `dataclasses.replace` constructs a new recipe, so its roles are derived again (as TE's);
+    `recipe.replace` edits a copy and keeps them.
+
     TE's encoding options (kernels/reference/nvfp4.py says what they do), off by default:
     `row_scaled_activation` gives the input quantizer one amax per row; `nvfp4_4over6` ("none",
     "weights", "activations", "all") picks per block between a map-to-4 and a map-to-6 scale for
     those roles (gradients never), by `nvfp4_4over6_err_mode` ("MAE" / "MSE"), with S_enc bounded
-    by 256 instead of 448 for the roles `nvfp4_4over6_e4m3_use_256` names. Neither has an RHT
-    kernel in TE, so with the input among their roles they need `disable_rht=True`.
+    by 256 instead of 448 for the roles `nvfp4_4over6_e4m3_use_256` names. Neither has an RHT or
+    stochastic-rounding kernel in TE, so the roles they apply to need those off (`disable_rht=True`).
     """
 
     fp4_format: Format = Format.E2M1
@@ -290,17 +350,32 @@ class NVFP4BlockScaling(Recipe):
     nvfp4_4over6_e4m3_use_256: str = "all"
     nvfp4_4over6_err_mode: str = "MAE"
     backward_override: Optional[str] = _backward_override_field()
+    # not constructor arguments (as in TE): derived from the switches, then assigned per role
+    fp4_quant_fwd_inp: Optional[QParams] = field(default=None, init=False)
+    fp4_quant_fwd_weight: Optional[QParams] = field(default=None, init=False)
+    fp4_quant_bwd_grad: Optional[QParams] = field(default=None, init=False)
 
-    def __post_init__(self):
+    def _edited(self, name: str, old) -> None:
+        """A switch that changed rewrites its bit in the roles' QParams."""
+        if name not in _NVFP4_SWITCHES or getattr(self, name) == old or not isinstance(getattr(self, name), bool):
+            return
+        bit, defaults = _NVFP4_SWITCHES[name]
+        off = getattr(self, name)
+        for role in _NVFP4_ROLES:
+            q = getattr(self, role)
+            if isinstance(q, QParams) and (role in defaults or off):
+                object.__setattr__(self, role, dataclasses.replace(q, **{bit: role in defaults and not off}))
+
+    def _validate(self) -> None:
         _check_backward_override(self)
         if self.fp4_format == "E2M1":  # the string this package took before TE's Format.E2M1
             object.__setattr__(self, "fp4_format", Format.E2M1)
         if self.fp4_format is not Format.E2M1:
             raise ValueError(f"NVFP4 supports fp4_format=Format.E2M1 only, got {self.fp4_format!r}")
-        _check_format(self.fp8_format)
-        if not isinstance(self.row_scaled_activation, bool):
-            raise TypeError(f"NVFP4BlockScaling.row_scaled_activation must be a bool, "
-                            f"got {self.row_scaled_activation!r}")
+        _check_format(self)
+        for name in ("row_scaled_activation", *_NVFP4_SWITCHES):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"NVFP4BlockScaling.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("nvfp4_4over6", "nvfp4_4over6_e4m3_use_256"):
             if getattr(self, name) not in _NVFP4_4OVER6_SCOPES:
                 raise ValueError(f"NVFP4BlockScaling.{name} must be one of {_NVFP4_4OVER6_SCOPES}, "
@@ -310,27 +385,39 @@ class NVFP4BlockScaling(Recipe):
             raise ValueError(f"NVFP4BlockScaling.nvfp4_4over6_err_mode must be one of {_NVFP4_4OVER6_ERR_MODES}, "
                              f"got {mode!r}")
         object.__setattr__(self, "nvfp4_4over6_err_mode", mode.upper())  # TE upper-cases its variable too
-        if not self.disable_rht:
-            if self.row_scaled_activation:
-                raise ValueError("NVFP4BlockScaling: row_scaled_activation=True needs disable_rht=True (row-scaled "
-                                 "NVFP4 has no random Hadamard transform, in TE either)")
-            if self.nvfp4_4over6 in ("activations", "all"):
+        for role in _NVFP4_ROLES:
+            if getattr(self, role) is None:
+                object.__setattr__(self, role, QParams(**{bit: not getattr(self, switch)
+                                                          for switch, (bit, roles) in _NVFP4_SWITCHES.items()
+                                                          if role in roles}))
+        self._check_roles()
+
+    def _check_roles(self) -> None:
+        """Each role's QParams: NVFP4's options only, none its switch turns off, and none the
+        role's quantizer cannot combine."""
+        four_over_six = {"fp4_quant_fwd_inp": ("activations", "all"), "fp4_quant_fwd_weight": ("weights", "all")}
+        for role in _NVFP4_ROLES:
+            q, where = getattr(self, role), f"NVFP4BlockScaling.{role}"
+            if not isinstance(q, QParams):
+                raise TypeError(f"{where} must be a recipe.QParams, got {q!r}")
+            if q.power_2_scale or q.amax_epsilon:
+                raise ValueError(f"{where}: NVFP4 uses only random_hadamard_transform, stochastic_rounding and "
+                                 f"fp4_2d_quantization, got {q!r}")
+            for switch, (bit, _) in _NVFP4_SWITCHES.items():
+                if getattr(self, switch) and getattr(q, bit):
+                    raise ValueError(f"{where}.{bit}=True contradicts {switch}=True")
+            if q.random_hadamard_transform and q.fp4_2d_quantization:
+                raise ValueError(f"{where}: random_hadamard_transform cannot be combined with fp4_2d_quantization")
+            if self.nvfp4_4over6 in four_over_six.get(role, ()) and (q.random_hadamard_transform or
+                                                                     q.stochastic_rounding):
                 raise ValueError(f"NVFP4BlockScaling: nvfp4_4over6={self.nvfp4_4over6!r} needs disable_rht=True "
-                                 "(4over6 has no random Hadamard transform, in TE either)")
-
-    # TE's per-role view of the switches above (what each role's quantizer does)
-    @property
-    def fp4_quant_fwd_inp(self) -> QParams:
-        return QParams(random_hadamard_transform=not self.disable_rht)
-
-    @property
-    def fp4_quant_fwd_weight(self) -> QParams:
-        return QParams(fp4_2d_quantization=not self.disable_2d_quantization)
-
-    @property
-    def fp4_quant_bwd_grad(self) -> QParams:
-        return QParams(random_hadamard_transform=not self.disable_rht,
-                       stochastic_rounding=not self.disable_stochastic_rounding)
+                                 f"and no stochastic rounding in {role} (4over6 has no such kernel, in TE either)")
+        inp = self.fp4_quant_fwd_inp
+        if self.row_scaled_activation and (inp.random_hadamard_transform or inp.stochastic_rounding
+                                           or inp.fp4_2d_quantization):
+            raise ValueError("NVFP4BlockScaling: row_scaled_activation=True needs disable_rht=True and an "
+                             "fp4_quant_fwd_inp without other options (row-scaled NVFP4 has no random Hadamard "
+                             "transform, 2D blocks or stochastic rounding, in TE either)")
 
 
 @dataclass(frozen=True)
@@ -342,7 +429,7 @@ class QuantizerRole:
     name: str = ""
 
 
-@dataclass(frozen=True)
+@dataclass
 class CustomRecipe(Recipe):
     """A quantizer per GEMM operand from the user's factory: `qfactory(role)` gets a
     `quantization.QuantizerRole` (`module_type="linear"`, `tensor_type` "input", "weight" or
@@ -357,15 +444,20 @@ class CustomRecipe(Recipe):
     quantization_alignment: int = 128
     backward_override: Optional[str] = _backward_override_field()
 
-    def __post_init__(self):
+    def _validate(self) -> None:
         _check_backward_override(self)
         if not callable(self.qfactory):
-            raise TypeError(f"CustomRecipe: qfactory must be callable, got {type(self.qfactory).__name__}")
+            raise TypeError(f"CustomRecipe.qfactory must be callable, got {type(self.qfactory).__name__}")
         if self.quantization_alignment <= 0:
-            raise ValueError(f"CustomRecipe: quantization_alignment must be positive, "
+            raise ValueError(f"CustomRecipe.quantization_alignment must be positive, "
                              f"got {self.quantization_alignment}")
 
 
 def replace(recipe: Recipe, **changes) -> Recipe:
-    """Copy of a recipe with some fields changed (recipes are immutable)."""
-    return dataclasses.replace(recipe, **changes)
+    """A copy of `recipe` with `changes` assigned, as edits of the copy (checked, and an NVFP4
+    switch updates the roles' QParams as an edit does; `dataclasses.replace` would rebuild the
+    copy from the fields, where a changed switch and the old QParams can contradict)."""
+    new = copy.copy(recipe)
+    for name, value in changes.items():
+        setattr(new, name, value)
+    return new

@@ -2,8 +2,8 @@
 their quantizers and recipes.
 
 The weights-only unpickler rebuilds only allow-listed globals. Ours are plain data holders (the
-storage classes rebuild from their buffers and metadata, quantizers and recipes are frozen
-dataclasses, `Format` an enum of dtypes, `FSDPWeight` a tensor and its GEMM's name): none runs
+storage classes rebuild from their buffers and metadata, quantizers and recipes are dataclasses,
+`Format` an enum of dtypes, `FSDPWeight` a tensor and its GEMM's name): none runs
 code on load beyond setting attributes, so they are registered with
 `torch.serialization.add_safe_globals` at package import. Only classes
 defined in this package are registered (a user's subclass must be registered by its owner).

@@ -4,7 +4,7 @@ A custom op's schema cannot carry a Python object, so a recipe travels as a stri
 torch.compile bakes into the graph as a constant (and guards on). The grammar:
 
     high_precision                                      no recipe: every GEMM in high precision
-    <repr(recipe)>                                      a registered recipe (frozen dataclass repr)
+    <repr(recipe)>                                      a registered recipe (its dataclass repr)
     <repr(recipe)>|high_precision_gemms=<g>[+<g>...]    that recipe, the named GEMMs (of fprop,
                                                         dgrad, wgrad) kept in high precision (by the
                                                         recipe's backward_override or a per-GEMM
@@ -13,9 +13,15 @@ torch.compile bakes into the graph as a constant (and guards on). The grammar:
 Every key is built here (`of`, `with_high_precision_gemms`) and read here (`recipe`, `quantizers`,
 `base`, `high_precision_gemms`). A derived recipe (e.g. TP amax reduction's) is a recipe of its
 own, registered by `of`.
+
+Recipes are mutable (recipe.py), so a key is the repr of the recipe's fields now, computed on
+every `of` (a few microseconds; autocast asks once per entry), and it names a private copy taken
+when the key was first registered, never the user's object: a later edit of that object gives a
+new key and cannot change what an existing key means. Nothing here hashes a recipe object.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from typing import Dict, FrozenSet, Iterable, Optional
@@ -27,8 +33,7 @@ __all__ = ["RecipeKey"]
 
 _HIGH_PRECISION = "high_precision"
 _HP_MARK = "|high_precision_gemms="
-_RECIPES: Dict[str, Optional[Recipe]] = {_HIGH_PRECISION: None}
-_LAST = [None, None]  # (recipe, its key) of the last `of`: autocast asks once per entry
+_RECIPES: Dict[str, Optional[Recipe]] = {_HIGH_PRECISION: None}  # key -> a private copy of its recipe
 
 
 class RecipeKey:
@@ -38,22 +43,20 @@ class RecipeKey:
 
     @staticmethod
     def of(recipe: Optional[Recipe]) -> str:
-        """The key of `recipe` (registered on first use), or HIGH_PRECISION for None."""
+        """The key of `recipe`'s current field values (registered with a copy of them on first
+        use), or HIGH_PRECISION for None."""
         if recipe is None:
             return _HIGH_PRECISION
-        last, key = _LAST
-        if recipe is last and _RECIPES.get(key) is recipe:
-            return key
         key = repr(recipe)
-        _RECIPES[key] = recipe
-        # the GEMMs the recipe itself keeps in high precision (TE's backward_override)
-        key = RecipeKey.with_high_precision_gemms(key, recipe.high_precision_gemms())
-        _LAST[:] = recipe, key
-        return key
+        if key not in _RECIPES:
+            _RECIPES[key] = copy.copy(recipe)  # QParams are frozen: a shallow copy is the values
+        gemms = recipe.high_precision_gemms()  # those the recipe itself keeps (TE's backward_override)
+        return RecipeKey.with_high_precision_gemms(key, gemms) if gemms else key
 
     @staticmethod
     def recipe(key: str) -> Optional[Recipe]:
-        """The recipe a key names (None for HIGH_PRECISION)."""
+        """The recipe a key names (None for HIGH_PRECISION): a copy registered with the key, equal
+        to the recipe it was built from; not to be edited."""
         try:
             return _RECIPES[key]
         except KeyError:

@@ -63,7 +63,7 @@ def current_scaling_with_group_amax(q: Float8CurrentScalingQuantizer, x: torch.T
                                         rowwise, columnwise)
 
 
-@dataclass(frozen=True)
+@dataclass
 class _TPReducedCurrentScaling(R.Float8CurrentScaling):
     """A Float8CurrentScaling whose `reduced_roles` quantizers reduce their amax over a group."""
 

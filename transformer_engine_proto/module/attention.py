@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from ..autocast import get_fp8_recipe
+from ..autocast import entered_recipe
 from ..errors import raise_error, shape_str
 from .base import TransformerEngineBaseModule
 from .rope import token_positions
@@ -52,7 +52,7 @@ def canonical_mask_type(who: str, mask_type: str) -> str:
 def check_no_fp8_attention(who: str) -> None:
     """Refuse an autocast recipe with `fp8_dpa` / `fp8_mha` set: FP8 attention is not implemented,
     and running attention in high precision instead would hide that the flag has no effect."""
-    recipe = get_fp8_recipe()
+    recipe = entered_recipe()
     flags = [f for f in ("fp8_dpa", "fp8_mha") if getattr(recipe, f, False)]
     if flags:
         on, off = " and ".join(f"{f}=True" for f in flags), ", ".join(f"{f}=False" for f in flags)

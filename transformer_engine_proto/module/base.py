@@ -61,11 +61,13 @@ class TransformerEngineBaseModule(GemmOwner, nn.Module):
             return []
         return [(gemm, self._tp_group_name, self.parallel_mode) for gemm, _ in self.gemm_weights()]
 
-    def prepare_for_recipe(self, recipe) -> None:
+    def prepare_for_recipe(self, recipe, entered, key: str) -> None:
+        """Autocast entry: `recipe` is the user's object (TE's fp8_meta["recipe"]); the GEMMs
+        prepare for `entered`, its fields at entry (`RecipeKey.recipe(key)`)."""
         self._last_recipe = recipe
         for gemm, weight in self.gemm_weights():
-            gemm.prepare_for_recipe(recipe, weight)
-            if isinstance(recipe, DelayedScaling):
+            gemm.prepare_for_recipe(entered, weight, key)
+            if isinstance(entered, DelayedScaling):
                 gemm.poll_nonfinite(self.name)
 
     def advance_delayed_scaling(self, recipe, forward_half: bool, grad_half: bool) -> None:

@@ -15,6 +15,7 @@ from torch import nn
 from .. import recipe as R
 from ..autocast import (
     checkpoint_scales,
+    entered_recipe,
     get_fp8_recipe,
     get_fp8_recipe_key,
     get_gemm_policy_key,
@@ -103,12 +104,13 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
                                                  torch.is_grad_enabled())
 
     # ---- eager preparation ----------------------------------------------------------------
-    def prepare_for_recipe(self, recipe: R.Recipe, weight: torch.Tensor) -> None:
+    def prepare_for_recipe(self, recipe: R.Recipe, weight: torch.Tensor, key: str) -> None:
+        """`recipe`: the settings of `key` (`RecipeKey.recipe(key)`)."""
         if isinstance(recipe, R.DelayedScaling):
             self.ensure_history_len(recipe)
         if self.uses_weight_cache:
             try:
-                self._alloc_weight_cache(self.recipe_key(RecipeKey.of(recipe)), weight)
+                self._alloc_weight_cache(self.recipe_key(key), weight)
             except ValueError:
                 pass  # a shape the recipe cannot quantize: forward raises the error, naming the module
 
@@ -157,7 +159,7 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         """`inp_quantized`: the input's buffers from a fused norm + quantize (`wants_quantized_input`).
         `sequence_gather`: (TP group name, tp size) when `inp` is a sequence-parallel dim-0 shard
         to all-gather before the GEMM (column parallel + SP)."""
-        recipe = get_fp8_recipe()
+        recipe = entered_recipe()  # the settings this autocast block entered with
         key = self.recipe_key()
         delayed = isinstance(recipe, R.DelayedScaling)
         cache_mode, cache = linear_ops.CACHE_OFF, []
@@ -241,7 +243,7 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
                     f"amax_history_len={recipe.amax_history_len} exceeds the allocated history "
                     f"({self.amax_history.shape[0]}); enter autocast outside torch.compile first"
                 )
-            self.prepare_for_recipe(recipe, weight)
+            self.prepare_for_recipe(recipe, weight, get_fp8_recipe_key())
 
     def _gather_input(self, inp, weight, key: str, delayed: bool, sequence_gather, quantized_ok: bool):
         """(gathered input, its quantized buffers or (), all-reduced input amax for delayed scaling

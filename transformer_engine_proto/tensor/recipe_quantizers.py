@@ -81,13 +81,15 @@ def quantizers_for_recipe(recipe: Optional[R.Recipe]) -> RoleQuantizers:
                               bq(fmt.fwd_dtype, recipe.w_block_scaling_dim, recipe.fp8_quant_fwd_weight),
                               bq(fmt.bwd_dtype, recipe.grad_block_scaling_dim, recipe.fp8_quant_bwd_grad))
     if isinstance(recipe, R.NVFP4BlockScaling):
-        rht = not recipe.disable_rht
+        def fp4(qp: R.QParams, **options):
+            return NVFP4Quantizer(with_rht=qp.random_hadamard_transform, stochastic_rounding=qp.stochastic_rounding,
+                                  with_2d_quantization=qp.fp4_2d_quantization, **options)
+
         return RoleQuantizers(
-            NVFP4Quantizer(with_rht=rht, row_scaled_nvfp4=recipe.row_scaled_activation,
-                           **_nvfp4_4over6(recipe, "input")),
-            NVFP4Quantizer(with_2d_quantization=not recipe.disable_2d_quantization,
-                           **_nvfp4_4over6(recipe, "weight")),
-            NVFP4Quantizer(with_rht=rht, stochastic_rounding=not recipe.disable_stochastic_rounding),
+            fp4(recipe.fp4_quant_fwd_inp, row_scaled_nvfp4=recipe.row_scaled_activation,
+                **_nvfp4_4over6(recipe, "input")),
+            fp4(recipe.fp4_quant_fwd_weight, **_nvfp4_4over6(recipe, "weight")),
+            fp4(recipe.fp4_quant_bwd_grad),
         )
     if isinstance(recipe, R.CustomRecipe):
         return _custom_quantizers(recipe)
