@@ -43,30 +43,32 @@ def _state(rows: int, seed: int, device, nonfinite: bool):
 @pytest.mark.parametrize("most_recent", [False, True])
 @pytest.mark.parametrize("margin", [0, 1, 3])
 @pytest.mark.parametrize("nonfinite", [False, True])
-def test_one_launch_update_is_the_reference_bit_for_bit(device, rows, most_recent, margin, nonfinite):
+@pytest.mark.parametrize("halves", [(True, False), (False, True), (True, True)], ids=["fwd", "grad", "both"])
+def test_one_launch_update_is_the_reference_bit_for_bit(device, rows, most_recent, margin, nonfinite, halves):
     from transformer_engine_proto.kernels.triton.delayed_scaling import delayed_scaling_update as fused
 
+    forward_half, grad_half = halves
     for seed in range(4):
         fwd_max, bwd_max = (FP8_MAX[torch.float8_e4m3fn], FP8_MAX[torch.float8_e5m2]) if seed < 2 else \
             (FP8_MAX[torch.float8_e4m3fn], FP8_MAX[torch.float8_e4m3fn])
         expect, got = _state(rows, seed, "cpu", nonfinite), _state(rows, seed, device, nonfinite)
-        args = (rows, most_recent, fwd_max, bwd_max, margin)
+        args = (rows, most_recent, fwd_max, bwd_max, margin, forward_half, grad_half)
         reference.delayed_scaling.delayed_scaling_update(*expect, *args)
         fused(*got, *args)
         for name, e, o in zip(["scale", "history", "grad scale", "grad history", "pending", "seen", "count",
                                "recorded"], expect, got):
             assert _same(e, o.cpu()), f"{name} differs (seed {seed})"
         before = _state(rows, seed, "cpu", nonfinite)
-        assert expect[7].item() == 0  # the flag is cleared
-        if seed % 4 < 2:  # recorded: slot 0 free for the next amax and the rest rolled
-            assert (expect[1][0] == 0).all()
+        if forward_half and seed % 4 < 2:  # recorded: slot 0 free for the next amax and the rest rolled
+            assert (expect[1][0] == 0).all() and expect[7].item() == 0  # the flag is cleared
             if rows > 1:
                 assert _same(expect[1][1: rows - 1], before[1][2:rows]) and _same(expect[1][rows - 1], before[1][0])
-        else:  # nothing recorded: the forward scales and history as they were
+        else:  # nothing recorded, or the half not asked for: the forward scales and history as they were
             assert _same(expect[0], before[0]) and _same(expect[1], before[1])
-        if seed % 2:  # a new gradient amax: folded, then slot 0 freed by the roll
+            assert expect[7].item() == (0 if forward_half else before[7].item())
+        if grad_half and seed % 2:  # a new gradient amax: folded, then slot 0 freed by the roll
             assert (expect[3][0] == 0).all()
-        else:  # none: the gradient scale and history as they were
+        else:  # none, or the half not asked for: the gradient scale and history as they were
             assert _same(expect[2], before[2]) and _same(expect[3], before[3])
 
 
@@ -74,8 +76,8 @@ def test_one_launch_update_is_the_reference_bit_for_bit(device, rows, most_recen
 @pytest.mark.parametrize("history_len,algo,margin", [(1, "most_recent", 0), (16, "max", 1), (1024, "max", 0)])
 def test_eager_training_equals_the_in_graph_update(history_len, algo, margin):
     """The eager steps leave the same scales and histories as the same steps compiled by
-    inductor: the update runs at autocast entry in both (one launch per GEMM), and the compiled
-    graphs hold only the amax records, as graph ops."""
+    inductor: the update runs at autocast's exit and entry in both (one launch per GEMM), and the
+    compiled graphs hold only the amax records, as graph ops."""
     from torch._inductor.utils import run_and_get_code
 
     import transformer_engine_proto as te

@@ -29,6 +29,8 @@ def _train(model, step_fn, recipe):
         losses.append(loss.detach().clone())
         opt.step()
         opt.zero_grad(set_to_none=True)
+    with te.autocast(enabled=recipe is not None, recipe=recipe):
+        pass  # delayed scaling: the last gradient amax folded in (the update's gradient half runs on entry)
     return losses
 
 
@@ -54,7 +56,7 @@ def test_graphed_training_matches_eager(rid):
         assert torch.equal(a, b), name  # weights and every delayed-scaling buffer
     if rid == "delayed":  # replays did advance the state in place
         h = graphed_model[2].gemm.amax_history
-        assert h[0].gt(0).all() and h[-(STEPS - 1):].gt(0).all()
+        assert h[-STEPS:].gt(0).all() and not h[0].any()  # rolled at each exit: the steps at the end
 
 
 @pytest.mark.cuda
