@@ -72,6 +72,31 @@ def test_one_launch_update_is_the_reference_bit_for_bit(device, rows, most_recen
             assert _same(expect[2], before[2]) and _same(expect[3], before[3])
 
 
+@pytest.mark.parametrize("device", _DEVICES)
+@pytest.mark.parametrize("halves", [(True, False), (False, True)], ids=["fwd", "grad"])
+def test_one_launch_for_many_gemms_is_the_reference_bit_for_bit(device, halves):
+    """TE's multi-tensor update: one launch for several GEMMs' states (each its own buffers, seeds
+    with and without recorded / pending amaxes, non-finite ones included) equals the reference
+    GEMM by GEMM, and a second call on the same buffers reuses the address table."""
+    from transformer_engine_proto.kernels.triton.delayed_scaling import _TABLES
+    from transformer_engine_proto.kernels.triton.delayed_scaling import delayed_scaling_update_many as fused
+
+    states = [(seed, nonfinite) for seed in range(4) for nonfinite in (False, True)]
+    expect = [_state(16, seed, "cpu", nonfinite) for seed, nonfinite in states]
+    got = [_state(16, seed, device, nonfinite) for seed, nonfinite in states]
+    args = (16, False, FP8_MAX[torch.float8_e4m3fn], FP8_MAX[torch.float8_e5m2], 1, *halves)
+    for _ in range(2):  # twice: the second call finds its table
+        reference.delayed_scaling.delayed_scaling_update_many(expect, *args)
+        fused(got, *args)
+    assert any(key[0] == got[0][0].data_ptr() for key in _TABLES)
+    for (seed, nonfinite), e_state, g_state in zip(states, expect, got):
+        for name, e, o in zip(["scale", "history", "grad scale", "grad history", "pending", "seen", "count",
+                               "recorded"], e_state, g_state):
+            assert _same(e, o.cpu()), f"{name} differs (seed {seed}, nonfinite {nonfinite})"
+    moved = [not _same(e[0], _state(16, s, "cpu", n)[0]) for (s, n), e in zip(states, expect)]
+    assert any(moved) if halves[0] else not any(moved)  # the forward half moved the recorded ones only
+
+
 @_on_gpu
 @pytest.mark.parametrize("history_len,algo,margin", [(1, "most_recent", 0), (16, "max", 1), (1024, "max", 0)])
 def test_eager_training_equals_the_in_graph_update(history_len, algo, margin):

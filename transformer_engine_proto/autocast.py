@@ -154,8 +154,8 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[_
         with FP8GlobalState.lock:
             for module in list(FP8GlobalState.modules):
                 module.prepare_for_recipe(recipe, entered, key)
-                if advance:
-                    module.advance_delayed_scaling(entered, forward_half=False, grad_half=True)
+            if advance:
+                _update_delayed_scaling(entered, forward_half=False, grad_half=True)
     FP8GlobalState.state = _State(enabled=bool(enabled), recipe=recipe if enabled else None, entered=entered,
                                   key=key, group=amax_reduction_group,
                                   policy="" if gemm_policy is None else policy_key(gemm_policy),
@@ -169,8 +169,15 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[_
         shared_input.clear()  # quantized inputs shared within the forward
         if advance:
             with FP8GlobalState.lock:
-                for module in list(FP8GlobalState.modules):
-                    module.advance_delayed_scaling(entered, forward_half=True, grad_half=False)
+                _update_delayed_scaling(entered, forward_half=True, grad_half=False)
+
+
+def _update_delayed_scaling(recipe, forward_half: bool, grad_half: bool) -> None:
+    """One half of delayed scaling's update for every live module's GEMMs (one launch per device)."""
+    from .custom_ops.delayed_scaling import update_delayed_scaling
+
+    gemms = [g for module in list(FP8GlobalState.modules) for g in module.delayed_scaling_gemms()]
+    update_delayed_scaling(gemms, recipe, forward_half, grad_half)
 
 
 def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Optional[_recipe.Recipe] = None,

@@ -23,7 +23,8 @@ from ..kernels.reference.delayed_scaling import fold_pending_grad_amax as _fold
 from ..kernels.reference.delayed_scaling import only_where, update_from_history
 from .saved_state import saved_state
 
-__all__ = ["DelayedScalingState", "DEFAULT_HISTORY_LEN", "record_grad_amax", "fold_pending_grad_amax"]
+__all__ = ["DelayedScalingState", "DEFAULT_HISTORY_LEN", "record_grad_amax", "fold_pending_grad_amax",
+           "update_delayed_scaling"]
 
 DEFAULT_HISTORY_LEN = 1024
 _NONFINITE_ROLES = ("input", "weight", "grad")
@@ -100,10 +101,8 @@ class DelayedScalingState:
         builtin = recipe.scaling_factor_compute_algo is None and recipe.amax_compute_algo in ("max", "most_recent")
         if builtin and _eager_device(self.fp8_scale) is not None:
             kernel("delayed_scaling_update", self.fp8_scale.device)(
-                self.fp8_scale, self.amax_history, self.grad_fp8_scale, self.grad_amax_history,
-                self.grad_amax_pending, self.grad_amax_seen, self.nonfinite_amax_count, self.amax_recorded,
-                recipe.amax_history_len, recipe.amax_compute_algo == "most_recent", fwd_max, bwd_max, recipe.margin,
-                forward_half, grad_half)
+                *self.update_state(), recipe.amax_history_len, recipe.amax_compute_algo == "most_recent", fwd_max,
+                bwd_max, recipe.margin, forward_half, grad_half)
             return
         L = recipe.amax_history_len
         if forward_half:
@@ -115,6 +114,11 @@ class DelayedScalingState:
             fold_pending_grad_amax(self.grad_amax_history, self.grad_amax_state(), self.nonfinite_amax_count[2:3])
             only_where(new_grad, [self.grad_fp8_scale, self.grad_amax_history[:L]],
                        lambda s, h: update_from_history(s, h, recipe, bwd_max), pin=saved_state)
+
+    def update_state(self) -> tuple:
+        """The eight buffers `delayed_scaling_update` takes, in its order."""
+        return (self.fp8_scale, self.amax_history, self.grad_fp8_scale, self.grad_amax_history,
+                self.grad_amax_pending, self.grad_amax_seen, self.nonfinite_amax_count, self.amax_recorded)
 
     def record_amax(self, amax: torch.Tensor, first: int = 0) -> None:
         """History slot 0, columns first.. (0 input, 1 weight), takes the max with `amax`, except
@@ -170,6 +174,27 @@ class DelayedScalingState:
                 f"Check the loss / inputs for overflow. Counts per GEMM are in the buffers "
                 f"`*.nonfinite_amax_count` (input, weight, grad); this warning is shown once.",
                 RuntimeWarning, stacklevel=5)
+
+
+def update_delayed_scaling(states: Sequence[DelayedScalingState], recipe: R.DelayedScaling, forward_half: bool,
+                           grad_half: bool) -> None:
+    """`update_scales` of many GEMMs, as autocast's exit / entry asks: with TE's built-in rules, the
+    GEMMs on one CUDA device in one launch (`delayed_scaling_update_many`, TE's multi-tensor
+    update); the others one by one."""
+    builtin = recipe.scaling_factor_compute_algo is None and recipe.amax_compute_algo in ("max", "most_recent")
+    by_device = {}
+    for g in states:
+        device = _eager_device(g.fp8_scale)
+        if builtin and device is not None and device.type == "cuda" and g.amax_history.is_contiguous() \
+                and g.grad_amax_history.is_contiguous() and g.amax_history.shape[0] >= recipe.amax_history_len:
+            by_device.setdefault(device, []).append(g)
+        elif not g.fp8_scale.is_meta:  # meta: no values yet
+            g.update_scales(recipe, forward_half, grad_half)
+    fwd_max, bwd_max = FP8_MAX[recipe.fp8_format.fwd_dtype], FP8_MAX[recipe.fp8_format.bwd_dtype]
+    for device, gemms in by_device.items():
+        kernel("delayed_scaling_update_many", device)(
+            [g.update_state() for g in gemms], recipe.amax_history_len, recipe.amax_compute_algo == "most_recent",
+            fwd_max, bwd_max, recipe.margin, forward_half, grad_half)
 
 
 # ---- the gradient amax crosses from backward to the next forward -----------------------------

@@ -70,13 +70,10 @@ class TransformerEngineBaseModule(GemmOwner, nn.Module):
             if isinstance(entered, DelayedScaling):
                 gemm.poll_nonfinite(self.name)
 
-    def advance_delayed_scaling(self, recipe, forward_half: bool, grad_half: bool) -> None:
-        """Delayed scaling's update of this module's GEMMs (`DelayedScalingState.update_scales`):
-        autocast asks for the forward half when an outermost training block exits, the gradient
-        half when one is entered. A GEMM without a new amax for a half keeps that half as it is."""
-        for gemm, _ in self.gemm_weights():
-            if gemm.scales_updated_by_autocast:
-                gemm.update_scales(recipe, forward_half, grad_half)
+    def delayed_scaling_gemms(self) -> list:
+        """This module's GEMMs whose delayed-scaling update autocast runs (`update_delayed_scaling`):
+        all but those FSDP2's pre-all-gather updates itself."""
+        return [gemm for gemm, _ in self.gemm_weights() if gemm.scales_updated_by_autocast]
 
     def _check_input(self, inp: torch.Tensor, features: int, what: str = "input") -> None:
         if not isinstance(inp, torch.Tensor):

@@ -207,7 +207,12 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         the first forward keeps a copy and the recompute takes it back."""
         scales = checkpoint_scales()
         if scales is None or torch.compiler.is_compiling():
-            return saved_state(self.fp8_scale)
+            pinned = saved_state(self.fp8_scale)
+            if torch.compiler.is_dynamo_compiling():
+                # written back (the same values), so the forward graph computes the pinned value and
+                # the partitioner saves it, also where only backward reads it (fprop in bf16)
+                self.fp8_scale.copy_(pinned)
+            return pinned
         if in_activation_recompute_phase():
             return scales.popleft()
         scales.append(self.fp8_scale.clone())

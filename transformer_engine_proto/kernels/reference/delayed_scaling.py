@@ -139,3 +139,12 @@ def delayed_scaling_update(fp8_scale: torch.Tensor, amax_history: torch.Tensor, 
         fold_pending_grad_amax(grad_amax_history, grad_amax_pending, grad_amax_seen, nonfinite_count[2:3])
         only_where(new_grad, [grad_fp8_scale, grad_amax_history[:history_len]],
                    lambda s, h: update_scale_and_roll(s, h, algo, bwd_max, margin))
+
+
+@register_kernel("delayed_scaling_update_many")
+def delayed_scaling_update_many(states, history_len: int, most_recent: bool, fwd_max: float, bwd_max: float,
+                                margin: int, forward_half: bool, grad_half: bool) -> None:
+    """`delayed_scaling_update` of several GEMMs (each a tuple of its eight state tensors, in that
+    kernel's order) with one recipe; the Triton kernel does them in one launch."""
+    for state in states:
+        delayed_scaling_update(*state, history_len, most_recent, fwd_max, bwd_max, margin, forward_half, grad_half)

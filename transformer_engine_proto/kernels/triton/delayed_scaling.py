@@ -49,12 +49,12 @@ def _update_column(scale_ptr, hist_ptr, stride, slot0, L, FMAX: tl.constexpr, MA
     tl.store(hist_ptr + rows * stride, tl.where(rows == 0, 0.0, shifted), mask=rows < L)
 
 
-@fast_launch
 @triton.jit
-def _delayed_update_kernel(scale_ptr, hist_ptr, hist_stride, gscale_ptr, ghist_ptr, ghist_stride, pending_ptr,
-                           seen_ptr, count_ptr, recorded_ptr, L, FWD_MAX: tl.constexpr, BWD_MAX: tl.constexpr,
-                           MARGIN_MUL: tl.constexpr, MOST_RECENT: tl.constexpr, BLOCK: tl.constexpr,
-                           FORWARD_HALF: tl.constexpr, GRAD_HALF: tl.constexpr):
+def _update_state(scale_ptr, hist_ptr, hist_stride, gscale_ptr, ghist_ptr, ghist_stride, pending_ptr, seen_ptr,
+                  count_ptr, recorded_ptr, L, FWD_MAX: tl.constexpr, BWD_MAX: tl.constexpr, MARGIN_MUL: tl.constexpr,
+                  MOST_RECENT: tl.constexpr, BLOCK: tl.constexpr, FORWARD_HALF: tl.constexpr,
+                  GRAD_HALF: tl.constexpr):
+    """One GEMM's update (the reference's `delayed_scaling_update`)."""
     if FORWARD_HALF:
         recorded = tl.load(recorded_ptr)
         tl.debug_barrier()  # every warp has read the flag before it is cleared
@@ -81,22 +81,79 @@ def _delayed_update_kernel(scale_ptr, hist_ptr, hist_stride, gscale_ptr, ghist_p
             tl.store(ghist_ptr, gslot)
 
 
+@fast_launch
+@triton.jit
+def _delayed_update_kernel(scale_ptr, hist_ptr, hist_stride, gscale_ptr, ghist_ptr, ghist_stride, pending_ptr,
+                           seen_ptr, count_ptr, recorded_ptr, L, FWD_MAX: tl.constexpr, BWD_MAX: tl.constexpr,
+                           MARGIN_MUL: tl.constexpr, MOST_RECENT: tl.constexpr, BLOCK: tl.constexpr,
+                           FORWARD_HALF: tl.constexpr, GRAD_HALF: tl.constexpr):
+    _update_state(scale_ptr, hist_ptr, hist_stride, gscale_ptr, ghist_ptr, ghist_stride, pending_ptr, seen_ptr,
+                  count_ptr, recorded_ptr, L, FWD_MAX, BWD_MAX, MARGIN_MUL, MOST_RECENT, BLOCK, FORWARD_HALF,
+                  GRAD_HALF)
+
+
+@fast_launch
+@triton.jit
+def _delayed_update_many_kernel(table_ptr, L, FWD_MAX: tl.constexpr, BWD_MAX: tl.constexpr,
+                                MARGIN_MUL: tl.constexpr, MOST_RECENT: tl.constexpr, BLOCK: tl.constexpr,
+                                FORWARD_HALF: tl.constexpr, GRAD_HALF: tl.constexpr):
+    """Program i updates GEMM i, whose eight state buffers' addresses are row i of the table."""
+    row = table_ptr + tl.program_id(0) * 8
+    f32 = tl.pointer_type(tl.float32)
+    _update_state(tl.load(row).to(f32), tl.load(row + 1).to(f32), 2, tl.load(row + 2).to(f32),
+                  tl.load(row + 3).to(f32), 1, tl.load(row + 4).to(f32), tl.load(row + 5).to(f32),
+                  tl.load(row + 6).to(tl.pointer_type(tl.int64)), tl.load(row + 7).to(f32), L, FWD_MAX, BWD_MAX,
+                  MARGIN_MUL, MOST_RECENT, BLOCK, FORWARD_HALF, GRAD_HALF)
+
+
+def _check_histories(amax_history: torch.Tensor, grad_amax_history: torch.Tensor) -> None:
+    if amax_history.shape[1:] != (2,) or grad_amax_history.shape[1:] != (1,) or amax_history.stride(1) != 1:
+        raise ValueError(f"delayed_scaling_update: histories must be (rows, 2) with contiguous rows and "
+                         f"(rows, 1), got {tuple(amax_history.shape)} (strides {amax_history.stride()}) and "
+                         f"{tuple(grad_amax_history.shape)}")
+
+
 @triton_kernel("delayed_scaling_update")
 def delayed_scaling_update(fp8_scale: torch.Tensor, amax_history: torch.Tensor, grad_fp8_scale: torch.Tensor,
                            grad_amax_history: torch.Tensor, grad_amax_pending: torch.Tensor,
                            grad_amax_seen: torch.Tensor, nonfinite_count: torch.Tensor, amax_recorded: torch.Tensor,
                            history_len: int, most_recent: bool, fwd_max: float, bwd_max: float, margin: int,
                            forward_half: bool, grad_half: bool) -> None:
-    if amax_history.shape[1:] != (2,) or grad_amax_history.shape[1:] != (1,) or amax_history.stride(1) != 1:
-        raise ValueError(f"delayed_scaling_update: histories must be (rows, 2) with contiguous rows and "
-                         f"(rows, 1), got {tuple(amax_history.shape)} (strides {amax_history.stride()}) and "
-                         f"{tuple(grad_amax_history.shape)}")
+    _check_histories(amax_history, grad_amax_history)
     rows = min(history_len, amax_history.shape[0])
     _delayed_update_kernel[(1,)](
         fp8_scale, amax_history, amax_history.stride(0), grad_fp8_scale, grad_amax_history,
         grad_amax_history.stride(0), grad_amax_pending, grad_amax_seen, nonfinite_count, amax_recorded, rows,
         FWD_MAX=float(fwd_max), BWD_MAX=float(bwd_max), MARGIN_MUL=2.0 ** -margin, MOST_RECENT=bool(most_recent),
         BLOCK=next_power_of_2(rows), FORWARD_HALF=bool(forward_half), GRAD_HALF=bool(grad_half), num_warps=4)
+
+
+_TABLES = {}  # the address table of a set of GEMM states, on their device: built once per set
+
+
+def _address_table(states) -> torch.Tensor:
+    key = tuple(t.data_ptr() for state in states for t in state)
+    table = _TABLES.get(key)
+    if table is None:
+        if len(_TABLES) > 64:
+            _TABLES.clear()
+        table = torch.tensor(key, dtype=torch.int64).to(states[0][0].device)
+        _TABLES[key] = table
+    return table
+
+
+@triton_kernel("delayed_scaling_update_many")
+def delayed_scaling_update_many(states, history_len: int, most_recent: bool, fwd_max: float, bwd_max: float,
+                                margin: int, forward_half: bool, grad_half: bool) -> None:
+    for state in states:
+        _check_histories(state[1], state[3])
+        if state[1].stride(0) != 2 or state[3].stride(0) != 1 or state[1].shape[0] < history_len:
+            raise ValueError("delayed_scaling_update_many: histories must be contiguous and hold history_len rows")
+    rows = history_len
+    _delayed_update_many_kernel[(len(states),)](
+        _address_table(states), rows, FWD_MAX=float(fwd_max), BWD_MAX=float(bwd_max), MARGIN_MUL=2.0 ** -margin,
+        MOST_RECENT=bool(most_recent), BLOCK=next_power_of_2(rows), FORWARD_HALF=bool(forward_half),
+        GRAD_HALF=bool(grad_half), num_warps=4)
 
 
 @fast_launch
