@@ -188,6 +188,12 @@ def update_delayed_scaling(states: Sequence[DelayedScalingState], recipe: R.Dela
         if builtin and device is not None and device.type == "cuda" and g.amax_history.is_contiguous() \
                 and g.grad_amax_history.is_contiguous() and g.amax_history.shape[0] >= recipe.amax_history_len:
             by_device.setdefault(device, []).append(g)
+        elif device is not None and device.type == "cpu":
+            # a host read, no sync: only GEMMs with a new amax run the rules (as torch ops, dozens)
+            fwd = forward_half and bool(g.amax_recorded.item())
+            grad = grad_half and bool(g.grad_amax_pending[1] != g.grad_amax_seen[0])
+            if fwd or grad:
+                g.update_scales(recipe, fwd, grad)
         elif not g.fp8_scale.is_meta:  # meta: no values yet
             g.update_scales(recipe, forward_half, grad_half)
     fwd_max, bwd_max = FP8_MAX[recipe.fp8_format.fwd_dtype], FP8_MAX[recipe.fp8_format.bwd_dtype]
