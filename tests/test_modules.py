@@ -119,20 +119,25 @@ def test_layernorm_linear_returns_layernorm_output_and_bias():
     assert ((out - ref).norm() / ref.norm()) < 0.05
 
 
-@pytest.mark.parametrize("activation", ["gelu", "relu", "silu", "swiglu", "geglu", "reglu"])
+_ELEMENTWISE = {"gelu": lambda t: F.gelu(t, approximate="tanh"), "qgelu": lambda t: t * torch.sigmoid(1.702 * t),
+                "relu": F.relu, "srelu": lambda t: F.relu(t) ** 2, "silu": F.silu}
+_GATED = {"glu": torch.sigmoid, "swiglu": F.silu, "geglu": _ELEMENTWISE["gelu"], "qgeglu": _ELEMENTWISE["qgelu"],
+          "reglu": F.relu, "sreglu": _ELEMENTWISE["srelu"]}
+
+
+@pytest.mark.parametrize("activation", list(_ELEMENTWISE) + list(_GATED))
 def test_layernorm_mlp_activations_match_high_precision_reference(activation):
+    """TE's activation names and definitions; a gated one gates fc1's first half."""
     torch.manual_seed(0)
     m = te.LayerNormMLP(64, 128, activation=activation)
     x = torch.randn(16, 64)
     ln = F.layer_norm(x, (64,), m.layer_norm_weight, m.layer_norm_bias, 1e-5)
     h = F.linear(ln, m.fc1_weight, m.fc1_bias)
-    acts = {"gelu": lambda t: F.gelu(t, approximate="tanh"), "relu": F.relu, "silu": F.silu}
-    if activation in acts:
-        a = acts[activation](h)
+    if activation in _ELEMENTWISE:
+        a = _ELEMENTWISE[activation](h)
     else:
-        base = {"swiglu": F.silu, "geglu": lambda t: F.gelu(t, approximate="tanh"), "reglu": F.relu}[activation]
         u, v = h.chunk(2, -1)
-        a = base(u) * v
+        a = _GATED[activation](u) * v
     ref = F.linear(a, m.fc2_weight, m.fc2_bias)
     torch.testing.assert_close(m(x), ref, rtol=1e-5, atol=1e-5)  # outside autocast: high precision
     with te.autocast(recipe=R.Float8CurrentScaling()):

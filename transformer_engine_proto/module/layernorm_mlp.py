@@ -30,14 +30,28 @@ def _gelu(x):
     return F.gelu(x, approximate="tanh")
 
 
+def _qgelu(x):
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _srelu(x):
+    return torch.square(F.relu(x))
+
+
 # name -> (function, fc1 width multiplier); gated activations take both halves of fc1's output
+# and gate the first (TE's definitions; `torch.nn.functional.glu` gates the second)
 ACTIVATIONS = {
     "gelu": (_gelu, 1),
+    "qgelu": (_qgelu, 1),
     "relu": (F.relu, 1),
+    "srelu": (_srelu, 1),
     "silu": (F.silu, 1),
+    "glu": (_glu(torch.sigmoid), 2),
     "swiglu": (_glu(F.silu), 2),
     "geglu": (_glu(_gelu), 2),
+    "qgeglu": (_glu(_qgelu), 2),
     "reglu": (_glu(F.relu), 2),
+    "sreglu": (_glu(_srelu), 2),
 }
 
 
@@ -52,7 +66,7 @@ class LayerNormMLP(NormFusedModule):
     activation -> fc2 -> reduce-scatter (the norm's and fc2's bias grads are then partial:
     marked `sequence_parallel`, all-reduced by the training loop as in Megatron / TE).
 
-    Gated activations (swiglu, geglu, reglu): the activation splits fc1's local output into two
+    Gated activations (glu, swiglu, geglu, qgeglu, reglu, sreglu): the activation splits fc1's local output into two
     halves, so each rank's fc1 shard must hold the matching rank-th chunk of *each* half of the
     full fc1 weight, i.e. `cat([W[:ffn].chunk(tp)[r], W[ffn:].chunk(tp)[r]])` (and likewise the
     bias), not a contiguous chunk of the full [2*ffn, hidden] weight (see `shard_fc1`).
@@ -73,7 +87,8 @@ class LayerNormMLP(NormFusedModule):
         Learn fc1's and fc2's biases, initialized to zero.
     normalization : {"LayerNorm", "RMSNorm"}, default = "LayerNorm"
         The norm before fc1; RMSNorm has no bias.
-    activation : {"gelu", "relu", "silu", "swiglu", "geglu", "reglu"}, default = "gelu"
+    activation : {"gelu", "qgelu", "relu", "srelu", "silu", "glu", "swiglu", "geglu", "qgeglu", "reglu", "sreglu"},
+        default = "gelu"
         Applied to fc1's output; gelu is the tanh approximation, as TE's. The gated ones split
         fc1's output in two halves and return act(first) * second. TE's other activations
         (qgelu, srelu, ...) are a `ValueError`.
