@@ -97,13 +97,11 @@ class DelayedScalingState:
         the backward). Both run eagerly, so no compiled graph holds them: TE's built-in rules are
         the `delayed_scaling_update` kernel (one launch on CUDA). Traced (FSDP2's pre-all-gather
         hook under torch.compile), or with the recipe's own functions, the rules run as torch ops."""
-        fwd_max, bwd_max = FP8_MAX[recipe.fp8_format.fwd_dtype], FP8_MAX[recipe.fp8_format.bwd_dtype]
-        builtin = recipe.scaling_factor_compute_algo is None and recipe.amax_compute_algo in ("max", "most_recent")
-        if builtin and _eager_device(self.fp8_scale) is not None:
+        if _builtin_rules(recipe) and _eager_device(self.fp8_scale) is not None:
             kernel("delayed_scaling_update", self.fp8_scale.device)(
-                *self.update_state(), recipe.amax_history_len, recipe.amax_compute_algo == "most_recent", fwd_max,
-                bwd_max, recipe.margin, forward_half, grad_half)
+                *self.update_state(), *_kernel_args(recipe, forward_half, grad_half))
             return
+        fwd_max, bwd_max = FP8_MAX[recipe.fp8_format.fwd_dtype], FP8_MAX[recipe.fp8_format.bwd_dtype]
         L = recipe.amax_history_len
         if forward_half:
             only_where(self.amax_recorded > 0, [self.fp8_scale, self.amax_history[:L]],
@@ -181,7 +179,7 @@ def update_delayed_scaling(states: Sequence[DelayedScalingState], recipe: R.Dela
     """`update_scales` of many GEMMs, as autocast's exit / entry asks: with TE's built-in rules, the
     GEMMs on one CUDA device in one launch (`delayed_scaling_update_many`, TE's multi-tensor
     update); the others one by one."""
-    builtin = recipe.scaling_factor_compute_algo is None and recipe.amax_compute_algo in ("max", "most_recent")
+    builtin = _builtin_rules(recipe)
     by_device = {}
     for g in states:
         device = _eager_device(g.fp8_scale)
@@ -196,11 +194,21 @@ def update_delayed_scaling(states: Sequence[DelayedScalingState], recipe: R.Dela
                 g.update_scales(recipe, fwd, grad)
         elif not g.fp8_scale.is_meta:  # meta: no values yet
             g.update_scales(recipe, forward_half, grad_half)
-    fwd_max, bwd_max = FP8_MAX[recipe.fp8_format.fwd_dtype], FP8_MAX[recipe.fp8_format.bwd_dtype]
     for device, gemms in by_device.items():
-        kernel("delayed_scaling_update_many", device)(
-            [g.update_state() for g in gemms], recipe.amax_history_len, recipe.amax_compute_algo == "most_recent",
-            fwd_max, bwd_max, recipe.margin, forward_half, grad_half)
+        kernel("delayed_scaling_update_many", device)([g.update_state() for g in gemms],
+                                                      *_kernel_args(recipe, forward_half, grad_half))
+
+
+def _builtin_rules(recipe: R.DelayedScaling) -> bool:
+    """Whether the recipe uses TE's built-in rules, which the one-launch kernels implement (a
+    recipe's own amax or scaling function runs as torch ops)."""
+    return recipe.scaling_factor_compute_algo is None and recipe.amax_compute_algo in ("max", "most_recent")
+
+
+def _kernel_args(recipe: R.DelayedScaling, forward_half: bool, grad_half: bool) -> tuple:
+    """The arguments after the state of `delayed_scaling_update` / `_many`."""
+    return (recipe.amax_history_len, recipe.amax_compute_algo == "most_recent", FP8_MAX[recipe.fp8_format.fwd_dtype],
+            FP8_MAX[recipe.fp8_format.bwd_dtype], recipe.margin, forward_half, grad_half)
 
 
 # ---- the gradient amax crosses from backward to the next forward -----------------------------
