@@ -28,6 +28,13 @@ def recipe_ctx(recipe):
     return autocast(recipe=recipe)
 
 
+def fold_last_grad_amaxes(recipe):
+    """Enter and leave one training autocast block: delayed scaling's gradient half runs on entry,
+    so every live module's last gradient amax is folded in before states are compared."""
+    with recipe_ctx(recipe):
+        pass
+
+
 def fresh_dynamo():
     """Forget every compiled graph (Linear.forward's cache is shared by all instances, so tests
     that compile many modules would otherwise hit the recompile limit) and zero the counters."""
