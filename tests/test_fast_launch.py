@@ -59,7 +59,7 @@ def test_takes_tritons_path_when_disabled_or_off_gpu(monkeypatch, env):
         launch.set_fast_launch(env != "1")  # the Python switch wins over the variable
         assert launch.enabled() == (env != "1")
         launch.set_fast_launch(env == "1")
-    monkeypatch.setattr(launch, "interpreting", lambda: env != "0")  # enabled, but interpreting
+    monkeypatch.setattr(launch, "_INTERPRETING", env != "0")  # enabled, but interpreting
     fn = _Recorder()
     launch.fast_launch(fn)[(3,)](torch.zeros(4), 4, BLOCK=16)
     assert len(fn.calls) == 1 and fn.calls[0][0] == (3,)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Callable, List, Sequence
+from typing import Callable, List, Sequence, Tuple
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
@@ -24,7 +24,7 @@ from ..kernels.reference.delayed_scaling import only_where, update_from_history
 from .saved_state import saved_state
 
 __all__ = ["DelayedScalingState", "DEFAULT_HISTORY_LEN", "record_grad_amax", "fold_pending_grad_amax",
-           "update_delayed_scaling"]
+           "update_delayed_scaling", "poll_nonfinite"]
 
 DEFAULT_HISTORY_LEN = 1024
 _NONFINITE_ROLES = ("input", "weight", "grad")
@@ -54,7 +54,6 @@ class DelayedScalingState:
         # set when a forward records its amaxes, cleared by the update: only a GEMM that ran moves
         # its forward scales (as TE, which updates the modules that ran in the autocast block)
         buffer("amax_recorded", torch.zeros(1, device=device))
-        self._nonfinite_poll = None  # CUDA: (host copy, event) of a count copy in flight
 
     def grad_amax_state(self) -> List[torch.Tensor]:
         """The buffers backward writes the gradient amax into (`record_grad_amax`)."""
@@ -135,43 +134,56 @@ class DelayedScalingState:
         self.grad_amax_pending[0:1].copy_(buf[2:3])
         self.grad_amax_history[0].copy_(buf[3:])
 
-    # ---- eager: the non-finite report ----------------------------------------------------------
-    def poll_nonfinite(self, name: str) -> None:
-        """Warn once (per process) when delayed scaling has skipped an inf/NaN amax.
+# ---- eager: the non-finite report ------------------------------------------------------------
+_polls = {}  # CUDA device -> (host copy, event, GEMM names): the one count copy in flight per device
 
-        Called at autocast entry, in eager Python, never in the step itself. No host sync: on
-        CPU the counter is read directly (no device to wait for); on CUDA each call reads the
-        host copy started by an earlier call if its event has completed (`Event.query()` does
-        not block) and starts the next copy (`non_blocking` into pinned memory). The warning
-        comes one or two autocast entries after the step, which is enough to say the run has
-        seen a NaN/inf; `nonfinite_amax_count` (state dict) has the counts."""
-        global _nonfinite_warned
-        if _nonfinite_warned:
-            return
-        count = self.nonfinite_amax_count
+
+def poll_nonfinite(named_gemms: Sequence[Tuple[str, "DelayedScalingState"]]) -> None:
+    """Warn once (per process) when delayed scaling has skipped an inf/NaN amax in any of
+    `named_gemms` ((module name, GEMM) pairs).
+
+    Called at autocast entry, in eager Python, never in the step itself. No host sync: on CPU
+    the counters are read directly (no device to wait for); on CUDA each call reads the host
+    copy started by an earlier call if its event has completed (`Event.query()` does not block)
+    and starts the next one: the counters of every GEMM on the device stacked into one pinned
+    copy, so a step pays three launches whatever the number of GEMMs. The warning comes one or
+    two autocast entries after the step, which is enough to say the run has seen a NaN/inf;
+    `nonfinite_amax_count` (state dict) has the counts."""
+    global _nonfinite_warned
+    if _nonfinite_warned:
+        return
+    seen, on_cuda = [], {}
+    for name, gemm in named_gemms:
+        count = gemm.nonfinite_amax_count
         if count.device.type == "cpu":
-            host = count
-        elif count.device.type != "cuda":
-            return  # meta / other devices: nothing to read without a sync
-        else:
-            host = None
-            if self._nonfinite_poll is not None and self._nonfinite_poll[1].query():
-                host, self._nonfinite_poll = self._nonfinite_poll[0], None
-            if self._nonfinite_poll is None:
-                copy = torch.empty(count.shape, dtype=count.dtype, device="cpu", pin_memory=True)
-                copy.copy_(count, non_blocking=True)
+            seen.append((name, count.tolist()))  # a host read of 3 ints, no tensor op
+        elif count.device.type == "cuda":  # meta / other devices: nothing to read without a sync
+            on_cuda.setdefault(count.device, []).append((name, count))
+    for device, entries in on_cuda.items():
+        poll = _polls.get(device)
+        if poll is not None and poll[1].query():
+            host, _, names = _polls.pop(device)
+            seen += zip(names, host.tolist())
+        if device not in _polls:
+            with torch.cuda.device(device):
+                counts = torch.stack([count for _, count in entries])
+                copy = torch.empty(counts.shape, dtype=counts.dtype, device="cpu", pin_memory=True)
+                copy.copy_(counts, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record()
-                self._nonfinite_poll = (copy, event)
-        if host is not None and any(host.tolist()):  # a host read of 3 ints, no tensor op
-            _nonfinite_warned = True
-            counts = ", ".join(f"{r} {int(n)}" for r, n in zip(_NONFINITE_ROLES, host.tolist()) if n)
-            warnings.warn(
-                f"{name}: delayed scaling skipped non-finite (inf/NaN) amaxes ({counts}); those steps "
-                f"are left out of the amax history, so the scales keep following the finite amaxes. "
-                f"Check the loss / inputs for overflow. Counts per GEMM are in the buffers "
-                f"`*.nonfinite_amax_count` (input, weight, grad); this warning is shown once.",
-                RuntimeWarning, stacklevel=5)
+            _polls[device] = (copy, event, [name for name, _ in entries])
+    bad = [(name, counts) for name, counts in seen if any(counts)]
+    if bad:
+        _nonfinite_warned = True
+        name, counts = bad[0]
+        counts = ", ".join(f"{r} {int(n)}" for r, n in zip(_NONFINITE_ROLES, counts) if n)
+        others = f" (and {len(bad) - 1} more GEMMs)" if len(bad) > 1 else ""
+        warnings.warn(
+            f"{name}: delayed scaling skipped non-finite (inf/NaN) amaxes ({counts}){others}; those steps "
+            f"are left out of the amax history, so the scales keep following the finite amaxes. "
+            f"Check the loss / inputs for overflow. Counts per GEMM are in the buffers "
+            f"`*.nonfinite_amax_count` (input, weight, grad); this warning is shown once.",
+            RuntimeWarning, stacklevel=5)
 
 
 def update_delayed_scaling(states: Sequence[DelayedScalingState], recipe: R.DelayedScaling, forward_half: bool,

@@ -277,7 +277,7 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     if not plan.quantized:
         out = gemm(x2d, weight, trans_b=True, bias=bias, out_dtype=inp.dtype)
         return out.view(out_shape), inp.new_empty(0, dtype=torch.float32), [], []
-    amaxes = [torch.zeros(1, dtype=torch.float32, device=inp.device) for _ in range(2 if plan.delayed else 0)]
+    amaxes = [None, None] if plan.delayed else []  # (input, weight): bound to the quantizes below, else zero
     xq = None
     iq = plan.input_quantizer()
     if plan.prequantized:
@@ -302,7 +302,8 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         for role in plan.forward_amax_roles():
             slot, t = (0, x2d) if role == "input" else (1, weight)
             amaxes[slot] = t.abs().amax().float().reshape(1)
-    amaxes = torch.cat(amaxes) if amaxes else inp.new_empty(0, dtype=torch.float32)
+    amaxes = torch.cat([inp.new_zeros(1, dtype=torch.float32) if a is None else a for a in amaxes]) if amaxes \
+        else inp.new_empty(0, dtype=torch.float32)
     if plan.fprop_q:
         out = gemm(xq.only_usage(True), wq.only_usage(True), trans_b=True, bias=bias, out_dtype=inp.dtype)
         out = unpad_rows(out, x2d.shape[0])

@@ -14,7 +14,6 @@ from ..debug import state as _debug_state  # precision debug tools: GEMM routing
 from ..distributed import tp as _tp
 from ..distributed.gemm_owner import GemmOwner
 from ..errors import raise_error, shape_str
-from ..recipe import DelayedScaling
 from ..tensor.quantizer import HIGH_PRECISION_DTYPES
 
 __all__ = ["TransformerEngineBaseModule"]
@@ -67,8 +66,6 @@ class TransformerEngineBaseModule(GemmOwner, nn.Module):
         self._last_recipe = recipe
         for gemm, weight in self.gemm_weights():
             gemm.prepare_for_recipe(entered, weight, key)
-            if isinstance(entered, DelayedScaling):
-                gemm.poll_nonfinite(self.name)
 
     def delayed_scaling_gemms(self) -> list:
         """This module's GEMMs whose delayed-scaling update autocast runs (`update_delayed_scaling`):

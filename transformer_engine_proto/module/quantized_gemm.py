@@ -74,13 +74,6 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         self._load_buffer_checkpoint(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def __getstate__(self):
-        # a copy in flight (a CUDA event) belongs to this process and this object: deepcopy and
-        # pickling start without one
-        state = self.__dict__.copy()
-        state["_nonfinite_poll"] = None
-        return state
-
     # ---- the keys the Linear op gets ---------------------------------------------------------
     def recipe_key(self, key: Optional[str] = None) -> str:
         """The key of the active recipe (or of `key`) for this GEMM: derived when its TP amax

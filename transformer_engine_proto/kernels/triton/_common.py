@@ -74,9 +74,14 @@ def traced(x: torch.Tensor) -> bool:
     return is_fake(x)
 
 
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def interpreting() -> bool:
-    """True when Triton runs in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when Triton runs in its CPU interpreter (TRITON_INTERPRET=1). Read once, at import:
+    Triton itself reads the variable when the kernels are defined, and an environment lookup per
+    launch is host time."""
+    return _INTERPRETING
 
 
 _soft_cast = None  # None: not read yet, take TE_PROTO_TRITON_SOFT_CAST at the next launch

@@ -32,7 +32,7 @@ import os
 import torch
 import triton
 
-from ._common import interpreting, traced
+from ._common import _INTERPRETING, traced
 
 try:
     from triton import knobs
@@ -103,7 +103,6 @@ class fast_launch:
     def __init__(self, fn):
         self.fn = fn
         self.arg_names = list(fn.arg_names)
-        self._params = frozenset(self.arg_names)
         self._compiled = {}
 
     def __getitem__(self, grid):
@@ -112,22 +111,24 @@ class fast_launch:
     def _launch(self, grid, args, kwargs):
         if _traced_call(args):
             return torch.library.wrap_triton(self.fn)[tuple(grid)](*args, **kwargs)
-        if not enabled() or interpreting() or hooks_installed():
+        if not (_enabled if _enabled is not None else enabled()) or _INTERPRETING or hooks_installed():
             return self.fn[grid](*args, **kwargs)
-        constexprs = tuple(map(kwargs.get, self.arg_names[len(args):]))
         try:
-            if any(isinstance(v, torch.Tensor) for v in constexprs):  # a runtime argument by keyword
-                raise TypeError
-            # options in the call's keyword order: a call site always passes them the same way
-            key = (torch._C._cuda_getDevice(), tuple(map(_arg_class, args)), constexprs,
-                   tuple((k, v) for k, v in kwargs.items() if k not in self._params))
-        except TypeError:
+            # constexprs and options by keyword, in the call's order: a call site always passes
+            # them the same way (another order is another key, compiled once more by Triton)
+            key = (torch._C._cuda_getDevice(),
+                   tuple([(a.dtype, not a.data_ptr() & 15) if type(a) is torch.Tensor else _arg_class(a)
+                          for a in args]),
+                   tuple(kwargs.items()))
+            kernel = self._compiled.get(key)
+        except TypeError:  # an argument type the class does not cover, or an unhashable keyword value
             return self.fn[grid](*args, **kwargs)
-        kernel = self._compiled.get(key)
         if kernel is None:
             kernel = self.fn[grid](*args, **kwargs)
             if hasattr(kernel, "result"):  # an async compile's future
                 kernel = kernel.result()
+            if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+                return kernel  # a runtime argument by keyword: Triton's path, nothing cached (no tensor kept)
             # a parameter left to its default: not worth mirroring, keep Triton's path
             self._compiled[key] = kernel if all(n in kwargs for n in self.arg_names[len(args):]) else False
             return kernel
@@ -136,5 +137,5 @@ class fast_launch:
         g = tuple(grid) + (1, 1)
         stream = torch._C._cuda_getCurrentRawStream(key[0])
         kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *args,
-                   *constexprs)
+                   *map(kwargs.get, self.arg_names[len(args):]))
         return kernel
