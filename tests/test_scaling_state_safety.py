@@ -91,6 +91,27 @@ def test_one_warning_at_the_next_autocast_entry(fresh_warning):
     assert model.gemm.nonfinite_amax_count.tolist() == [2, 0, 0]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_the_poll_covers_every_module_and_names_the_one_that_skipped(fresh_warning, device):
+    """One poll reads all live modules' counters: the warning names the module whose amax was
+    skipped, not the first one polled."""
+    clean, dirty = te.Linear(32, 32, device=device), te.Linear(32, 32, device=device)
+    x = torch.randn(8, 32, device=device)
+    bad = x.clone()
+    bad[0, 0] = float("nan")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _step(clean, x)
+        _step(dirty, bad)
+        for _ in range(3):  # CUDA: the copy started at one entry is read at a later one
+            _step(clean, x)
+            if device == "cuda":
+                torch.cuda.synchronize()
+    messages = [str(w.message) for w in caught if "non-finite" in str(w.message)]
+    assert len(messages) == 1, messages
+    assert messages[0].startswith(f"{dirty.name}: ") and "input 1" in messages[0]
+
+
 @pytest.mark.cuda
 def test_one_warning_on_cuda_and_no_host_sync_at_autocast_entry(fresh_warning):
     model = te.Linear(32, 32, device="cuda")
