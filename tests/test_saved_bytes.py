@@ -3,8 +3,9 @@
 Every tensor saved for backward (torch.autograd.graph.saved_tensors_hooks) is counted once per
 storage; parameters are left out (saving one costs nothing). A layer must save exactly what its
 `LinearPlan` describes: the columnwise input (`saved_protos`), the raw input where the plan says
-so, and delayed scaling's scale snapshots. The columnwise weight is not saved (backward quantizes
-it again, bitwise equal), and Linears reading one tensor save its quantized copy once.
+so, and delayed scaling's scale snapshots. An eager call saves the columnwise weight from forward's
+quantize (`keep_weight_columnwise`, as TE; compiled graphs quantize it again in backward), and
+Linears reading one tensor save their input's quantized copy once.
 """
 import dataclasses
 import os
@@ -55,7 +56,8 @@ def plan_bytes(rid, m, x, save_original_input=False):
     key = RecipeKey.of(RECIPES[rid])
     bias_rg = m.bias is not None and m.bias.requires_grad
     plan = L.make_plan(key, tuple(x.shape), tuple(m.weight.shape), x.dtype, m.weight.dtype,
-                       L.LinearCall(x.requires_grad, m.weight.requires_grad, bias_rg, save_original_input), False)
+                       L.LinearCall(x.requires_grad, m.weight.requires_grad, bias_rg, save_original_input,
+                                    keep_weight_columnwise=True), False)
     n = sum(_proto_bytes(p) for p in plan.saved_protos())
     if plan.saves_raw_input():
         n += _bytes(x)
@@ -77,7 +79,8 @@ def test_linear_saves_what_its_plan_says(rid, input_rg, weight_rg, save_original
     expected, plan = plan_bytes(rid, m, x, save_original_input)
     got = sum(n for n, *_ in seen.values())
     assert got == expected, (rid, got, expected, sorted(seen.values(), key=str))
-    assert plan.saved_weight() is None  # backward quantizes the weight again: nothing of it is saved
+    # eager keeps the columnwise weight exactly where dgrad reads a quantized weight
+    assert (plan.saved_weight() is not None) == (plan.quantized and plan.dgrad_q and plan.fprop_q)
     y.sum().backward()
 
 
@@ -223,3 +226,29 @@ def test_recompute_saved_input_saves_no_quantized_activation(rid):
     assert acts_saved and not acts_rebuilt, (acts_saved, acts_rebuilt)
     for a, b in zip(grads_saved, grads_rebuilt):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("rid", QUANTIZED_IDS)
+def test_kept_columnwise_weight_gives_the_requantized_bytes(rid, monkeypatch):
+    """Eager keeps forward's columnwise weight; without it (as compiled graphs run) backward
+    quantizes the weight again: the same bytes, so the same gradients bit for bit."""
+    def run(keep: bool):
+        torch.manual_seed(0)
+        m = te.Linear(IN, OUT)
+        x = torch.randn(TOKENS, IN, requires_grad=True)
+        with monkeypatch.context() as mp:
+            if not keep:  # the flag `linear` sets under torch.compile
+                mp.setattr(torch.compiler, "is_compiling", lambda: True)
+            with recipe_ctx(RECIPES[rid]):
+                seen, y = saved_storages(lambda: m(x), m.parameters())
+        y.backward(torch.randn_like(y))
+        return seen, y, x.grad, m.weight.grad
+    seen_keep, *kept = run(True)
+    seen_again, *again = run(False)
+    for a, b in zip(kept, again):
+        assert torch.equal(a, b)
+    m = te.Linear(IN, OUT)
+    x = torch.randn(TOKENS, IN, requires_grad=True)
+    _, plan = plan_bytes(rid, m, x)
+    extra = sum(n for n, *_ in seen_keep.values()) - sum(n for n, *_ in seen_again.values())
+    assert plan.saved_weight() is not None and extra == _proto_bytes(plan.saved_weight())

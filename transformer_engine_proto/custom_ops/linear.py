@@ -3,10 +3,12 @@
 Both ops return plain tensors only. The quantized tensor that backward needs from forward (the
 columnwise input for wgrad) leaves the forward op as its flattened buffers; the fake impls build
 the same lists from `TensorProto`s, which `LinearPlan` derives from the call's flags (never from
-live `requires_grad`). The columnwise weight for dgrad is not saved: backward quantizes it again
-from the weight (a parameter, alive anyway), with the forward's scale under delayed scaling, so
-its bytes equal the forward's and no quantized copy of every weight is kept from forward to
-backward (with the weight cache, backward reads the cache). Both ops are functional: the forward
+live `requires_grad`). The columnwise weight for dgrad: an eager call quantizes the weight with
+both usages in forward and saves the columnwise copy (`keep_weight_columnwise`, as TE: an eager
+step is host-bound, and this saves a quantize per Linear); under torch.compile backward
+quantizes it again from the weight (a parameter, alive anyway), with the forward's scale under
+delayed scaling, so its bytes equal the forward's and no quantized copy of every weight is kept
+from forward to backward (with the weight cache, backward reads the cache). Both ops are functional: the forward
 returns the amaxes and the backward the gradient amax, and the autograd wrapper (`_backward`)
 writes the latter into the module's pending buffer (delayed_scaling.record_grad_amax) and accumulates `main_grad`.
 """
@@ -124,13 +126,16 @@ class LinearPlan:
 
     @_memo
     def saved_weight(self) -> Optional[TensorProto]:
-        """Never: backward quantizes the columnwise weight from the weight (`dgrad_weight`)."""
+        """The columnwise weight, saved from forward's quantize with `keep_weight_columnwise`;
+        otherwise None: backward quantizes it again from the weight (`dgrad_weight`)."""
+        if self.call.keep_weight_columnwise and self.dgrad_q and self.fprop_q and self.call.cache_mode == CACHE_OFF:
+            return self._proto("weight", self.weight_shape, self.weight_dtype, False, True)
         return None
 
     @_memo
     def dgrad_weight(self) -> Optional[TensorProto]:
-        """The columnwise weight dgrad reads: quantized in backward from the saved weight (not a
-        saved tensor), or read from the weight cache (CACHE_USE)."""
+        """The columnwise weight dgrad reads: saved from forward (`saved_weight`), quantized in
+        backward from the weight, or read from the weight cache (CACHE_USE)."""
         if self.dgrad_q:
             return self._proto("weight", self.weight_shape, self.weight_dtype, False, True)
         return None
@@ -175,7 +180,7 @@ class LinearPlan:
         fill = self.call.cache_mode == CACHE_FILL
         if not (self.fprop_q or fill):
             return None
-        return self.quantizers.weight.with_usage(rowwise=True, columnwise=fill)
+        return self.quantizers.weight.with_usage(rowwise=True, columnwise=fill or self.saved_weight() is not None)
 
     @_memo
     def grad_quantizer(self):
@@ -200,7 +205,8 @@ class LinearPlan:
         return self.call.weight_requires_grad and (not self.wgrad_q or self.call.save_original_input)
 
     def saves_raw_weight(self) -> bool:
-        return self.call.input_requires_grad and (not self.dgrad_q or self.call.cache_mode != CACHE_USE)
+        return self.call.input_requires_grad and (
+            not self.dgrad_q or (self.call.cache_mode != CACHE_USE and self.saved_weight() is None))
 
 
 def _split(buffers: Sequence[torch.Tensor], protos: Sequence[TensorProto]):
@@ -313,6 +319,8 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     saved = []
     if plan.saved_input() is not None and not plan.prequantized:
         saved += list(xq.only_usage(False).get_buffers().values())
+    if plan.saved_weight() is not None:
+        saved += list(wq.only_usage(False).get_buffers().values())
     return out.view(out_shape), amaxes, saved, cache
 
 
@@ -355,6 +363,8 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
         w = None
     elif cache_mode == CACHE_USE and plan.dgrad_q:
         w = rebuild(plan.cached_weight(), weight_cache).only_usage(False)
+    elif plan.saved_weight() is not None:
+        w = next(saved_q)
     elif plan.dgrad_q:  # the columnwise weight again, from the weight: the forward's bytes
         wq = plan.dgrad_weight().quantizer
         with recomputed_in_backward():
@@ -503,7 +513,10 @@ def linear(inp, weight, bias=None, *, key: str, fp8_scale=None, grad_fp8_scale=N
            main_grad=None, cache_mode: int = CACHE_OFF, save_original_input: bool = False,
            fuse_wgrad_accumulation: bool = False, inp_quantized=()):
     """y = inp @ weight.T + bias through the custom ops. Returns (y, amaxes, new_weight_cache)."""
-    flags = call_flags(inp, weight, bias, cache_mode, save_original_input, fuse_wgrad_accumulation)
+    # eager keeps the columnwise weight from forward, as TE (one quantize of each weight per step: an
+    # eager step is host-bound); compiled graphs quantize it again in backward (no copy kept)
+    flags = call_flags(inp, weight, bias, cache_mode, save_original_input, fuse_wgrad_accumulation,
+                       keep_weight_columnwise=not torch.compiler.is_compiling())
     args = (inp, weight, bias, fp8_scale, grad_fp8_scale, list(grad_amax_state), list(weight_cache), main_grad, key,
             flags, list(inp_quantized))
     out, amaxes, _, cache = _linear_fwd_call(*args)
