@@ -113,9 +113,10 @@ class DelayedScalingState:
                        lambda s, h: update_from_history(s, h, recipe, bwd_max), pin=saved_state)
 
     def update_state(self) -> tuple:
-        """The eight buffers `delayed_scaling_update` takes, in its order."""
-        return (self.fp8_scale, self.amax_history, self.grad_fp8_scale, self.grad_amax_history,
-                self.grad_amax_pending, self.grad_amax_seen, self.nonfinite_amax_count, self.amax_recorded)
+        """The eight buffers `delayed_scaling_update` takes, in its order (`_STATE`; read from the
+        buffer dict, not through `nn.Module.__getattr__`: autocast asks every GEMM at each exit and entry)."""
+        buffers = self._buffers
+        return tuple(buffers[name] for name in _STATE)
 
     def record_amax(self, amax: torch.Tensor, first: int = 0) -> None:
         """History slot 0, columns first.. (0 input, 1 weight), takes the max with `amax`, except
@@ -194,21 +195,22 @@ def update_delayed_scaling(states: Sequence[DelayedScalingState], recipe: R.Dela
     builtin = _builtin_rules(recipe)
     by_device = {}
     for g in states:
-        device = _eager_device(g.fp8_scale)
-        if builtin and device is not None and device.type == "cuda" and g.amax_history.is_contiguous() \
-                and g.grad_amax_history.is_contiguous() and g.amax_history.shape[0] >= recipe.amax_history_len:
-            by_device.setdefault(device, []).append(g)
+        state = g.update_state()
+        scale, history, grad_history = state[0], state[1], state[3]
+        device = _eager_device(scale)
+        if builtin and device is not None and device.type == "cuda" and history.is_contiguous() \
+                and grad_history.is_contiguous() and history.shape[0] >= recipe.amax_history_len:
+            by_device.setdefault(device, []).append(state)
         elif device is not None and device.type == "cpu":
             # a host read, no sync: only GEMMs with a new amax run the rules (as torch ops, dozens)
             fwd = forward_half and bool(g.amax_recorded.item())
             grad = grad_half and bool(g.grad_amax_pending[1] != g.grad_amax_seen[0])
             if fwd or grad:
                 g.update_scales(recipe, fwd, grad)
-        elif not g.fp8_scale.is_meta:  # meta: no values yet
+        elif not scale.is_meta:  # meta: no values yet
             g.update_scales(recipe, forward_half, grad_half)
-    for device, gemms in by_device.items():
-        kernel("delayed_scaling_update_many", device)([g.update_state() for g in gemms],
-                                                      *_kernel_args(recipe, forward_half, grad_half))
+    for device, gemm_states in by_device.items():
+        kernel("delayed_scaling_update_many", device)(gemm_states, *_kernel_args(recipe, forward_half, grad_half))
 
 
 def _builtin_rules(recipe: R.DelayedScaling) -> bool:
