@@ -209,6 +209,41 @@ def test_weight_cache_reads_the_forward_weight():
             assert torch.equal(g, r)
 
 
+_LOG_ACTIVATION_MAX = """
+    log:
+      enabled: True
+      layers:
+        layer_types: [fc1]
+      transformer_engine:
+        LogTensorStats:
+          enabled: True
+          stats: [max]
+          tensors: [activation]
+          freq: 1
+"""
+
+
+def test_debug_gemm_path_gives_the_same_gradients(tmp_path):
+    """A layer with an active precision-debug feature takes the debug GEMM path: it keeps the fprop
+    operands for the dequantized backward GEMMs and quantizes no gradient."""
+    import nvdlfw_inspect.api as debug_api
+    from test_debug_common import debug_session
+
+    from transformer_engine_proto.debug import last_logged_stats
+
+    recipe = dequantized("mxfp8")
+    x, dy = _data(1, TOKENS, IN), _data(2, TOKENS, OUT)
+    torch.manual_seed(0)
+    ref = _step(te.Linear(IN, OUT, name="fc1", device="cpu"), recipe, x, dy)
+    with debug_session(tmp_path, _LOG_ACTIVATION_MAX):
+        torch.manual_seed(0)
+        got = _step(te.Linear(IN, OUT, name="fc1", device="cpu"), recipe, x, dy)
+        debug_api.step()
+        assert "fc1_activation_max" in last_logged_stats()  # the debug path ran
+    for g, r in zip(got, ref):
+        assert torch.equal(g, r)
+
+
 # ---- compiled == eager ----------------------------------------------------------------------------
 _MODULES = {
     "linear": lambda: te.Linear(IN, OUT, device="cpu"),
