@@ -37,11 +37,14 @@ EXPECTED_BYTES = {"delayed": M_LOCAL * K, "current": M_LOCAL * K,
                   "mxfp8": 2 * M_LOCAL * K + M_LOCAL * K // 32 + M_LOCAL // 32 * K,
                   "blockwise": 2 * M_LOCAL * K + 4 * M_LOCAL * (K // 128) + 4 * (M_LOCAL // 128) * K,
                   "nvfp4": 2 * (M_LOCAL * K // 2 + M_LOCAL * K // 16), "high_precision": 4 * M_LOCAL * K}
-# backward_override="dequantized": wgrad reads the rowwise input, gathered alone
+# backward_override: a dequantized wgrad reads the rowwise input (gathered alone); a high-precision
+# one reads the gathered input itself (gathered in high precision)
 OVERRIDES = {"current-dequantized": R.Float8CurrentScaling(backward_override="dequantized"),
-             "mxfp8-dequantized": R.MXFP8BlockScaling(backward_override="dequantized")}
+             "mxfp8-dequantized": R.MXFP8BlockScaling(backward_override="dequantized"),
+             "mxfp8-high_precision": R.MXFP8BlockScaling(backward_override="high_precision")}
 OVERRIDE_BYTES = {"current-dequantized": (torch.uint8, M_LOCAL * K),
-                  "mxfp8-dequantized": (torch.uint8, M_LOCAL * K + M_LOCAL * K // 32)}
+                  "mxfp8-dequantized": (torch.uint8, M_LOCAL * K + M_LOCAL * K // 32),
+                  "mxfp8-high_precision": (torch.float32, 4 * M_LOCAL * K)}
 
 LOG = []
 

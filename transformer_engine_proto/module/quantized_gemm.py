@@ -258,9 +258,11 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         in high precision (the Linear op quantizes the full tensor)."""
         group, world = sequence_gather
         layout = _sp_gather.HP
+        wgrad = torch.is_grad_enabled() and weight.requires_grad
+        # a high-precision wgrad reads the gathered input itself: gathered in high precision
+        quantized_ok = quantized_ok and not (wgrad and "wgrad" in RecipeKey.high_precision_gemms(key))
         # the columnwise copy only for a wgrad in the recipe's format (the Linear op's plan)
-        backward_high = RecipeKey.high_precision_gemms(key) | RecipeKey.dequantized_gemms(key)
-        columnwise = torch.is_grad_enabled() and weight.requires_grad and "wgrad" not in backward_high
+        columnwise = wgrad and "wgrad" not in RecipeKey.dequantized_gemms(key)
         if self.quantized_sp_gather and quantized_ok:
             layout, _ = _sp_gather.input_gather_format(key, tuple(inp.shape), world, columnwise)
         if layout == _sp_gather.HP:
