@@ -1,6 +1,7 @@
 """TE's `backward_override` recipe field: "high_precision" keeps the forward in the recipe's format
-and runs dgrad / wgrad on the original high-precision operands, eager and compiled alike;
-"dequantized" and a delayed-scaling override are refused, each with its reason."""
+and runs dgrad / wgrad on the original high-precision operands, eager and compiled alike; a
+delayed-scaling override is refused, with its reason ("dequantized":
+test_backward_override_dequantized.py)."""
 import pytest
 import torch
 from linear_cases import fresh_dynamo
@@ -60,8 +61,8 @@ def test_a_gemm_policy_adds_to_the_recipes_own_high_precision_gemms():
 def test_refused_values_name_the_reason(monkeypatch):
     with pytest.raises(ValueError, match="DelayedScaling supports backward_override=None only"):
         R.DelayedScaling(backward_override="high_precision")
-    with pytest.raises(NotImplementedError, match="backward_override='dequantized'"):
-        R.MXFP8BlockScaling(backward_override="dequantized")
+    with pytest.raises(ValueError, match="DelayedScaling supports backward_override=None only"):
+        R.DelayedScaling(backward_override="dequantized")
     with pytest.raises(ValueError, match="must be None, 'high_precision' or 'dequantized'"):
         R.Float8CurrentScaling(backward_override="fp32")
     monkeypatch.setenv("NVTE_BACKWARD_OVERRIDE", "high_precision")  # TE's default comes from it

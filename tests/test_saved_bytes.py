@@ -3,8 +3,8 @@
 Every tensor saved for backward (torch.autograd.graph.saved_tensors_hooks) is counted once per
 storage; parameters are left out (saving one costs nothing). A layer must save exactly what its
 `LinearPlan` describes: the columnwise input (`saved_protos`), the raw input where the plan says
-so, and delayed scaling's scale snapshots. An eager call saves the columnwise weight from forward's
-quantize (`keep_weight_columnwise`, as TE; compiled graphs quantize it again in backward), and
+so, and delayed scaling's scale snapshots. An eager call saves the weight dgrad reads from forward's
+quantize (`keep_quantized_weight`, as TE; compiled graphs quantize it again in backward), and
 Linears reading one tensor save their input's quantized copy once.
 """
 import dataclasses
@@ -57,7 +57,7 @@ def plan_bytes(rid, m, x, save_original_input=False):
     bias_rg = m.bias is not None and m.bias.requires_grad
     plan = L.make_plan(key, tuple(x.shape), tuple(m.weight.shape), x.dtype, m.weight.dtype,
                        L.LinearCall(x.requires_grad, m.weight.requires_grad, bias_rg, save_original_input,
-                                    keep_weight_columnwise=True), False)
+                                    keep_quantized_weight=True), False)
     n = sum(_proto_bytes(p) for p in plan.saved_protos())
     if plan.saves_raw_input():
         n += _bytes(x)
@@ -79,8 +79,8 @@ def test_linear_saves_what_its_plan_says(rid, input_rg, weight_rg, save_original
     expected, plan = plan_bytes(rid, m, x, save_original_input)
     got = sum(n for n, *_ in seen.values())
     assert got == expected, (rid, got, expected, sorted(seen.values(), key=str))
-    # eager keeps the columnwise weight exactly where dgrad reads a quantized weight
-    assert (plan.saved_weight() is not None) == (plan.quantized and plan.dgrad_q and plan.fprop_q)
+    # eager keeps the weight exactly where dgrad reads a quantized one
+    assert (plan.saved_weight() is not None) == (plan.quantized and plan.fprop_q and (plan.dgrad_q or plan.dgrad_deq))
     y.sum().backward()
 
 
@@ -229,8 +229,8 @@ def test_recompute_saved_input_saves_no_quantized_activation(rid):
 
 
 @pytest.mark.parametrize("rid", QUANTIZED_IDS)
-def test_kept_columnwise_weight_gives_the_requantized_bytes(rid, monkeypatch):
-    """Eager keeps forward's columnwise weight; without it (as compiled graphs run) backward
+def test_kept_weight_gives_the_requantized_bytes(rid, monkeypatch):
+    """Eager keeps forward's quantized weight; without it (as compiled graphs run) backward
     quantizes the weight again: the same bytes, so the same gradients bit for bit."""
     def run(keep: bool):
         torch.manual_seed(0)

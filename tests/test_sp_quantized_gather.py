@@ -37,6 +37,14 @@ EXPECTED_BYTES = {"delayed": M_LOCAL * K, "current": M_LOCAL * K,
                   "mxfp8": 2 * M_LOCAL * K + M_LOCAL * K // 32 + M_LOCAL // 32 * K,
                   "blockwise": 2 * M_LOCAL * K + 4 * M_LOCAL * (K // 128) + 4 * (M_LOCAL // 128) * K,
                   "nvfp4": 2 * (M_LOCAL * K // 2 + M_LOCAL * K // 16), "high_precision": 4 * M_LOCAL * K}
+# backward_override: a dequantized wgrad reads the rowwise input (gathered alone); a high-precision
+# one reads the gathered input itself (gathered in high precision)
+OVERRIDES = {"current-dequantized": R.Float8CurrentScaling(backward_override="dequantized"),
+             "mxfp8-dequantized": R.MXFP8BlockScaling(backward_override="dequantized"),
+             "mxfp8-high_precision": R.MXFP8BlockScaling(backward_override="high_precision")}
+OVERRIDE_BYTES = {"current-dequantized": (torch.uint8, M_LOCAL * K),
+                  "mxfp8-dequantized": (torch.uint8, M_LOCAL * K + M_LOCAL * K // 32),
+                  "mxfp8-high_precision": (torch.float32, 4 * M_LOCAL * K)}
 
 LOG = []
 
@@ -129,6 +137,11 @@ def _worker(rank, init_file, out_dir):
         ref, _, _ = _run("linear", group, rank, mx, quantized=False, compiled=False, rows=16, grad=False)
         got, _, log = _run("linear", group, rank, mx, quantized=True, compiled=False, rows=16, grad=False)
         res["rowwise_only"] = (_max_diff(got, ref), log)
+        for name, recipe in OVERRIDES.items():
+            for case in ("linear", "lnl"):
+                ref, _, _ = _run(case, group, rank, recipe, quantized=False, compiled=False)
+                got, _, log = _run(case, group, rank, recipe, quantized=True, compiled=False)
+                res[("override", name, case)] = (_max_diff(got, ref), log)
         torch.save(res, f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -169,6 +182,14 @@ def test_misaligned_shards_fall_back(results):
         assert diff == 0.0 and log == [(torch.float32, 4 * 16 * K)]
         diff, log = res["rowwise_only"]  # no wgrad: rowwise blocks run along K, any shard gathers exactly
         assert diff == 0.0 and log == [(torch.uint8, 16 * K + 16 * K // 32)]
+
+
+@pytest.mark.parametrize("name", list(OVERRIDES))
+def test_backward_override_gathers_what_backward_reads(results, name):
+    for res in results:
+        for case in ("linear", "lnl"):
+            diff, log = res[("override", name, case)]
+            assert diff == 0.0 and log == [OVERRIDE_BYTES[name]], (name, case, diff, log)
 
 
 # ---- in process: the format decision and the op's fake impl --------------------------------------------

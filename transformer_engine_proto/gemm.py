@@ -27,8 +27,9 @@ No format class is named here.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Optional
+from typing import Callable, ContextManager, Optional
 
 import torch
 import torch.nn.functional as F
@@ -46,8 +47,10 @@ def _values(t: torch.Tensor, transpose: bool, dtype: torch.dtype) -> torch.Tenso
     return v.t() if transpose else v
 
 
-def emulated_gemm(a, b, *, out_dtype, trans_a=False, trans_b=False, bias=None, compute_dtype=torch.float32):
-    a2, b2 = _values(a, trans_a, compute_dtype), _values(b, trans_b, compute_dtype)
+def emulated_gemm(a, b, *, out_dtype, trans_a=False, trans_b=False, bias=None, compute_dtype=torch.float32,
+                  dequantize_in: Callable[[], ContextManager] = contextlib.nullcontext):
+    with dequantize_in():
+        a2, b2 = _values(a, trans_a, compute_dtype), _values(b, trans_b, compute_dtype)
     if a2.shape[1] != b2.shape[0]:
         raise ValueError(f"gemm: inner dims differ: {tuple(a2.shape)} @ {tuple(b2.shape)}")
     out = a2 @ b2
@@ -149,9 +152,12 @@ def _same_format(a, b) -> bool:
 
 
 def gemm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype, trans_a: bool = False,
-         trans_b: bool = False, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+         trans_b: bool = False, bias: Optional[torch.Tensor] = None,
+         dequantize_in: Callable[[], ContextManager] = contextlib.nullcontext) -> torch.Tensor:
     """op(a) (M,K) @ op(b) (K,N), + bias, in out_dtype. An empty operand (no tokens) takes the
-    emulated path: a matmul gives the empty output, or zeros for a reduction over no tokens."""
+    emulated path: a matmul gives the empty output, or zeros for a reduction over no tokens.
+    `dequantize_in`: the context the emulated path dequantizes the operands in (the Linear op
+    tags them for inductor's partitioner)."""
     a_quantized = isinstance(a, QuantizedTensorStorage)
     device = a._buffer_device() if a_quantized else a.device
     if device.type == "cuda" and not (_empty(a) or _empty(b)):
@@ -175,5 +181,6 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype, trans_a: b
         if not a_quantized and not isinstance(b, QuantizedTensorStorage):
             return _high_precision(a, b, trans_a, trans_b, out_dtype, bias)
         return emulated_gemm(a, b, out_dtype=out_dtype, trans_a=trans_a, trans_b=trans_b, bias=bias,
-                             compute_dtype=torch.bfloat16)
-    return emulated_gemm(a, b, out_dtype=out_dtype, trans_a=trans_a, trans_b=trans_b, bias=bias)
+                             compute_dtype=torch.bfloat16, dequantize_in=dequantize_in)
+    return emulated_gemm(a, b, out_dtype=out_dtype, trans_a=trans_a, trans_b=trans_b, bias=bias,
+                         dequantize_in=dequantize_in)

@@ -132,8 +132,13 @@ class Recipe:
         """The GEMMs this recipe itself keeps in high precision: with TE's
         `backward_override="high_precision"` the backward ones (dgrad, wgrad), which then read the
         original operands; none otherwise."""
-        return frozenset({"dgrad", "wgrad"}) if getattr(self, "backward_override", None) == "high_precision" \
-            else frozenset()
+        return _BACKWARD_GEMMS if getattr(self, "backward_override", None) == "high_precision" else frozenset()
+
+    def dequantized_gemms(self) -> frozenset:
+        """The GEMMs this recipe runs in high precision on the forward's quantized operands,
+        dequantized: with TE's `backward_override="dequantized"` dgrad (the quantized weight) and
+        wgrad (the quantized input), both with the unquantized gradient; none otherwise."""
+        return _BACKWARD_GEMMS if getattr(self, "backward_override", None) == "dequantized" else frozenset()
 
 
 def require_recipe(recipe, where: str) -> None:
@@ -148,6 +153,7 @@ def require_recipe(recipe, where: str) -> None:
 
 
 _BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
+_BACKWARD_GEMMS = frozenset({"dgrad", "wgrad"})
 
 
 def _default_backward_override() -> Optional[str]:
@@ -160,20 +166,16 @@ def _backward_override_field():
 
 
 def _check_backward_override(recipe) -> None:
-    """TE's backward precision modes: None (backward in the recipe's format) or "high_precision"
-    (dgrad and wgrad on the original high-precision operands). "dequantized" (backward on the
-    forward's quantized operands, dequantized) is not built; delayed scaling allows only None, as
-    in TE."""
+    """TE's backward precision modes: None (backward in the recipe's format), "high_precision"
+    (dgrad and wgrad on the original high-precision operands) or "dequantized" (dgrad and wgrad in
+    high precision on the forward's quantized operands, dequantized). Delayed scaling allows only
+    None, as in TE."""
     value, name = recipe.backward_override, type(recipe).__name__
     if value not in _BACKWARD_OVERRIDES:
         raise ValueError(f"{name}.backward_override must be None, 'high_precision' or 'dequantized' "
                          f"(NVTE_BACKWARD_OVERRIDE), got {value!r}")
     if value is not None and isinstance(recipe, DelayedScaling):
         raise ValueError(f"DelayedScaling supports backward_override=None only (as in TE), got {value!r}")
-    if value == "dequantized":
-        raise NotImplementedError(f"{name}: backward_override='dequantized' (backward GEMMs on the forward's "
-                                  "quantized operands, dequantized) is not supported; 'high_precision' runs "
-                                  "them on the original operands")
 
 
 def _check_format(recipe) -> None:

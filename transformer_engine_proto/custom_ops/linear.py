@@ -1,19 +1,20 @@
 """Linear forward/backward as `torch.library` custom ops (namespace `te_proto`).
 
 Both ops return plain tensors only. The quantized tensor that backward needs from forward (the
-columnwise input for wgrad) leaves the forward op as its flattened buffers; the fake impls build
-the same lists from `TensorProto`s, which `LinearPlan` derives from the call's flags (never from
-live `requires_grad`). The columnwise weight for dgrad: an eager call quantizes the weight with
-both usages in forward and saves the columnwise copy (`keep_weight_columnwise`, as TE: an eager
-step is host-bound, and this saves a quantize per Linear); under torch.compile backward
-quantizes it again from the weight (a parameter, alive anyway), with the forward's scale under
-delayed scaling, so its bytes equal the forward's and no quantized copy of every weight is kept
-from forward to backward (with the weight cache, backward reads the cache). Both ops are functional: the forward
+columnwise input for wgrad; the rowwise one for TE's backward_override="dequantized") leaves the
+forward op as its flattened buffers; the fake impls build the same lists from `TensorProto`s,
+which `LinearPlan` derives from the call's flags (never from live `requires_grad`). The weight
+dgrad reads: an eager call keeps it from forward's quantize and saves it (`keep_quantized_weight`,
+as TE: an eager step is host-bound, and this saves a quantize per Linear); under torch.compile
+backward quantizes it again from the weight (a parameter, alive anyway), with the forward's scale
+under delayed scaling, so its bytes equal the forward's and no quantized copy of every weight is
+kept from forward to backward (with the weight cache, backward reads the cache). Both ops are functional: the forward
 returns the amaxes and the backward the gradient amax, and the autograd wrapper (`_backward`)
 writes the latter into the module's pending buffer (delayed_scaling.record_grad_amax) and accumulates `main_grad`.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -90,6 +91,20 @@ class LinearPlan:
     def wgrad_q(self) -> bool:
         return self.quantizers.quantizes("wgrad") and self.call.weight_requires_grad
 
+    # ---- which backward GEMMs read the forward's quantized operand, dequantized -------------------
+    @functools.cached_property
+    def dgrad_deq(self) -> bool:
+        return self.quantizers.dequantizes("dgrad") and self.call.input_requires_grad
+
+    @functools.cached_property
+    def wgrad_deq(self) -> bool:
+        return self.quantizers.dequantizes("wgrad") and self.call.weight_requires_grad
+
+    @functools.cached_property
+    def input_columnwise(self) -> bool:
+        """Whether forward quantizes the input's columnwise copy (saved for a quantized wgrad)."""
+        return self.wgrad_q and not self.call.save_original_input
+
     @functools.cached_property
     def delayed(self) -> bool:
         q = self.quantizers.input  # scale from module state: delayed scaling
@@ -112,7 +127,7 @@ class LinearPlan:
     def input_rows(self):
         """Rows of the input as the forward quantizes it: padded only with its columnwise copy
         (with save_original_input, backward pads the raw input)."""
-        return self.rows if self.saved_input() is not None else self.m
+        return self.rows if self.input_columnwise else self.m
 
     def _proto(self, role, shape, dtype, rowwise, columnwise):
         q = getattr(self.quantizers, role).with_usage(rowwise=rowwise, columnwise=columnwise)
@@ -120,24 +135,30 @@ class LinearPlan:
 
     @_memo
     def saved_input(self) -> Optional[TensorProto]:
-        if self.wgrad_q and not self.call.save_original_input:
+        """The columnwise input for a quantized wgrad, or the forward's rowwise input for a
+        dequantized one (TE saves it whatever save_original_input says); None where backward
+        reads the raw input."""
+        if self.input_columnwise:
             return self._proto("input", (self.rows, self.in_shape[-1]), self.act_dtype, False, True)
+        if self.wgrad_deq:
+            return self._proto("input", (self.m, self.in_shape[-1]), self.act_dtype, True, False)
         return None
 
     @_memo
     def saved_weight(self) -> Optional[TensorProto]:
-        """The columnwise weight, saved from forward's quantize with `keep_weight_columnwise`;
-        otherwise None: backward quantizes it again from the weight (`dgrad_weight`)."""
-        if self.call.keep_weight_columnwise and self.dgrad_q and self.fprop_q and self.call.cache_mode == CACHE_OFF:
-            return self._proto("weight", self.weight_shape, self.weight_dtype, False, True)
+        """The weight dgrad reads (`dgrad_weight`), saved from forward's quantize with
+        `keep_quantized_weight`; otherwise None: backward quantizes it again from the weight."""
+        if self.call.keep_quantized_weight and self.fprop_q and self.call.cache_mode == CACHE_OFF:
+            return self.dgrad_weight()
         return None
 
     @_memo
     def dgrad_weight(self) -> Optional[TensorProto]:
-        """The columnwise weight dgrad reads: saved from forward (`saved_weight`), quantized in
-        backward from the weight, or read from the weight cache (CACHE_USE)."""
-        if self.dgrad_q:
-            return self._proto("weight", self.weight_shape, self.weight_dtype, False, True)
+        """The quantized weight dgrad reads: saved from forward (`saved_weight`), quantized in
+        backward from the weight, or read from the weight cache (CACHE_USE). Columnwise for a
+        quantized dgrad; rowwise, the forward's bytes, for a dequantized one."""
+        if self.dgrad_q or self.dgrad_deq:
+            return self._proto("weight", self.weight_shape, self.weight_dtype, self.dgrad_deq, self.dgrad_q)
         return None
 
     @_memo
@@ -149,7 +170,7 @@ class LinearPlan:
 
     @_memo
     def saved_protos(self) -> List[TensorProto]:
-        """What backward receives, in order: the columnwise input, then the columnwise weight."""
+        """What backward receives, in order: the saved input, then the saved weight."""
         return [p for p in (self.saved_input(), self.saved_weight()) if p is not None]
 
     @_memo
@@ -163,16 +184,16 @@ class LinearPlan:
     def prequantized_input(self) -> TensorProto:
         """The layout a fused norm + quantize produces for this call's input."""
         return self._proto("input", (self.input_rows, self.in_shape[-1]), self.act_dtype, True,
-                           self.saved_input() is not None)
+                           self.input_columnwise)
 
     # ---- the quantizers with this call's usages (memoized: no dataclass copy per call) ---------
     @_memo
     def input_quantizer(self):
-        """None when no GEMM reads a quantized input in forward."""
-        columnwise = self.saved_input() is not None
-        if not (self.fprop_q or columnwise):
+        """None when no GEMM reads a quantized input in forward and none is saved."""
+        rowwise = self.fprop_q or self.wgrad_deq
+        if not (rowwise or self.input_columnwise):
             return None
-        return self.quantizers.input.with_usage(rowwise=self.fprop_q, columnwise=columnwise)
+        return self.quantizers.input.with_usage(rowwise=rowwise, columnwise=self.input_columnwise)
 
     @_memo
     def weight_quantizer(self):
@@ -180,7 +201,8 @@ class LinearPlan:
         fill = self.call.cache_mode == CACHE_FILL
         if not (self.fprop_q or fill):
             return None
-        return self.quantizers.weight.with_usage(rowwise=True, columnwise=fill or self.saved_weight() is not None)
+        keep_columnwise = self.dgrad_q and self.saved_weight() is not None
+        return self.quantizers.weight.with_usage(rowwise=True, columnwise=fill or keep_columnwise)
 
     @_memo
     def grad_quantizer(self):
@@ -202,11 +224,11 @@ class LinearPlan:
 
     # ---- what the autograd context keeps from the op's inputs (never op outputs) ----------
     def saves_raw_input(self) -> bool:
-        return self.call.weight_requires_grad and (not self.wgrad_q or self.call.save_original_input)
+        return self.call.weight_requires_grad and self.saved_input() is None
 
     def saves_raw_weight(self) -> bool:
         return self.call.input_requires_grad and (
-            not self.dgrad_q or (self.call.cache_mode != CACHE_USE and self.saved_weight() is None))
+            self.dgrad_weight() is None or (self.call.cache_mode != CACHE_USE and self.saved_weight() is None))
 
 
 def _split(buffers: Sequence[torch.Tensor], protos: Sequence[TensorProto]):
@@ -311,16 +333,21 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     amaxes = torch.cat([inp.new_zeros(1, dtype=torch.float32) if a is None else a for a in amaxes]) if amaxes \
         else inp.new_empty(0, dtype=torch.float32)
     if plan.fprop_q:
-        out = gemm(xq.only_usage(True), wq.only_usage(True), trans_b=True, bias=bias, out_dtype=inp.dtype)
+        # an emulated GEMM dequantizes its operands as a dequantized backward GEMM does, and AOT's
+        # CSE merges the two: tagged as backward's, or inductor's partitioner would save the input
+        # dequantized in place of its quantized bytes
+        tag = recomputed_in_backward if plan.wgrad_deq or plan.dgrad_deq else contextlib.nullcontext
+        out = gemm(xq.only_usage(True), wq.only_usage(True), trans_b=True, bias=bias, out_dtype=inp.dtype,
+                   dequantize_in=tag)
         out = unpad_rows(out, x2d.shape[0])
     else:  # the high-precision GEMM, exactly as with the recipe off
         out = gemm(x2d, weight, trans_b=True, bias=bias, out_dtype=inp.dtype)
     cache = list(wq.get_buffers().values()) if cache_mode == CACHE_FILL else []
     saved = []
-    if plan.saved_input() is not None and not plan.prequantized:
-        saved += list(xq.only_usage(False).get_buffers().values())
-    if plan.saved_weight() is not None:
-        saved += list(wq.only_usage(False).get_buffers().values())
+    if plan.saved_input() is not None and not plan.prequantized:  # the usage backward reads
+        saved += list(xq.only_usage(not plan.input_columnwise).get_buffers().values())
+    if plan.saved_weight() is not None:  # the usage dgrad reads
+        saved += list(wq.only_usage(plan.dgrad_deq).get_buffers().values())
     return out.view(out_shape), amaxes, saved, cache
 
 
@@ -361,11 +388,11 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
         x = inp.reshape(-1, in_shape[-1]) if weight_requires_grad else None
     if not input_requires_grad:
         w = None
-    elif cache_mode == CACHE_USE and plan.dgrad_q:
-        w = rebuild(plan.cached_weight(), weight_cache).only_usage(False)
+    elif cache_mode == CACHE_USE and plan.dgrad_weight() is not None:
+        w = rebuild(plan.cached_weight(), weight_cache).only_usage(plan.dgrad_deq)
     elif plan.saved_weight() is not None:
         w = next(saved_q)
-    elif plan.dgrad_q:  # the columnwise weight again, from the weight: the forward's bytes
+    elif plan.dgrad_weight() is not None:  # quantized again, from the weight: the forward's bytes
         wq = plan.dgrad_weight().quantizer
         with recomputed_in_backward():
             if plan.delayed:  # the forward's scale (snapshot); this amax was recorded in forward
@@ -373,6 +400,10 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
             w = wq.quantize(weight, internal=True)
     else:
         w = weight
+    if plan.dgrad_deq or plan.wgrad_deq:  # high-precision GEMMs on the forward's operands, dequantized
+        with recomputed_in_backward():
+            w = w.dequantize(dtype=grad_out.dtype) if plan.dgrad_deq else w
+            x = x.dequantize(dtype=grad_out.dtype) if plan.wgrad_deq else x
     rows = plan.rows  # dy and x zero-padded to the recipe's row block for wgrad
     dy_q = dy
     delayed = plan.quantized and plan.delayed
@@ -513,10 +544,10 @@ def linear(inp, weight, bias=None, *, key: str, fp8_scale=None, grad_fp8_scale=N
            main_grad=None, cache_mode: int = CACHE_OFF, save_original_input: bool = False,
            fuse_wgrad_accumulation: bool = False, inp_quantized=()):
     """y = inp @ weight.T + bias through the custom ops. Returns (y, amaxes, new_weight_cache)."""
-    # eager keeps the columnwise weight from forward, as TE (one quantize of each weight per step: an
+    # eager keeps the weight dgrad reads from forward, as TE (one quantize of each weight per step: an
     # eager step is host-bound); compiled graphs quantize it again in backward (no copy kept)
     flags = call_flags(inp, weight, bias, cache_mode, save_original_input, fuse_wgrad_accumulation,
-                       keep_weight_columnwise=not torch.compiler.is_compiling())
+                       keep_quantized_weight=not torch.compiler.is_compiling())
     args = (inp, weight, bias, fp8_scale, grad_fp8_scale, list(grad_amax_state), list(weight_cache), main_grad, key,
             flags, list(inp_quantized))
     out, amaxes, _, cache = _linear_fwd_call(*args)

@@ -5,14 +5,18 @@ torch.compile bakes into the graph as a constant (and guards on). The grammar:
 
     high_precision                                      no recipe: every GEMM in high precision
     <repr(recipe)>                                      a registered recipe (its dataclass repr)
-    <repr(recipe)>|high_precision_gemms=<g>[+<g>...]    that recipe, the named GEMMs (of fprop,
-                                                        dgrad, wgrad) kept in high precision (by the
-                                                        recipe's backward_override or a per-GEMM
-                                                        precision choice)
+    <repr(recipe)>|dequantized_gemms=dgrad+wgrad        a recipe with backward_override="dequantized":
+                                                        the named GEMMs run in high precision on the
+                                                        forward's quantized operands, dequantized
+    <recipe key>|high_precision_gemms=<g>[+<g>...]      one of the keys above, the named GEMMs (of
+                                                        fprop, dgrad, wgrad) kept in high precision on
+                                                        the original operands (by the recipe's
+                                                        backward_override or a per-GEMM precision
+                                                        choice, which wins over dequantized)
 
 Every key is built here (`of`, `with_high_precision_gemms`) and read here (`recipe`, `quantizers`,
-`base`, `high_precision_gemms`). A derived recipe (e.g. TP amax reduction's) is a recipe of its
-own, registered by `of`.
+`base`, `high_precision_gemms`, `dequantized_gemms`). A derived recipe (e.g. TP amax reduction's)
+is a recipe of its own, registered by `of`.
 
 Recipes are mutable (recipe.py), so a key is the repr of the recipe's fields now, computed on
 every `of` (a few microseconds; autocast asks once per entry), and it names a private copy taken
@@ -33,6 +37,7 @@ __all__ = ["RecipeKey"]
 
 _HIGH_PRECISION = "high_precision"
 _HP_MARK = "|high_precision_gemms="
+_DQ_MARK = "|dequantized_gemms="
 _RECIPES: Dict[str, Optional[Recipe]] = {_HIGH_PRECISION: None}  # key -> a private copy of its recipe
 
 
@@ -50,6 +55,10 @@ class RecipeKey:
         key = repr(recipe)
         if key not in _RECIPES:
             _RECIPES[key] = copy.copy(recipe)  # QParams are frozen: a shallow copy is the values
+        dequantized = recipe.dequantized_gemms()  # TE's backward_override, spelled out for string readers
+        if dequantized:
+            recipe_key, key = key, key + _DQ_MARK + "+".join(g for g in GEMMS if g in dequantized)
+            _RECIPES.setdefault(key, _RECIPES[recipe_key])
         gemms = recipe.high_precision_gemms()  # those the recipe itself keeps (TE's backward_override)
         return RecipeKey.with_high_precision_gemms(key, gemms) if gemms else key
 
@@ -85,6 +94,15 @@ class RecipeKey:
         return frozenset(key.split(_HP_MARK, 1)[1].split("+")) if _HP_MARK in key else frozenset()
 
     @staticmethod
+    def dequantized_gemms(key: str) -> FrozenSet[str]:
+        """The GEMMs `key` runs on the forward's quantized operands, dequantized (those kept in
+        high precision excepted): string work only, as `high_precision_gemms`."""
+        base = RecipeKey.base(key)
+        if _DQ_MARK not in base:
+            return frozenset()
+        return frozenset(base.split(_DQ_MARK, 1)[1].split("+")) - RecipeKey.high_precision_gemms(key)
+
+    @staticmethod
     def base(key: str) -> str:
         """`key` without its high-precision GEMMs (the recipe's own key)."""
         return key.split(_HP_MARK, 1)[0]
@@ -93,10 +111,13 @@ class RecipeKey:
     @functools.lru_cache(maxsize=None)
     def quantizers(key: str) -> RoleQuantizers:
         """The role quantizers of a key's recipe (sealed: cached and shared), with its
-        high-precision GEMMs."""
+        high-precision and dequantized GEMMs."""
         if _HP_MARK in key:
             return dataclasses.replace(RecipeKey.quantizers(RecipeKey.base(key)),
                                        high_precision_gemms=RecipeKey.high_precision_gemms(key))
+        if _DQ_MARK in key:
+            return dataclasses.replace(RecipeKey.quantizers(key.split(_DQ_MARK, 1)[0]),
+                                       dequantized_gemms=RecipeKey.dequantized_gemms(key))
         recipe = RecipeKey.recipe(key)
         custom = getattr(recipe, "role_quantizers", None)  # a derived recipe (distributed/amax_reduction.py)
         roles = custom() if custom is not None else quantizers_for_recipe(recipe)

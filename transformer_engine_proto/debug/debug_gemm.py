@@ -71,6 +71,17 @@ def _operand(t, rowwise: bool):
     return t.detach().update_usage(rowwise_usage=rowwise, columnwise_usage=not rowwise)
 
 
+def _backward_operand(ops, gemm: str, dequantized: bool):
+    """What forward keeps for `gemm` (wgrad / dgrad): its own operand, or the fprop one (rowwise)
+    for a dequantized GEMM."""
+    return _operand(ops["fprop"], True) if dequantized else _operand(ops[gemm], False)
+
+
+def _high(t, dtype: torch.dtype) -> torch.Tensor:
+    """A dequantized GEMM's operand in high precision (as it is, where fprop did not quantize it)."""
+    return t.dequantize(dtype=dtype) if isinstance(t, QuantizedTensor) else t
+
+
 class _Calls:
     """The GEMM calls of one layer in one op invocation."""
 
@@ -80,6 +91,9 @@ class _Calls:
         # GEMMs a per-GEMM precision choice keeps in high precision (te.gemm_policy / pins): a
         # debug feature may disable more, never re-enable these
         self.high_precision_gemms = RecipeKey.high_precision_gemms(key)
+        # backward GEMMs on the forward's operands, dequantized (backward_override="dequantized"):
+        # their gradient is not quantized either
+        self.dequantized_gemms = RecipeKey.dequantized_gemms(key)
         self.live = state.SESSION.active and state.debug_manager() is not None
         self.iteration = state.current_iteration()
         if plan is None:
@@ -105,8 +119,8 @@ class _Calls:
         tp = self.plan.tensor(name)
         plans = {g: tp.plan(g) for g, need in ((row_g, need_row), (col_g, need_col)) if need}
         # no recipe, or the GEMM kept in high precision by the precision choice: nothing to quantize
-        plans = {g: (HIGH if p == QUANTIZE and (quantizer is None or g in self.high_precision_gemms) else p)
-                 for g, p in plans.items()}
+        high = self.high_precision_gemms | self.dequantized_gemms
+        plans = {g: (HIGH if p == QUANTIZE and (quantizer is None or g in high) else p) for g, p in plans.items()}
         quantized = None
         if QUANTIZE in plans.values():
             quantized = quantizer.with_usage(rowwise=plans.get(row_g) == QUANTIZE,
@@ -186,8 +200,11 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     iq = _bind(q.input, fp8_scale[0:1], amaxes[0:1]) if delayed else q.input
     wq = _bind(q.weight, fp8_scale[1:2], amaxes[1:2]) if delayed else q.weight
     x2d = inp.reshape(-1, inp.shape[-1])
-    xs = calls.input_tensor("activation", x2d, iq, True, weight_requires_grad, (amaxes, 0) if delayed else None)
-    ws = calls.input_tensor("weight", weight, wq, True, input_requires_grad, (amaxes, 1) if delayed else None)
+    deq_x, deq_w = "wgrad" in calls.dequantized_gemms, "dgrad" in calls.dequantized_gemms
+    xs = calls.input_tensor("activation", x2d, iq, True, weight_requires_grad and not deq_x,
+                            (amaxes, 0) if delayed else None)
+    ws = calls.input_tensor("weight", weight, wq, True, input_requires_grad and not deq_w,
+                            (amaxes, 1) if delayed else None)
     out = gemm(_operand(xs["fprop"], True), _operand(ws["fprop"], True), trans_b=True, bias=bias, out_dtype=inp.dtype)
     out = calls.output_tensor("output", out).reshape(tuple(inp.shape[:-1]) + (weight.shape[0],))
     i = next(_tokens)
@@ -195,8 +212,9 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     if input_requires_grad or weight_requires_grad:
         # the side table outlives the op: a high-precision operand that views an input is copied,
         # since the compiled graph does not see this reference and may reuse the input's buffer
-        _SAVED[i] = {"x": _kept(_operand(xs["wgrad"], False), inp) if weight_requires_grad else None,
-                     "w": _kept(_operand(ws["dgrad"], False), weight) if input_requires_grad else None,
+        # a dequantized GEMM keeps the fprop operand (dequantized in backward)
+        _SAVED[i] = {"x": _kept(_backward_operand(xs, "wgrad", deq_x), inp) if weight_requires_grad else None,
+                     "w": _kept(_backward_operand(ws, "dgrad", deq_w), weight) if input_requires_grad else None,
                      "plan": calls.plan}
         weakref.finalize(token, _SAVED.pop, i, None)
     return _fresh(out, (inp, weight, bias)), amaxes, token
@@ -232,11 +250,13 @@ def linear_bwd(grad_out: torch.Tensor, token: torch.Tensor, grad_fp8_scale: Opti
         gs = calls.input_tensor("gradient", dy, gq, input_requires_grad, weight_requires_grad,
                                 (grad_amax, 0) if delayed else None)
         if input_requires_grad:
-            dgrad = gemm(_operand(gs["dgrad"], True), saved["w"], out_dtype=grad_out.dtype)
+            w = _high(saved["w"], grad_out.dtype) if "dgrad" in calls.dequantized_gemms else saved["w"]
+            dgrad = gemm(_operand(gs["dgrad"], True), w, out_dtype=grad_out.dtype)
             grads.append(_fresh(calls.output_tensor("dgrad", dgrad).reshape(tuple(in_shape)), (grad_out,)))
         if weight_requires_grad:
             wdtype = torch.float32 if call.fuse_wgrad_accumulation else weight_dtype
-            wgrad = gemm(_operand(gs["wgrad"], False), saved["x"], trans_a=True, out_dtype=wdtype)
+            x = _high(saved["x"], grad_out.dtype) if "wgrad" in calls.dequantized_gemms else saved["x"]
+            wgrad = gemm(_operand(gs["wgrad"], False), x, trans_a=True, out_dtype=wdtype)
             grads.append(_fresh(calls.output_tensor("wgrad", wgrad), (grad_out,)))
     return backward_tail(grads, dy, call.bias_requires_grad, weight_dtype, grad_amax if delayed else None)
 

@@ -131,7 +131,8 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         """None, or the `columnwise` flag for a fused norm + quantize of this GEMM's input `inp`:
         only stateless recipes (delayed scaling's input scale lives in this module's buffers), not
         when the input's amax is TP-reduced (the fused op quantizes with the plain recipe), and not
-        when fprop runs in high precision (op_key)."""
+        when fprop runs in high precision (op_key). No columnwise copy where wgrad does not run in
+        the recipe's format (kept in high precision, or dequantized from the rowwise input)."""
         recipe = get_fp8_recipe()
         if recipe is None or isinstance(recipe, R.DelayedScaling):
             return None
@@ -139,10 +140,11 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
             return None
         wgrad = True
         if inp is not None:
-            high = RecipeKey.high_precision_gemms(self.op_key(self.recipe_key(), inp, weight))
+            op_key = self.op_key(self.recipe_key(), inp, weight)
+            high = RecipeKey.high_precision_gemms(op_key)
             if "fprop" in high:
                 return None
-            wgrad = "wgrad" not in high
+            wgrad = "wgrad" not in high | RecipeKey.dequantized_gemms(op_key)
         return torch.is_grad_enabled() and weight.requires_grad and not save_original_input and wgrad
 
     # ---- the call: named steps ----------------------------------------------------------------
@@ -249,7 +251,11 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         in high precision (the Linear op quantizes the full tensor)."""
         group, world = sequence_gather
         layout = _sp_gather.HP
-        columnwise = torch.is_grad_enabled() and weight.requires_grad
+        wgrad = torch.is_grad_enabled() and weight.requires_grad
+        # a high-precision wgrad reads the gathered input itself: gathered in high precision
+        quantized_ok = quantized_ok and not (wgrad and "wgrad" in RecipeKey.high_precision_gemms(key))
+        # the columnwise copy only for a wgrad in the recipe's format (the Linear op's plan)
+        columnwise = wgrad and "wgrad" not in RecipeKey.dequantized_gemms(key)
         if self.quantized_sp_gather and quantized_ok:
             layout, _ = _sp_gather.input_gather_format(key, tuple(inp.shape), world, columnwise)
         if layout == _sp_gather.HP:

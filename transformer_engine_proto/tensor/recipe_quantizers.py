@@ -29,6 +29,9 @@ class RoleQuantizers:
     # GEMMs of a Linear that run in high precision although the recipe is on (a per-GEMM
     # precision choice: te.gemm_policy); their operands are not quantized
     high_precision_gemms: frozenset = frozenset()
+    # backward GEMMs that run in high precision on the forward's quantized operands, dequantized
+    # (TE's backward_override="dequantized"); their gradient operand is not quantized
+    dequantized_gemms: frozenset = frozenset()
 
     @property
     def enabled(self) -> bool:
@@ -36,7 +39,12 @@ class RoleQuantizers:
 
     def quantizes(self, gemm: str) -> bool:
         """Whether `gemm` ("fprop", "dgrad" or "wgrad") runs in the recipe's format."""
-        return self.input is not None and gemm not in self.high_precision_gemms
+        return self.input is not None and gemm not in self.high_precision_gemms | self.dequantized_gemms
+
+    def dequantizes(self, gemm: str) -> bool:
+        """Whether `gemm` runs in high precision on the forward's quantized operand, dequantized
+        (a GEMM kept in high precision reads the original operand instead)."""
+        return self.input is not None and gemm in self.dequantized_gemms - self.high_precision_gemms
 
 
 HIGH_PRECISION = RoleQuantizers(None, None, None)
