@@ -277,13 +277,13 @@ def _mod_case(case, rank, group):
     gen = generator(1)
     if case.startswith("lnl_column"):
         ref, m = te.LayerNormLinear(H, 2 * H), te.LayerNormLinear(H, 2 * H, parallel_mode="column", **kw)
-        pmap = {"norm.weight": ("norm.weight", rep), "norm.bias": ("norm.bias", rep),
+        pmap = {"layer_norm_weight": ("layer_norm_weight", rep), "layer_norm_bias": ("layer_norm_bias", rep),
                 "weight": ("weight", c0), "bias": ("bias", c0)}
         x, g = torch.randn(SEQ * BATCH, H, generator=gen), torch.randn(SEQ * BATCH, 2 * H, generator=gen)
         dims = (0 if sp else None, -1)
     elif case.startswith("lnl_row"):
         ref, m = _RowLNLRef(), te.LayerNormLinear(H, H, parallel_mode="row", **kw)
-        pmap = {"norm.weight": (f"norms.{rank}.weight", rep), "norm.bias": (f"norms.{rank}.bias", rep),
+        pmap = {"layer_norm_weight": (f"norms.{rank}.weight", rep), "layer_norm_bias": (f"norms.{rank}.bias", rep),
                 "weight": ("lin.weight", c1), "bias": ("lin.bias", rep)}
         x, g = torch.randn(SEQ * BATCH, H, generator=gen), torch.randn(SEQ * BATCH, H, generator=gen)
         dims = (-1, 0 if sp else None)
@@ -291,7 +291,7 @@ def _mod_case(case, rank, group):
         ref = te.LayerNormMLP(H, FFN, activation="swiglu")
         m = te.LayerNormMLP(H, FFN, activation="swiglu", **kw)
         half = lambda t: te.LayerNormMLP.shard_fc1(t, "swiglu", WORLD, rank)  # noqa: E731  gated halves
-        pmap = {"norm.weight": ("norm.weight", rep), "norm.bias": ("norm.bias", rep),
+        pmap = {"layer_norm_weight": ("layer_norm_weight", rep), "layer_norm_bias": ("layer_norm_bias", rep),
                 "fc1_weight": ("fc1_weight", half), "fc1_bias": ("fc1_bias", half),
                 "fc2_weight": ("fc2_weight", c1), "fc2_bias": ("fc2_bias", rep)}
         x, g = torch.randn(SEQ * BATCH, H, generator=gen), torch.randn(SEQ * BATCH, H, generator=gen)

@@ -17,7 +17,7 @@ from ..errors import raise_error, shape_str
 from ..recipe import DelayedScaling
 from ..tensor.quantizer import HIGH_PRECISION_DTYPES
 
-__all__ = ["TransformerEngineBaseModule"]
+__all__ = ["TransformerEngineBaseModule", "rename_state_dict_keys"]
 
 _counter = itertools.count()
 # ---- precision debug tools: TE-style default layer names (`layernorm_linear_3`, ...)
@@ -109,6 +109,14 @@ class TransformerEngineBaseModule(GemmOwner, nn.Module):
         if error:
             raise_error(ValueError, f"{self.name}: recipe {type(get_fp8_recipe()).__name__} cannot quantize "
                                     f"this layer: {error}")
+
+
+def rename_state_dict_keys(state_dict, prefix: str, renames: dict) -> None:
+    """Load-state-dict pre-hook body: keys `prefix + old...` become `prefix + new...` (checkpoints
+    written before a parameter or submodule took TE's name)."""
+    for old, new in renames.items():
+        for key in [k for k in state_dict if k.startswith(prefix + old)]:
+            state_dict[prefix + new + key[len(prefix + old):]] = state_dict.pop(key)
 
 
 @torch._dynamo.assume_constant_result

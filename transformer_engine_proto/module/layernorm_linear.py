@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from .linear import ParallelLinearMixin, init_parallel_linear
-from .normalization import NormFusedModule, NormParams
+from .normalization import NormFusedModule
 from .quantized_gemm import QuantizedGemm
 from .quantized_params import quantize_new_weights
 
@@ -92,12 +92,15 @@ class LayerNormLinear(ParallelLinearMixin, NormFusedModule):
         self.in_features, self.out_features = in_features, out_features
         self.return_layernorm_output, self.return_bias = return_layernorm_output, return_bias
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+
+        def norm_first():  # TE's order: layer_norm_weight, layer_norm_bias, weight, bias
+            self._init_norm(self._local_in, normalization, eps, zero_centered_gamma, dtype, device)
+
         init_parallel_linear(self, in_features, out_features, bias, tp_group, tp_size, parallel_mode,
-                             sequence_parallel, dtype, device, init_method)
-        self.norm = NormParams(self._local_in, normalization, eps, zero_centered_gamma, dtype, device)
+                             sequence_parallel, dtype, device, init_method, before_params=norm_first)
         if self.sequence_parallel and parallel_mode == "column":
             # the norm sees this rank's tokens only: its grads are partial (all-reduced by the loop)
-            for p in self.norm.parameters():
+            for p in self._norm_params():
                 p.sequence_parallel = True
         self.gemm = QuantizedGemm(device)
         quantize_new_weights(self)  # inside quantized_model_init: weights stored quantized

@@ -25,15 +25,19 @@ def _init_weight(weight: torch.Tensor, init_method: Optional[Callable]) -> None:
 
 
 def init_parallel_linear(module, in_features, out_features, bias, tp_group, tp_size, parallel_mode,
-                         sequence_parallel, dtype, device, init_method) -> None:
+                         sequence_parallel, dtype, device, init_method, before_params=None) -> None:
     """Validate the TP arguments and create this rank's weight/bias shards on `module` (sets
-    tp_size, _tp_group_name, parallel_mode, sequence_parallel, _local_in, weight, bias)."""
+    tp_size, _tp_group_name, parallel_mode, sequence_parallel, _local_in, weight, bias).
+    `before_params()` runs once `_local_in` is known, before the weight is registered (parameters
+    that TE registers first)."""
     module.tp_size, module._tp_group_name = _tp.resolve_tp(
         module.name, in_features, out_features, tp_group, tp_size, parallel_mode, sequence_parallel)
     module.parallel_mode = parallel_mode
     module.sequence_parallel = bool(sequence_parallel) and module.tp_size > 1
     local_out = out_features // module.tp_size if parallel_mode == "column" else out_features
     module._local_in = in_features // module.tp_size if parallel_mode == "row" else in_features
+    if before_params is not None:
+        before_params()
     device = default_device(device)
     module.weight = nn.Parameter(torch.empty(local_out, module._local_in, dtype=dtype, device=device))
     _init_weight(module.weight, init_method)
