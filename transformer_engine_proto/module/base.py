@@ -55,6 +55,10 @@ class TransformerEngineBaseModule(GemmOwner, nn.Module):
         """(QuantizedGemm, weight) pairs of this module."""
         return []
 
+    def gemm_weight_shapes(self) -> tuple:
+        """Each GEMM weight's shape (a module whose GEMM weight is computed overrides it)."""
+        return tuple(tuple(w.shape) for _, w in self.gemm_weights())
+
     def tp_sharded_gemms(self):
         """Every GEMM of a column / row parallel module over 2+ ranks (LayerNormMLP overrides)."""
         if self._tp_group_name is None or self.tp_size < 2 or getattr(self, "parallel_mode", None) is None:
@@ -105,7 +109,7 @@ class TransformerEngineBaseModule(GemmOwner, nn.Module):
 
     def _check_recipe_shapes(self) -> None:
         """Fail early, naming the module, when a recipe's blocks do not divide a weight."""
-        error = _recipe_shape_error(get_fp8_recipe_key(), tuple(tuple(w.shape) for _, w in self.gemm_weights()))
+        error = _recipe_shape_error(get_fp8_recipe_key(), self.gemm_weight_shapes())
         if error:
             raise_error(ValueError, f"{self.name}: recipe {type(get_fp8_recipe()).__name__} cannot quantize "
                                     f"this layer: {error}")
