@@ -440,7 +440,7 @@ def test_default_names_and_infer_and_assign(tmp_path):
         debug_api.infer_and_assign_layer_names(layer)
         layer(torch.randn(8, 2, 64))
         debug_api.step()
-        assert list(last_logged_stats()) == ["model.mlp.fc2_activation_max"]
+        assert list(last_logged_stats()) == ["model.layernorm_mlp.fc2_activation_max"]
 
 
 # ---- config errors ----------------------------------------------------------------------------
