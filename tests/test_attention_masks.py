@@ -1,6 +1,7 @@
-"""DotProductAttention / MultiheadAttention reject a mask their mask type would not read or whose
-shape breaks TE's convention (padding [b, 1, 1, s] or a (q, kv) pair; "arbitrary" broadcastable
-to [b, h, s_q, s_kv]), eagerly and under torch.compile(fullgraph=True) with our type and message."""
+"""DotProductAttention / MultiheadAttention reject a mask whose shape breaks TE's convention
+(padding [b, 1, 1, s] or a (q, kv) pair; "arbitrary" broadcastable to [b, h, s_q, s_kv]), eagerly
+and under torch.compile(fullgraph=True) with our type and message; mask types that do not read a
+mask ignore it, as TE does."""
 import re
 
 import pytest
@@ -25,20 +26,30 @@ def _dpa(mask_type, **kw):
 
 @pytest.mark.parametrize("window", [None, (2, 0)], ids=["nowin", "w2_0"])
 @pytest.mark.parametrize("mask_type", ["no_mask", "causal", "causal_bottom_right"])
-def test_mask_type_that_ignores_the_mask_raises(mask_type, window):
-    masked_out = torch.ones(B, 1, 1, S, dtype=torch.bool)  # everything masked: never silently unmasked
-    with pytest.raises(ValueError, match=f"^DotProductAttention attn: attn_mask_type '{mask_type}' does not use "
-                                         f"attention_mask; pass attention_mask=None.*{TAKERS}"):
-        _dpa(mask_type, window_size=window)(*_qkv(), attention_mask=masked_out)
-    with pytest.raises(ValueError, match=f"attn_mask_type '{mask_type}' does not use attention_mask"):
-        _dpa("padding")(*_qkv(), attention_mask=masked_out, attn_mask_type=mask_type)  # per-call override
+def test_mask_type_that_does_not_read_the_mask_ignores_it(mask_type, window):
+    """TE reads attention_mask for the padding types and "arbitrary" only (its tests pass a causal
+    mask with "causal"): the output is the one without the mask, even for an all-masked one."""
+    masked_out = torch.ones(B, 1, 1, S, dtype=torch.bool)
+    want = _dpa(mask_type, window_size=window)(*_qkv())
+    torch.testing.assert_close(_dpa(mask_type, window_size=window)(*_qkv(), attention_mask=masked_out), want,
+                               rtol=0, atol=0)
+    got = _dpa("padding", window_size=window)(*_qkv(), attention_mask=masked_out, attn_mask_type=mask_type)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)  # per-call override
 
 
-def test_mha_mask_type_that_ignores_the_mask_names_its_attention():
-    m = te.MultiheadAttention(32, H, attn_mask_type="causal", name="mha")
-    with pytest.raises(ValueError, match="^DotProductAttention mha.core_attention: attn_mask_type 'causal' does "
-                                         "not use attention_mask"):
-        m(torch.randn(S, B, 32), attention_mask=torch.zeros(B, 1, 1, S, dtype=torch.bool))
+def test_mha_causal_with_a_causal_mask_as_te_tests_pass_it():
+    """TE's test_mha_accuracy / test_gpt_accuracy: attn_mask_type "causal" with the causal mask
+    (True above the diagonal) gives causal attention, eager and compiled."""
+    torch.manual_seed(0)
+    m = te.MultiheadAttention(32, H, attn_mask_type="causal", attention_dropout=0.0, name="mha")
+    x = torch.randn(S, B, 32)
+    causal = torch.triu(torch.ones(S, S, dtype=torch.bool), diagonal=1)
+    want = m(x)
+    torch.testing.assert_close(m(x, attention_mask=causal), want, rtol=0, atol=0)
+    torch._dynamo.reset()
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, attention_mask=causal), want, rtol=0, atol=0)
+    assert not torch.allclose(want, m(x, attn_mask_type="no_mask"))  # causal, not unmasked
 
 
 @pytest.mark.parametrize("shape", [(S, S), (1, 1, S, S), (B, 1, S, S), (1, H, 1, S), (B, H, S, S)])
@@ -101,8 +112,6 @@ def _bad_calls():
     q, k, v = _qkv()
     pad = torch.zeros(B, 1, 1, S, dtype=torch.bool)
     return {
-        "causal_with_mask": (_dpa("causal"), (q, k, v), dict(attention_mask=pad), ValueError,
-                             "DotProductAttention attn: attn_mask_type 'causal' does not use attention_mask"),
         "arbitrary_shape": (_dpa("arbitrary"), (q, k, v), dict(attention_mask=torch.zeros(3, S, S, dtype=torch.bool)),
                             ValueError, "DotProductAttention attn: an 'arbitrary' attention_mask must be broadcastable "
                                         "to [b, h, s_q, s_kv] = [2, 4, 6, 6], got (3, 6, 6)"),
@@ -123,8 +132,6 @@ def _bad_calls():
                                "MultiheadAttention mha: encoder_output is only used with attention_type='cross'"),
         "mha_rank": (te.MultiheadAttention(32, H, name="mha"), (torch.randn(S, 32),), {}, ValueError,
                      "MultiheadAttention mha: hidden_states must be 3D for qkv_format 'sbhd', got (6, 32)"),
-        "mha_mask": (te.MultiheadAttention(32, H, name="mha"), (torch.randn(S, B, 32),), dict(attention_mask=pad),
-                     ValueError, "DotProductAttention mha.core_attention: attn_mask_type 'causal' does not use"),
     }
 
 
@@ -145,7 +152,7 @@ def test_compiled_errors_keep_type_and_message(case):
     assert type(info.value) is exc_type and str(info.value).startswith(first)
 
 
-@pytest.mark.parametrize("case", ["causal_with_mask", "arbitrary_shape"])
+@pytest.mark.parametrize("case", ["padding_no_mask", "arbitrary_shape"])
 def test_compiled_errors_keep_type_and_message_inductor(case):
     m, args, kw, exc_type, first = _bad_calls()[case]
     assert _compiled_first_line(m, args, kw, exc_type, "inductor").startswith(first)

@@ -58,7 +58,7 @@ def test_getting_started_example(tmp_path):
         mlp = te.LayerNormMLP(64, 128)  # GEMMs layernorm_mlp_<n>.fc1 / .fc2
         model = torch.nn.Sequential(qkv, mlp)
         x = torch.randn(8, 4, 64)
-        ln_out = qkv.norm(x).detach()
+        ln_out = qkv.apply_norm(x).detach()
         _train(model, x, 7)
         log = main_log(log_dir)
     for gemm in ("fc1", "fc2"):
@@ -248,7 +248,7 @@ def test_log_fp8_tensor_stats_example(tmp_path):
         m = te.LayerNormLinear(64, 64)
         x = torch.randn(32, 64) * 1e-3
         x[0, :4] = 10.0  # a wide range, so MXFP8 blocks underflow
-        ln_out = m.norm(x).detach()
+        ln_out = m.apply_norm(x).detach()
         _train(m, x, 6, recipe=R.DelayedScaling())
     lines = stat_lines(log_dir)
     act = [(it, v) for n, it, v in lines if n == f"{m.name}_activation_mxfp8_underflows%"]
@@ -440,7 +440,7 @@ def test_default_names_and_infer_and_assign(tmp_path):
         debug_api.infer_and_assign_layer_names(layer)
         layer(torch.randn(8, 2, 64))
         debug_api.step()
-        assert list(last_logged_stats()) == ["model.mlp.fc2_activation_max"]
+        assert list(last_logged_stats()) == ["model.layernorm_mlp.fc2_activation_max"]
 
 
 # ---- config errors ----------------------------------------------------------------------------

@@ -58,7 +58,7 @@ def _build(case, rid):
         model = te.Linear(64, ODD_OUT[rid])
         x, g = torch.randn(SEQ * BATCH, 64, generator=gen), torch.randn(SEQ * BATCH, ODD_OUT[rid], generator=gen)
     else:
-        kw = dict(hidden_dropout=0.0, attention_dropout=0.0)
+        kw = dict(hidden_dropout=0.0, attention_dropout=0.0, fuse_qkv_params=True)  # one QKV weight to gather
         model = nn.Sequential(te.TransformerLayer(H, FFN, HEADS, **kw), te.TransformerLayer(H, FFN, HEADS, **kw))
         x, g = torch.randn(SEQ, BATCH, H, generator=gen), torch.randn(SEQ, BATCH, H, generator=gen)
     with torch.no_grad():

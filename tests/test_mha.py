@@ -70,16 +70,17 @@ def _split(w_or_y, interleaved, h=HEADS, g=GROUPS, d=D):
 def test_mha_self_attention_matches_reference(fmt, input_layernorm, normalization, interleaved):
     m = _init(te.MultiheadAttention(H, HEADS, num_gqa_groups=GROUPS, attention_dropout=0.0,
                                     input_layernorm=input_layernorm, normalization=normalization,
-                                    qkv_weight_interleaved=interleaved, qkv_format=fmt))
+                                    qkv_weight_interleaved=interleaved, qkv_format=fmt, fuse_qkv_params=True))
     x = torch.randn(B, S, H)
     xin = x.transpose(0, 1) if fmt == "sbhd" else x
     freqs = te.RotaryPositionEmbedding(D)(S)
     out = m(xin, rotary_pos_emb=freqs)
     h = x
+    qkv = m.layernorm_qkv if input_layernorm else m.qkv
     if input_layernorm:
-        n = m.qkv.norm
-        h = _rms(x, n.weight) if normalization == "RMSNorm" else F.layer_norm(x, (H,), n.weight, n.bias, 1e-5)
-    q, k, v = _split(F.linear(h, m.qkv.weight, m.qkv.bias), interleaved)
+        w, b = qkv.layer_norm_weight, qkv.layer_norm_bias
+        h = _rms(x, w) if normalization == "RMSNorm" else F.layer_norm(x, (H,), w, b, 1e-5)
+    q, k, v = _split(F.linear(h, qkv.weight, qkv.bias), interleaved)
     pos = torch.arange(S)
     ref = F.linear(_attend(_rope(q, pos), _rope(k, pos), v), m.proj.weight, m.proj.bias)
     ref = ref.transpose(0, 1) if fmt == "sbhd" else ref
@@ -92,8 +93,10 @@ def test_mha_cross_attention_and_return_bias():
                                     qkv_weight_interleaved=False))
     x, enc = torch.randn(B, S, H), torch.randn(B, S + 3, H)
     out, bias = m(x, encoder_output=enc)
-    q = F.linear(x, m.query.weight, m.query.bias).reshape(B, S, HEADS, D)
-    k, v = F.linear(enc, m.key_value.weight, m.key_value.bias).reshape(B, S + 3, 2 * GROUPS, D).chunk(2, 2)
+    q = F.linear(x, m.query_layer.weight, m.query_layer.bias).reshape(B, S, HEADS, D)
+    kv = m.key_value
+    k = F.linear(enc, kv.key_weight, kv.key_bias).reshape(B, S + 3, GROUPS, D)
+    v = F.linear(enc, kv.value_weight, kv.value_bias).reshape(B, S + 3, GROUPS, D)
     ref = F.linear(_attend(q, k, v, causal=False), m.proj.weight)  # bias returned, not added
     assert bias is m.proj.bias
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -193,12 +196,13 @@ def test_llama_transformer_layer_matches_hand_written_block():
     w["ln1"], w["ln2"] = 1 + 0.1 * torch.randn(H, generator=g), 1 + 0.1 * torch.randn(H, generator=g)
     layer = _llama_layer(ffn, eps)
     with torch.no_grad():  # copy the weights in
-        layer.qkv.weight.copy_(torch.cat([w["q"], w["k"], w["v"]]))
-        layer.qkv.layer_norm_weight.copy_(w["ln1"])
-        layer.proj.weight.copy_(w["o"])
-        layer.mlp.fc1_weight.copy_(torch.cat([w["gate"], w["up"]]))
-        layer.mlp.fc2_weight.copy_(w["down"])
-        layer.mlp.layer_norm_weight.copy_(w["ln2"])
+        qkv = layer.self_attention.layernorm_qkv
+        qkv.query_weight.copy_(w["q"]), qkv.key_weight.copy_(w["k"]), qkv.value_weight.copy_(w["v"])
+        qkv.layer_norm_weight.copy_(w["ln1"])
+        layer.self_attention.proj.weight.copy_(w["o"])
+        layer.layernorm_mlp.fc1_weight.copy_(torch.cat([w["gate"], w["up"]]))
+        layer.layernorm_mlp.fc2_weight.copy_(w["down"])
+        layer.layernorm_mlp.layer_norm_weight.copy_(w["ln2"])
     x = torch.randn(S, B, H, generator=g)
     out = layer(x, rotary_pos_emb=te.RotaryPositionEmbedding(D)(S))
     torch.testing.assert_close(out, _llama_block(x, w, HEADS, GROUPS, eps), rtol=1e-5, atol=1e-5)
@@ -231,7 +235,13 @@ def test_transformer_layer_every_mask_type_and_old_state_dict():
     for mt in ["no_mask", "causal", "causal_bottom_right", "padding", "padding_causal", "padding_causal_bottom_right"]:
         y = layer(x, attention_mask=mask if "padding" in mt else None, self_attn_mask_type=mt, window_size=(3, 0))
         assert y.shape == x.shape and torch.isfinite(y).all()
-    old = {k.replace("self_attention.", ""): v for k, v in layer.state_dict().items()}  # pre-rebuild keys
+    # older keys: top-level qkv. / proj., mlp., the norms at norm., one fused [Q; K; V] QKV weight
+    sd, qkv = layer.state_dict(), "self_attention.layernorm_qkv."
+    old = {k.replace(qkv, "qkv.").replace("self_attention.proj.", "proj.").replace("layernorm_mlp.", "mlp.")
+           .replace("layer_norm_", "norm."): v for k, v in sd.items() if not k.endswith(("query_weight", "key_weight",
+                                                                                        "value_weight"))}
+    old["qkv.weight"] = torch.cat([sd[qkv + f"{n}_weight"] for n in ("query", "key", "value")])
+    assert "qkv.weight" in old and "mlp.norm.weight" in old
     fresh = _llama_layer()
     fresh.load_state_dict(old)
     assert torch.equal(fresh(x), layer(x))

@@ -243,9 +243,11 @@ def test_tp_module_deepcopies(one_rank_group):  # noqa: F811  (pytest fixture)
 # Relative (Frobenius) errors measured, max over cases / tensors / ranks / eager+compiled:
 # high precision 3.3e-7 (mlp_sp norm.bias), MXFP8 (all shards 32-aligned, so each quantizes
 # exactly as its part of the full tensor) 7.7e-8 (layer_sp qkv.norm.weight) -- reduction order only.
+# With TE's separate query / key / value parameters the small query-bias grad (a 500th of the value
+# bias's) measures 1.1e-6; the key bias's grad is zero in exact arithmetic (4.7e-8): its absolute norm.
 # On GPU the bf16 rounding of the emulated MXFP8 GEMM (see BF16_GEMM_TOL) reaches the norm weight
 # grads, which sum over every token: measured max 9.2e-3 (layer qkv.norm.weight) on 2 H200.
-MOD_TOL = {"high_precision": 1e-6, "mxfp8": 2.0**-6 if ON_GPU else 1e-6}
+MOD_TOL = {"high_precision": 2e-6, "mxfp8": 2.0**-6 if ON_GPU else 2e-6}
 MOD_RECIPES = {"high_precision": None, "mxfp8": R.MXFP8BlockScaling()}
 MOD_CASES = ["lnl_column", "lnl_column_sp", "lnl_row", "lnl_row_sp", "mlp", "mlp_sp", "layer", "layer_sp"]
 H, FFN, HEADS, SEQ, BATCH = 64, 128, 4, 16, 2  # 32 tokens
@@ -263,10 +265,6 @@ class _RowLNLRef(torch.nn.Module):
         return self.lin(torch.cat([n(p) for n, p in zip(self.norms, x.chunk(WORLD, -1))], -1))
 
 
-def _thirds(t, r, n=3):  # rank r's chunk of each of n equal parts along dim 0 (QKV / gated halves)
-    return torch.cat([p.chunk(WORLD, 0)[r] for p in t.chunk(n, 0)], 0).contiguous()
-
-
 def _mod_case(case, rank, group):
     """(tp module, reference, full input, full grad_output, {tp param: (ref param, shard fn)}, in_dim, out_dim)."""
     sp = case.endswith("_sp")
@@ -277,13 +275,13 @@ def _mod_case(case, rank, group):
     gen = generator(1)
     if case.startswith("lnl_column"):
         ref, m = te.LayerNormLinear(H, 2 * H), te.LayerNormLinear(H, 2 * H, parallel_mode="column", **kw)
-        pmap = {"norm.weight": ("norm.weight", rep), "norm.bias": ("norm.bias", rep),
+        pmap = {"layer_norm_weight": ("layer_norm_weight", rep), "layer_norm_bias": ("layer_norm_bias", rep),
                 "weight": ("weight", c0), "bias": ("bias", c0)}
         x, g = torch.randn(SEQ * BATCH, H, generator=gen), torch.randn(SEQ * BATCH, 2 * H, generator=gen)
         dims = (0 if sp else None, -1)
     elif case.startswith("lnl_row"):
         ref, m = _RowLNLRef(), te.LayerNormLinear(H, H, parallel_mode="row", **kw)
-        pmap = {"norm.weight": (f"norms.{rank}.weight", rep), "norm.bias": (f"norms.{rank}.bias", rep),
+        pmap = {"layer_norm_weight": (f"norms.{rank}.weight", rep), "layer_norm_bias": (f"norms.{rank}.bias", rep),
                 "weight": ("lin.weight", c1), "bias": ("lin.bias", rep)}
         x, g = torch.randn(SEQ * BATCH, H, generator=gen), torch.randn(SEQ * BATCH, H, generator=gen)
         dims = (-1, 0 if sp else None)
@@ -291,7 +289,7 @@ def _mod_case(case, rank, group):
         ref = te.LayerNormMLP(H, FFN, activation="swiglu")
         m = te.LayerNormMLP(H, FFN, activation="swiglu", **kw)
         half = lambda t: te.LayerNormMLP.shard_fc1(t, "swiglu", WORLD, rank)  # noqa: E731  gated halves
-        pmap = {"norm.weight": ("norm.weight", rep), "norm.bias": ("norm.bias", rep),
+        pmap = {"layer_norm_weight": ("layer_norm_weight", rep), "layer_norm_bias": ("layer_norm_bias", rep),
                 "fc1_weight": ("fc1_weight", half), "fc1_bias": ("fc1_bias", half),
                 "fc2_weight": ("fc2_weight", c1), "fc2_bias": ("fc2_bias", rep)}
         x, g = torch.randn(SEQ * BATCH, H, generator=gen), torch.randn(SEQ * BATCH, H, generator=gen)
@@ -300,13 +298,12 @@ def _mod_case(case, rank, group):
         lkw = dict(hidden_dropout=0.0, attention_dropout=0.0)
         ref, m = te.TransformerLayer(H, FFN, HEADS, **lkw), te.TransformerLayer(H, FFN, HEADS, **lkw, **kw)
         pmap = {}
-        for name, _ in m.named_parameters():
-            if name.startswith("self_attention.qkv.") and not name.startswith("self_attention.qkv.norm"):
-                pmap[name] = (name, lambda t: _thirds(t, rank, 3))
-            elif name == "self_attention.proj.weight" or name == "mlp.fc2_weight":
-                pmap[name] = (name, c1)
-            elif name == "mlp.fc1_weight" or name == "mlp.fc1_bias":
+        for name, _ in m.named_parameters():  # query/key/value_weight: each part column sharded
+            if name.startswith(("self_attention.layernorm_qkv.query", "self_attention.layernorm_qkv.key",
+                                "self_attention.layernorm_qkv.value", "layernorm_mlp.fc1_")):
                 pmap[name] = (name, c0)
+            elif name == "self_attention.proj.weight" or name == "layernorm_mlp.fc2_weight":
+                pmap[name] = (name, c1)
             else:
                 pmap[name] = (name, rep)
         x, g = torch.randn(SEQ, BATCH, H, generator=gen), torch.randn(SEQ, BATCH, H, generator=gen)
@@ -346,7 +343,8 @@ def _module_step_errors(m, ref, x, g, pmap, dims, rank, group, recipe, compiled)
         rname, fn = pmap[name]
         exp = fn(refp[rname].grad)
         assert grad.shape == exp.shape, (name, grad.shape, exp.shape)
-        errs[name] = rel(grad, exp)
+        # softmax ignores a bias all keys share: its grad is zero but for rounding, compared absolutely
+        errs[name] = max(grad.norm(), exp.norm()).item() if name.endswith("key_bias") else rel(grad, exp)
     return errs
 
 
@@ -409,5 +407,6 @@ def test_tp_modules_one_rank_group_unchanged(one_rank_group):  # noqa: F811  (py
     mlp = te.LayerNormMLP(64, 128, activation="swiglu", tp_group=one_rank_group, sequence_parallel=True)
     assert mlp.fc1_weight.shape == (256, 64) and mlp.tp_size == 1 and mlp._tp_group_name is None
     layer = te.TransformerLayer(64, 128, 4, tp_group=one_rank_group)
-    assert layer.qkv.weight.shape == (192, 64) and layer.local_heads == 4
+    assert layer.qkv.query_weight.shape == (64, 64) and layer.qkv.gemm_weight().shape == (192, 64)
+    assert layer.local_heads == 4
     layer(torch.randn(8, 2, 64)).sum().backward()

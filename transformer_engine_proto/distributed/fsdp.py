@@ -388,6 +388,14 @@ def enable_quantized_all_gather(model: nn.Module, strict: bool = False) -> int:
         for gemm, weight in m.gemm_weights():
             pname = next((k for k, p in m._parameters.items() if p is weight), None)
             gname = next((k for k, s in m._modules.items() if s is gemm), None)
+            if pname is None and len(getattr(m, "weight_names", ())) > 1:
+                why = (f"{m.name}: its weight is split into parameters {m.weight_names} (TE's parameters_split / "
+                       "fuse_qkv_params=False), gathered in high precision")
+                if strict:
+                    raise ValueError(why + "; build it with fuse_qkv_params=True to gather it quantized")
+                warnings.warn(f"FSDP2: all-gathering in high precision and quantizing after the gather: {why}",
+                              stacklevel=2)
+                continue
             if pname is None or gname is None:
                 raise ValueError(f"{m.name}: cannot find the attribute names of a GEMM weight / its QuantizedGemm")
             if isinstance(weight, DTensor):

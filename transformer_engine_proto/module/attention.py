@@ -127,7 +127,8 @@ class DotProductAttention(TransformerEngineBaseModule):
     or [t, h*d]. GQA / MQA: `num_gqa_groups` key/value heads. `attention_mask` follows TE: True
     means masked out; "padding*" takes [b, 1, 1, s] (a (q, kv) tuple for cross attention) or
     `cu_seqlens_q` / `cu_seqlens_kv`; "arbitrary" a mask broadcastable to [b, h, s_q, s_kv]; the
-    other mask types take no attention_mask: passing one is an error.
+    other mask types ("no_mask", "causal", "causal_bottom_right") ignore an attention_mask, as TE
+    does (TE's tests pass a causal mask with "causal").
 
     Parameters
     ----------
@@ -267,7 +268,7 @@ class DotProductAttention(TransformerEngineBaseModule):
     def _check_mask(self, mask, mask_type, fmt, q, k, cu_q, cu_kv):
         """TE's mask conventions (True = masked out), checked on shapes and dtypes only: a padding
         mask is [b, 1, 1, s] (a (q, kv) pair when s_q != s_kv), an "arbitrary" one broadcastable
-        to [b, h, s_q, s_kv]. A mask the mask type would not read is an error, not ignored."""
+        to [b, h, s_q, s_kv]. A mask the mask type does not read is not checked."""
         who = self._who()
         if fmt == "thd":
             if cu_q is None or cu_kv is None:
@@ -285,11 +286,7 @@ class DotProductAttention(TransformerEngineBaseModule):
                                         "cu_seqlens_q/kv")
             return
         if mask_type not in _PADDING_MASK_TYPES and mask_type != "arbitrary":
-            raise_error(ValueError, f"{who}: attn_mask_type {mask_type!r} does not use attention_mask; pass "
-                                    "attention_mask=None, or an attn_mask_type that takes one: 'padding', "
-                                    "'padding_causal', 'padding_causal_bottom_right' (a bool [b, 1, 1, s] padding "
-                                    "mask, or a (q, kv) pair) or 'arbitrary' (a bool mask broadcastable to "
-                                    "[b, h, s_q, s_kv]); True = masked out")
+            return  # not read (forward drops it), as in TE
         bi, si = (1, 0) if fmt == "sbhd" else (0, 1)
         b, h, sq, skv = q.shape[bi], q.shape[-2], q.shape[si], k.shape[si]
         if mask_type == "arbitrary":
@@ -339,7 +336,7 @@ class DotProductAttention(TransformerEngineBaseModule):
             In `qkv_format`: [s, b, h, d], [b, s, h, d] or [t, h, d]; one floating dtype.
         attention_mask : torch.Tensor or (torch.Tensor, torch.Tensor), default = None
             True = masked out. Padding types: bool [b, 1, 1, s], or a (q, kv) pair when s_q !=
-            s_kv; "arbitrary": bool, broadcastable to [b, h, s_q, s_kv]; other types: None.
+            s_kv; "arbitrary": bool, broadcastable to [b, h, s_q, s_kv]; other types: ignored (TE).
         qkv_format : str, default = None
             Overrides the constructor's for this call.
         cu_seqlens_q, cu_seqlens_kv : torch.Tensor, default = None
@@ -389,6 +386,8 @@ class DotProductAttention(TransformerEngineBaseModule):
         if fmt == "thd":
             mask_type = _THD_MASK.get(mask_type, mask_type)
         self._check_mask(attention_mask, mask_type, fmt, query_layer, key_layer, cu_seqlens_q, cu_seqlens_kv)
+        if mask_type not in _PADDING_MASK_TYPES and mask_type != "arbitrary":
+            attention_mask = None  # TE reads attention_mask for the padding and "arbitrary" types only
         if cu_seqlens_q is not None and (cu_seqlens_q.dim() != 1 or cu_seqlens_kv is None
                                          or cu_seqlens_kv.shape != cu_seqlens_q.shape
                                          or cu_seqlens_q.is_floating_point()):

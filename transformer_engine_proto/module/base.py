@@ -16,7 +16,7 @@ from ..distributed.gemm_owner import GemmOwner
 from ..errors import raise_error, shape_str
 from ..tensor.quantizer import HIGH_PRECISION_DTYPES
 
-__all__ = ["TransformerEngineBaseModule"]
+__all__ = ["TransformerEngineBaseModule", "rename_state_dict_keys"]
 
 _counter = itertools.count()
 # ---- precision debug tools: TE-style default layer names (`layernorm_linear_3`, ...)
@@ -53,6 +53,10 @@ class TransformerEngineBaseModule(GemmOwner, nn.Module):
     def gemm_weights(self):
         """(QuantizedGemm, weight) pairs of this module."""
         return []
+
+    def gemm_weight_shapes(self) -> tuple:
+        """Each GEMM weight's shape (a module whose GEMM weight is computed overrides it)."""
+        return tuple(tuple(w.shape) for _, w in self.gemm_weights())
 
     def tp_sharded_gemms(self):
         """Every GEMM of a column / row parallel module over 2+ ranks (LayerNormMLP overrides)."""
@@ -102,10 +106,18 @@ class TransformerEngineBaseModule(GemmOwner, nn.Module):
 
     def _check_recipe_shapes(self) -> None:
         """Fail early, naming the module, when a recipe's blocks do not divide a weight."""
-        error = _recipe_shape_error(get_fp8_recipe_key(), tuple(tuple(w.shape) for _, w in self.gemm_weights()))
+        error = _recipe_shape_error(get_fp8_recipe_key(), self.gemm_weight_shapes())
         if error:
             raise_error(ValueError, f"{self.name}: recipe {type(get_fp8_recipe()).__name__} cannot quantize "
                                     f"this layer: {error}")
+
+
+def rename_state_dict_keys(state_dict, prefix: str, renames: dict) -> None:
+    """Load-state-dict pre-hook body: keys `prefix + old...` become `prefix + new...` (checkpoints
+    written before a parameter or submodule took TE's name)."""
+    for old, new in renames.items():
+        for key in [k for k in state_dict if k.startswith(prefix + old)]:
+            state_dict[prefix + new + key[len(prefix + old):]] = state_dict.pop(key)
 
 
 @torch._dynamo.assume_constant_result

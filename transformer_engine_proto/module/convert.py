@@ -19,7 +19,7 @@ from .. import recipe as R
 from ..tensor.quantizer import HIGH_PRECISION_DTYPES
 from .base import TransformerEngineBaseModule, _recipe_shape_error
 from .linear import Linear
-from .normalization import LayerNorm, NormParams, RMSNorm
+from .normalization import LayerNorm, RMSNorm
 
 __all__ = ["convert_model", "ConversionWarning"]
 
@@ -100,7 +100,7 @@ def _norm_spec(m: nn.Module) -> Union[None, str, _NormSpec]:
     """None: not a norm; a str: a norm we do not convert, and why; else
     (te class, hidden size, eps, weight, bias) of a norm whose math we reproduce: elementwise
     affine, normalized over the last dim only."""
-    if isinstance(m, (TransformerEngineBaseModule, NormParams)):
+    if isinstance(m, TransformerEngineBaseModule):
         return None  # ours already
     if type(m) in (nn.LayerNorm, nn.RMSNorm):
         kind = LayerNorm if type(m) is nn.LayerNorm else RMSNorm
@@ -153,7 +153,7 @@ def _children(module: nn.Module, prefix: str) -> Iterable[Tuple[nn.Module, str, 
             continue
         fqn = f"{prefix}.{attr}" if prefix else attr
         yield module, attr, child, fqn
-        if not isinstance(child, (TransformerEngineBaseModule, NormParams)):
+        if not isinstance(child, TransformerEngineBaseModule):
             yield from _children(child, fqn)
 
 

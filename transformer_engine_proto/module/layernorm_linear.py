@@ -5,8 +5,8 @@ from typing import Optional
 
 import torch
 
-from .linear import ParallelLinearMixin, init_parallel_linear
-from .normalization import NormFusedModule, NormParams
+from .linear import ParallelLinearMixin, check_split_args, init_parallel_linear
+from .normalization import NormFusedModule
 from .quantized_gemm import QuantizedGemm
 from .quantized_params import quantize_new_weights
 
@@ -75,9 +75,10 @@ class LayerNormLinear(ParallelLinearMixin, NormFusedModule):
         How the weight is split over `tp_group` (above); None: not split, no communication.
     sequence_parallel : bool, default = False
         Shard dim 0 of the input / output too (above).
+    parameters_split : dict or tuple of str, default = None
+        Separate parameters for parts of the output rows (`query_weight`, ...), as `Linear`'s.
 
-    TE's other keywords (`return_layernorm_output_gathered`, `parameters_split`, `ub_*`, ...) are
-    a `TypeError`.
+    TE's other keywords (`return_layernorm_output_gathered`, `ub_*`, ...) are a `TypeError`.
     """
 
     def __init__(self, in_features: int, out_features: int, eps: float = 1e-5, bias: bool = True, *,
@@ -86,18 +87,23 @@ class LayerNormLinear(ParallelLinearMixin, NormFusedModule):
                  device=None, init_method=None, fuse_wgrad_accumulation: bool = False,
                  return_bias: bool = False, name: Optional[str] = None,
                  tp_group=None, tp_size: Optional[int] = None, parallel_mode: Optional[str] = None,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, parameters_split=None):
         super().__init__(name)
         dtype = params_dtype or torch.get_default_dtype()
         self.in_features, self.out_features = in_features, out_features
         self.return_layernorm_output, self.return_bias = return_layernorm_output, return_bias
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+
+        def norm_first():  # TE's order: layer_norm_weight, layer_norm_bias, weight, bias
+            self._init_norm(self._local_in, normalization, eps, zero_centered_gamma, dtype, device)
+
+        check_split_args(self.name, parameters_split, fuse_wgrad_accumulation)
         init_parallel_linear(self, in_features, out_features, bias, tp_group, tp_size, parallel_mode,
-                             sequence_parallel, dtype, device, init_method)
-        self.norm = NormParams(self._local_in, normalization, eps, zero_centered_gamma, dtype, device)
+                             sequence_parallel, dtype, device, init_method, before_params=norm_first,
+                             parameters_split=parameters_split)
         if self.sequence_parallel and parallel_mode == "column":
             # the norm sees this rank's tokens only: its grads are partial (all-reduced by the loop)
-            for p in self.norm.parameters():
+            for p in self._norm_params():
                 p.sequence_parallel = True
         self.gemm = QuantizedGemm(device)
         quantize_new_weights(self)  # inside quantized_model_init: weights stored quantized
@@ -115,11 +121,12 @@ class LayerNormLinear(ParallelLinearMixin, NormFusedModule):
             Weight caching over gradient-accumulation micro-batches, as in `Linear.forward`.
         """
         self._check_input(inp, self._local_in)
-        group, row, bias = self._tp_plan()
+        weight, bias = self.gemm_weight(), self.gemm_bias()
+        group, row, gemm_bias = self._tp_plan(bias)
         column = group if self.parallel_mode == "column" else None
-        ln_out, gemm_in, ln_q, seq = self._norm_into_gemm(inp, self.gemm, self.weight, column)
-        out = self.gemm(gemm_in, self.weight, bias, is_first_microbatch=is_first_microbatch,
+        ln_out, gemm_in, ln_q, seq = self._norm_into_gemm(inp, self.gemm, weight, column)
+        out = self.gemm(gemm_in, weight, gemm_bias, is_first_microbatch=is_first_microbatch,
                         fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, inp_quantized=ln_q,
                         sequence_gather=seq)
-        out = self._reduce_row_output(out, group, row)
-        return self._pack_outputs(out, self.bias, ln_out)
+        out = self._reduce_row_output(out, group, row, bias)
+        return self._pack_outputs(out, bias, ln_out)

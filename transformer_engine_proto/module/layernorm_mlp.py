@@ -10,8 +10,9 @@ from torch import nn
 
 from ..capabilities import default_device
 from ..distributed import tp as _tp
+from ..recompute import checkpoint as _checkpoint
 from .linear import _init_weight
-from .normalization import NormFusedModule, NormParams
+from .normalization import NormFusedModule
 from .quantized_gemm import QuantizedGemm
 from .quantized_params import quantize_new_weights
 
@@ -71,9 +72,9 @@ class LayerNormMLP(NormFusedModule):
     full fc1 weight, i.e. `cat([W[:ffn].chunk(tp)[r], W[ffn:].chunk(tp)[r]])` (and likewise the
     bias), not a contiguous chunk of the full [2*ffn, hidden] weight (see `shard_fc1`).
 
-    Parameters `fc1_weight` [ffn * m, hidden] (m = 2 for gated activations), `fc1_bias`,
-    `fc2_weight` [hidden, ffn], `fc2_bias` as TE names them; the norm's are `norm.weight` /
-    `norm.bias`, also readable as TE's `layer_norm_weight` / `layer_norm_bias`.
+    Parameters, in TE's names and order: `layer_norm_weight`, `layer_norm_bias` (None for
+    RMSNorm), `fc1_weight` [ffn * m, hidden] (m = 2 for gated activations), `fc1_bias`,
+    `fc2_weight` [hidden, ffn], `fc2_bias`.
 
     Parameters
     ----------
@@ -90,8 +91,8 @@ class LayerNormMLP(NormFusedModule):
     activation : {"gelu", "qgelu", "relu", "srelu", "silu", "glu", "swiglu", "geglu", "qgeglu", "reglu", "sreglu"},
         default = "gelu"
         Applied to fc1's output; gelu is the tanh approximation, as TE's. The gated ones split
-        fc1's output in two halves and return act(first) * second. TE's other activations
-        (qgelu, srelu, ...) are a `ValueError`.
+        fc1's output in two halves and return act(first) * second. Any other name (TE's
+        `clamped_swiglu`, ...) is a `ValueError`.
     return_layernorm_output : bool, default = False
         Also return the norm's output (last in the returned tuple).
     zero_centered_gamma : bool, default = False
@@ -124,9 +125,13 @@ class LayerNormMLP(NormFusedModule):
         row parallel. False with `tp_size > 1` is a `ValueError`.
     sequence_parallel : bool, default = False
         Shard dim 0 of the input and output too (above).
+    checkpoint : bool, default = False
+        Keep no activations for backward, only the input: backward recomputes the block first
+        (with the forward's scales, as `te.checkpoint`), trading compute for memory; outputs and
+        gradients equal those without it. TE's recompute skips fc2's forward, this one does not.
 
-    TE's other keywords (`activation_params`, `checkpoint`, `delay_wgrad_compute`, `ub_*`, ...)
-    are a `TypeError`."""
+    TE's other keywords (`activation_params`, `delay_wgrad_compute`, `ub_*`, ...) are a
+    `TypeError`."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5, bias: bool = True, *,
                  normalization: str = "LayerNorm", activation: str = "gelu",
@@ -135,10 +140,14 @@ class LayerNormMLP(NormFusedModule):
                  output_layer_init_method=None, fuse_wgrad_accumulation: bool = False,
                  return_bias: bool = False, name: Optional[str] = None,
                  tp_group=None, tp_size: Optional[int] = None, set_parallel_mode: Optional[bool] = None,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, checkpoint: bool = False):
         super().__init__(name)
         if activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+            raise ValueError(f"LayerNormMLP {self.name}: activation must be one of {sorted(ACTIVATIONS)}, "
+                             f"got {activation!r}")
+        if not isinstance(checkpoint, bool):
+            raise TypeError(f"LayerNormMLP {self.name}: checkpoint must be a bool, got {checkpoint!r}")
+        self.checkpoint = checkpoint
         dtype = params_dtype or torch.get_default_dtype()
         self.hidden_size, self.ffn_hidden_size, self.activation = hidden_size, ffn_hidden_size, activation
         self.return_layernorm_output, self.return_bias = return_layernorm_output, return_bias
@@ -158,15 +167,16 @@ class LayerNormMLP(NormFusedModule):
         ffn_local = ffn_hidden_size // self.tp_size
         fc1_out = ffn_local * ACTIVATIONS[activation][1]
         device = default_device(device)
-        self.norm = NormParams(hidden_size, normalization, eps, zero_centered_gamma, dtype, device)
+        # TE's parameter order: layer_norm_weight, layer_norm_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias
+        self._init_norm(hidden_size, normalization, eps, zero_centered_gamma, dtype, device)
         self.fc1_weight = nn.Parameter(torch.empty(fc1_out, hidden_size, dtype=dtype, device=device))
+        self.fc1_bias = nn.Parameter(torch.zeros(fc1_out, dtype=dtype, device=device)) if bias else None
         self.fc2_weight = nn.Parameter(torch.empty(hidden_size, ffn_local, dtype=dtype, device=device))
+        self.fc2_bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device)) if bias else None
         _init_weight(self.fc1_weight, init_method)
         _init_weight(self.fc2_weight, output_layer_init_method or init_method)
-        self.fc1_bias = nn.Parameter(torch.zeros(fc1_out, dtype=dtype, device=device)) if bias else None
-        self.fc2_bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device)) if bias else None
         if self.sequence_parallel:
-            for p in list(self.norm.parameters()) + ([self.fc2_bias] if bias else []):
+            for p in self._norm_params() + ([self.fc2_bias] if bias else []):
                 p.sequence_parallel = True
         self.fc1 = QuantizedGemm(device)
         self.fc2 = QuantizedGemm(device)
@@ -201,6 +211,14 @@ class LayerNormMLP(NormFusedModule):
             `Linear.forward`.
         """
         self._check_input(inp, self.hidden_size)
+        if self.checkpoint and torch.is_grad_enabled():
+            out, ln_out = _checkpoint(self._block, inp, is_first_microbatch, use_reentrant=False)
+        else:
+            out, ln_out = self._block(inp, is_first_microbatch)
+        return self._pack_outputs(out, self.fc2_bias, ln_out)
+
+    def _block(self, inp: torch.Tensor, is_first_microbatch: Optional[bool]):
+        """(output, norm output): the computation `checkpoint=True` recomputes in backward."""
         group = self._tp_group_name if self.tp_size > 1 else None
         ln_out, fc1_in, ln_q, seq = self._norm_into_gemm(inp, self.fc1, self.fc1_weight, group)
         kw = dict(is_first_microbatch=is_first_microbatch, fuse_wgrad_accumulation=self.fuse_wgrad_accumulation)
@@ -211,4 +229,4 @@ class LayerNormMLP(NormFusedModule):
         if group is not None:
             out = _tp.reduce_row_parallel_output(out, group, self.tp_size, self.sequence_parallel,
                                                  None if self.return_bias else self.fc2_bias)
-        return self._pack_outputs(out, self.fc2_bias, ln_out)
+        return out, ln_out

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -24,24 +24,86 @@ def _init_weight(weight: torch.Tensor, init_method: Optional[Callable]) -> None:
         nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
 
 
+def _split_sizes(owner: str, out_features: int, parameters_split) -> Tuple[List[str], List[int]]:
+    """TE's `parameters_split`: (parameter name stems, output rows of each); one `weight` / `bias`
+    for None."""
+    if parameters_split is None:
+        return [""], [out_features]
+    if isinstance(parameters_split, dict):
+        names, sizes = list(parameters_split), list(parameters_split.values())
+    elif isinstance(parameters_split, (tuple, list)) and all(isinstance(n, str) for n in parameters_split):
+        names = list(parameters_split)
+        sizes = [out_features // max(len(names), 1)] * len(names)
+    else:
+        raise TypeError(f"{owner}: parameters_split must be None, a dict of name -> rows or a tuple of names, "
+                        f"got {parameters_split!r}")
+    if not names:
+        raise ValueError(f"{owner}: parameters_split cannot split the weight into 0 parameters")
+    if sum(sizes) != out_features:
+        raise ValueError(f"{owner}: parameters_split sizes {sizes} do not add up to out_features={out_features}")
+    return [n.rstrip("_") + "_" for n in names], sizes
+
+
+def check_split_args(owner: str, parameters_split, fuse_wgrad_accumulation: bool) -> None:
+    if parameters_split is not None and fuse_wgrad_accumulation:
+        raise ValueError(f"{owner}: fuse_wgrad_accumulation=True needs one weight parameter, not parameters_split "
+                         f"{parameters_split!r} (attention: fuse_qkv_params=True)")
+
+
 def init_parallel_linear(module, in_features, out_features, bias, tp_group, tp_size, parallel_mode,
-                         sequence_parallel, dtype, device, init_method) -> None:
+                         sequence_parallel, dtype, device, init_method, before_params=None,
+                         parameters_split=None) -> None:
     """Validate the TP arguments and create this rank's weight/bias shards on `module` (sets
-    tp_size, _tp_group_name, parallel_mode, sequence_parallel, _local_in, weight, bias)."""
+    tp_size, _tp_group_name, parallel_mode, sequence_parallel, _local_in, weight_names,
+    bias_names and the parameters). `before_params()` runs once `_local_in` is known, before the
+    weight is registered (parameters that TE registers first).
+
+    With `parameters_split` the rows are TE's separate parameters `<name>_weight` /
+    `<name>_bias` (views of one buffer, each initialized on its own, as TE's; column parallel:
+    each the rank's shard of its part), concatenated for the GEMM by `gemm_weight()`."""
     module.tp_size, module._tp_group_name = _tp.resolve_tp(
         module.name, in_features, out_features, tp_group, tp_size, parallel_mode, sequence_parallel)
     module.parallel_mode = parallel_mode
     module.sequence_parallel = bool(sequence_parallel) and module.tp_size > 1
-    local_out = out_features // module.tp_size if parallel_mode == "column" else out_features
     module._local_in = in_features // module.tp_size if parallel_mode == "row" else in_features
+    stems, sizes = _split_sizes(module.name, out_features, parameters_split)
+    if parallel_mode == "column":
+        if any(size % module.tp_size for size in sizes):
+            raise ValueError(f"{module.name}: parameters_split sizes {sizes} are not divisible by "
+                             f"tp_size={module.tp_size} (column parallel shards each part)")
+        sizes = [size // module.tp_size for size in sizes]
+    if before_params is not None:
+        before_params()
     device = default_device(device)
-    module.weight = nn.Parameter(torch.empty(local_out, module._local_in, dtype=dtype, device=device))
-    _init_weight(module.weight, init_method)
-    module.bias = nn.Parameter(torch.zeros(local_out, dtype=dtype, device=device)) if bias else None
-    if module.bias is not None and module.sequence_parallel and parallel_mode == "row":
-        # as TE / Megatron: added to this rank's tokens only, so its grad is partial and the
-        # training loop all-reduces the grads of parameters marked `sequence_parallel`
-        module.bias.sequence_parallel = True
+    module.weight_names = [f"{stem}weight" for stem in stems]
+    module.bias_names = [f"{stem}bias" for stem in stems]
+    weights = torch.empty(sum(sizes), module._local_in, dtype=dtype, device=device)
+    biases = torch.zeros(sum(sizes), dtype=dtype, device=device) if bias else None
+    if len(sizes) > 1:
+        weights, biases = weights.split(sizes), biases.split(sizes) if bias else [None] * len(sizes)
+    else:
+        weights, biases = [weights], [biases]
+    for name, w in zip(module.weight_names, weights):  # TE's order: every weight, then every bias
+        setattr(module, name, nn.Parameter(w))
+        _init_weight(getattr(module, name), init_method)
+    for name, b in zip(module.bias_names, biases):
+        setattr(module, name, nn.Parameter(b) if bias else None)
+        if bias and module.sequence_parallel and parallel_mode == "row":
+            # as TE / Megatron: added to this rank's tokens only, so its grad is partial and the
+            # training loop all-reduces the grads of parameters marked `sequence_parallel`
+            getattr(module, name).sequence_parallel = True
+    module.parameter_split_sizes = sizes
+    if len(sizes) > 1:
+        module._register_load_state_dict_pre_hook(_split_fused_keys, with_module=True)
+
+
+def _split_fused_keys(module, state_dict, prefix, *args):
+    """A checkpoint of the unsplit module (one `weight` / `bias`) loads into the split one."""
+    for fused, names in (("weight", module.weight_names), ("bias", module.bias_names)):
+        t = state_dict.get(prefix + fused)
+        if t is not None and prefix + names[0] not in state_dict:
+            del state_dict[prefix + fused]
+            state_dict.update({prefix + n: part for n, part in zip(names, t.split(module.parameter_split_sizes))})
 
 
 class ParallelLinearMixin:
@@ -49,19 +111,35 @@ class ParallelLinearMixin:
     `init_parallel_linear` made; a row parallel output is reduced, then the bias added once."""
 
     def gemm_weights(self):
-        return [(self.gemm, self.weight)]
+        return [(self.gemm, self.gemm_weight())]
 
-    def _tp_plan(self):
+    def gemm_weight(self) -> torch.Tensor:
+        """The GEMM's weight: the parameter, or the split parameters concatenated."""
+        if len(self.weight_names) == 1:
+            return getattr(self, self.weight_names[0])
+        return torch.cat([getattr(self, n) for n in self.weight_names])
+
+    def gemm_weight_shapes(self) -> tuple:
+        parts = [getattr(self, n).shape for n in self.weight_names]
+        return ((sum(p[0] for p in parts), parts[0][1]),)
+
+    def gemm_bias(self) -> Optional[torch.Tensor]:
+        """The bias (None without one), the split parameters concatenated."""
+        if len(self.bias_names) == 1 or getattr(self, self.bias_names[0]) is None:
+            return getattr(self, self.bias_names[0])
+        return torch.cat([getattr(self, n) for n in self.bias_names])
+
+    def _tp_plan(self, bias):
         """(TP group name or None when nothing is communicated, row parallel?, bias the GEMM adds)."""
         group = self._tp_group_name if self.parallel_mode is not None and self.tp_size > 1 else None
         row = self.parallel_mode == "row" and group is not None
-        return group, row, None if (self.return_bias or row) else self.bias
+        return group, row, None if (self.return_bias or row) else bias
 
-    def _reduce_row_output(self, out, group, row: bool):
+    def _reduce_row_output(self, out, group, row: bool, bias):
         if not row:
             return out
         return _tp.reduce_row_parallel_output(out, group, self.tp_size, self.sequence_parallel,
-                                              None if self.return_bias else self.bias)
+                                              None if self.return_bias else bias)
 
 
 class Linear(FP8StateCheckpoint, ParallelLinearMixin, TransformerEngineBaseModule):
@@ -113,16 +191,21 @@ class Linear(FP8StateCheckpoint, ParallelLinearMixin, TransformerEngineBaseModul
         How the weight is split over `tp_group` (above); None: not split, no communication.
     sequence_parallel : bool, default = False
         Shard dim 0 of the input / output too (above); needs `parallel_mode` when `tp_size > 1`.
+    parameters_split : dict or tuple of str, default = None
+        TE's: expose the weight's output rows as separate parameters, `{"query": rows, ...}` or
+        names for equal parts: `query_weight`, ..., then `query_bias`, ... (no `weight` /
+        `bias`); the GEMM runs on them concatenated (a copy of the weight per forward in eager).
+        Not with `fuse_wgrad_accumulation`, `quantized_model_init` or FSDP2's quantized
+        all-gather.
 
-    Other keywords of TE's (`parameters_split`, `ub_*`, `get_rng_state_tracker`, ...) are a
-    `TypeError`."""
+    Other keywords of TE's (`ub_*`, `get_rng_state_tracker`, ...) are a `TypeError`."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  params_dtype: Optional[torch.dtype] = None, device=None, init_method=None,
                  fuse_wgrad_accumulation: bool = False, save_original_input: bool = False,
                  return_bias: bool = False, name: Optional[str] = None,
                  tp_group=None, tp_size: Optional[int] = None, parallel_mode: Optional[str] = None,
-                 sequence_parallel: bool = False, **unsupported):
+                 sequence_parallel: bool = False, parameters_split=None, **unsupported):
         super().__init__(name)
         if unsupported:
             raise TypeError(f"Linear: unsupported arguments {sorted(unsupported)}")
@@ -132,8 +215,10 @@ class Linear(FP8StateCheckpoint, ParallelLinearMixin, TransformerEngineBaseModul
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.save_original_input = save_original_input
         self.return_bias = return_bias
+        check_split_args(self.name, parameters_split, fuse_wgrad_accumulation)
         init_parallel_linear(self, in_features, out_features, bias, tp_group, tp_size, parallel_mode,
-                             sequence_parallel, params_dtype or torch.get_default_dtype(), device, init_method)
+                             sequence_parallel, params_dtype or torch.get_default_dtype(), device, init_method,
+                             parameters_split=parameters_split)
         self.gemm = QuantizedGemm(device)
         quantize_new_weights(self)  # inside quantized_model_init: weights stored quantized
 
@@ -153,22 +238,24 @@ class Linear(FP8StateCheckpoint, ParallelLinearMixin, TransformerEngineBaseModul
             weight stored quantized (`quantized_model_init`, FSDP2 quantized all-gather).
         """
         self._check_input(inp, self._local_in)
-        group, row, bias = self._tp_plan()
+        weight, bias = self.gemm_weight(), self.gemm_bias()
+        group, row, gemm_bias = self._tp_plan(bias)
         sequence_gather = None  # column + SP: the GEMM all-gathers the shard (quantized where it can)
         if group is not None and self.parallel_mode == "column":
             if self.sequence_parallel:
                 sequence_gather = (group, self.tp_size)
             else:
                 inp = _tp.copy_to_tp_region(inp, group)
-        out = self.gemm(inp, self.weight, bias, is_first_microbatch=is_first_microbatch,
+        out = self.gemm(inp, weight, gemm_bias, is_first_microbatch=is_first_microbatch,
                         save_original_input=self.save_original_input,
                         fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, sequence_gather=sequence_gather)
-        out = self._reduce_row_output(out, group, row)
+        out = self._reduce_row_output(out, group, row, bias)
         if self.return_bias:
-            return out, self.bias
+            return out, bias
         return out
 
     def extra_repr(self) -> str:
         tp = f", parallel_mode={self.parallel_mode!r}, tp_size={self.tp_size}" if self.parallel_mode else ""
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={getattr(self, self.bias_names[0]) is not None}, "
                 f"name={self.name!r}{tp}")

@@ -4,16 +4,19 @@ QKV and the output projection are our quantized `LayerNormLinear` / `Linear`, so
 applies to them; attention itself runs in high precision (`DotProductAttention`), so forward
 refuses a recipe with `fp8_dpa` / `fp8_mha` set before any projection runs.
 
-Submodules: `qkv` (self attention: one fused GEMM to h*d + 2*g*d features, a LayerNormLinear with
-`input_layernorm=True`, else a Linear) or `query` + `key_value` (cross attention: the query from
-`hidden_states`, keys and values from `encoder_output`), `core_attention`, `proj`.
+Submodules, TE's names: self attention projects to h*d + 2*g*d features in one GEMM,
+`layernorm_qkv` (a LayerNormLinear, with `input_layernorm=True`) or `qkv` (a Linear); cross
+attention takes the query from `hidden_states` (`layernorm_query` or `query_layer`) and keys and
+values from `encoder_output` (`key_value`); then `core_attention` and `proj`.
 
-The fused QKV weight's rows: with `qkv_weight_interleaved=True` (TE's default) grouped per KV
-head, [g, h/g + 2, d] (the h/g query heads of a group, then its key, then its value); with
-False, [Q (h*d); K (g*d); V (g*d)]. `fuse_qkv_params` is accepted for TE compatibility: the QKV
-weight is always one parameter here. Tensor parallel (`set_parallel_mode=True`, tp_size > 1):
-QKV column-parallel, proj row-parallel, each rank computing h/tp query and g/tp KV heads; the
-interleaved layout shards as a contiguous chunk, the other as the rank's chunk of each of Q, K, V.
+QKV parameters as TE exposes them: with `fuse_qkv_params=True` one `weight` (and `bias`) whose
+rows, with `qkv_weight_interleaved=True`, are grouped per KV head, [g, h/g + 2, d] (the h/g query
+heads of a group, then its key, then its value), else [Q (h*d); K (g*d); V (g*d)]. With
+`fuse_qkv_params=False` (TE's default) `query_weight`, `key_weight`, `value_weight` (and biases),
+rows [Q; K; V] (interleaving is off, as in TE); the GEMM runs on them concatenated. Tensor
+parallel (`set_parallel_mode=True`, tp_size > 1): QKV column-parallel, proj row-parallel, each
+rank computing h/tp query and g/tp KV heads; the interleaved layout shards as a contiguous chunk,
+the other as the rank's chunk of each of Q, K, V.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import torch.distributed as dist
 
 from ..errors import raise_error, shape_str
 from .attention import DotProductAttention, check_no_fp8_attention
-from .base import TransformerEngineBaseModule
+from .base import TransformerEngineBaseModule, rename_state_dict_keys
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
 from .rope import apply_rotary_pos_emb
@@ -87,17 +90,20 @@ class MultiheadAttention(TransformerEngineBaseModule):
     input_layernorm : bool, default = False
         Normalize the input inside the QKV (self) or query (cross) projection, a `LayerNormLinear`.
     attention_type : {"self", "cross"}, default = "self"
-        Cross attention takes keys and values from forward's `encoder_output` (submodules `query`
-        and `key_value` instead of `qkv`).
+        Cross attention takes keys and values from forward's `encoder_output` (submodules
+        `layernorm_query` / `query_layer` and `key_value` instead of `layernorm_qkv` / `qkv`).
     set_parallel_mode : bool, default = False
         Column-parallel QKV and row-parallel output projection; required when the TP size is
         above 1 (a `ValueError` otherwise).
     fuse_qkv_params : bool, default = False
-        Accepted: the QKV weight is one parameter either way.
+        One fused QKV `weight` parameter (True), or TE's separate `query_weight` / `key_weight` /
+        `value_weight` (False; also forces `qkv_weight_interleaved=False`, as TE). False is not
+        possible with `fuse_wgrad_accumulation` or `quantized_model_init` (as in TE).
     zero_centered_gamma : bool, default = False
         The input norm's gamma is zero-centered (scaled by `1 + gamma`).
     qkv_weight_interleaved : bool, default = True
-        Row layout of the fused QKV (and key/value) weight: grouped per KV head, or Q; K; V (above).
+        Row layout of the fused QKV (and key/value) weight: grouped per KV head, or Q; K; V (above);
+        only with `fuse_qkv_params=True`.
     rotary_pos_interleaved : bool, default = False
         RoPE rotates adjacent channel pairs (GPT-J) instead of the two halves (GPT-NeoX / Llama).
     ub_overlap_ag, ub_overlap_rs, ub_overlap_rs_dgrad, ub_bulk_dgrad, ub_bulk_wgrad : bool, default = False
@@ -112,8 +118,9 @@ class MultiheadAttention(TransformerEngineBaseModule):
     qkv_format : {"sbhd", "bshd", "thd"}, default = "sbhd"
         Layout of `hidden_states` (above).
     name : str, default = None
-        The layer's name in the debug tools' configs (its projections are `<name>.qkv`, ...);
-        None gives `multihead_attention_<n>`.
+        The layer's name in the debug tools' configs; its projections are TE's
+        `<name>.layernorm_linear_qkv` / `.linear_qkv`, `.layernorm_linear_q` / `.linear_q`,
+        `.linear_kv` and `.proj`. None gives `multihead_attention_<n>`.
     qk_norm_type : str, default = None
         Only None: normalizing Q and K is not supported (`NotImplementedError` otherwise).
     qk_norm_eps : float, default = 1e-6
@@ -179,6 +186,8 @@ class MultiheadAttention(TransformerEngineBaseModule):
         self.hidden_size, self.num_attention_heads, self.kv_channels = hidden_size, num_attention_heads, kv_channels
         self.num_gqa_groups = self.core_attention.num_gqa_groups
         self.attention_type, self.qkv_format, self.input_layernorm = attention_type, qkv_format, input_layernorm
+        if not fuse_qkv_params:
+            qkv_weight_interleaved = False  # TE: separate Q, K, V parameters are [Q; K; V]
         self.qkv_weight_interleaved, self.rotary_pos_interleaved = qkv_weight_interleaved, rotary_pos_interleaved
         self.fuse_qkv_params, self.layer_number = fuse_qkv_params, layer_number
         self.return_bias, self.return_layernorm_output = return_bias, return_layernorm_output and input_layernorm
@@ -186,28 +195,54 @@ class MultiheadAttention(TransformerEngineBaseModule):
         self.groups_local = self.core_attention.groups_per_partition
         h, g, d = num_attention_heads, self.num_gqa_groups, kv_channels
         common = dict(params_dtype=params_dtype, device=device, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-                      tp_group=tp_group, tp_size=tp_size, sequence_parallel=sequence_parallel)
-        column = "column" if tp > 1 else None
+                      tp_group=tp_group, tp_size=tp_size, sequence_parallel=sequence_parallel, bias=bias,
+                      init_method=init_method, parallel_mode="column" if tp > 1 else None)
         ln = dict(eps=layernorm_epsilon, normalization=normalization, zero_centered_gamma=zero_centered_gamma,
                   return_layernorm_output=self.return_layernorm_output)
 
-        def _in_proj(out_features, suffix):
-            if input_layernorm:
-                return LayerNormLinear(hidden_size, out_features, bias=bias, init_method=init_method,
-                                       parallel_mode=column, name=f"{self.name}.{suffix}", **ln, **common)
-            return Linear(hidden_size, out_features, bias, init_method=init_method, parallel_mode=column,
-                          name=f"{self.name}.{suffix}", **common)
+        def split(*parts):  # TE's separate parameters without fuse_qkv_params
+            return None if fuse_qkv_params else dict(parts)
 
+        if fuse_wgrad_accumulation and not fuse_qkv_params:
+            raise ValueError(f"{who}: fuse_wgrad_accumulation=True needs fuse_qkv_params=True (one QKV weight "
+                             "parameter), as in TE")
         if attention_type == "self":
-            self.qkv = _in_proj((h + 2 * g) * d, "qkv")
+            qkv_split = split(("query", h * d), ("key", g * d), ("value", g * d))
+            if input_layernorm:
+                self.layernorm_qkv = LayerNormLinear(hidden_size, (h + 2 * g) * d, parameters_split=qkv_split,
+                                                     name=f"{self.name}.layernorm_linear_qkv", **ln, **common)
+            else:
+                self.qkv = Linear(hidden_size, (h + 2 * g) * d, parameters_split=qkv_split,
+                                  name=f"{self.name}.linear_qkv", **common)
         else:
-            self.query = _in_proj(h * d, "query")
-            self.key_value = Linear(hidden_size, 2 * g * d, bias, init_method=init_method, parallel_mode=column,
-                                    name=f"{self.name}.key_value", **common)
-        self.proj = Linear(h * d, hidden_size, bias, init_method=output_layer_init_method or init_method,
-                           parallel_mode="row" if tp > 1 else None, return_bias=return_bias,
-                           name=f"{self.name}.proj", **common)
+            if input_layernorm:
+                self.layernorm_query = LayerNormLinear(hidden_size, h * d, parameters_split=split(("query", h * d)),
+                                                       name=f"{self.name}.layernorm_linear_q", **ln, **common)
+            else:
+                self.query_layer = Linear(hidden_size, h * d, name=f"{self.name}.linear_q", **common)
+            self.key_value = Linear(hidden_size, 2 * g * d, parameters_split=split(("key", g * d), ("value", g * d)),
+                                    name=f"{self.name}.linear_kv", **common)
+        proj_common = dict(common, init_method=output_layer_init_method or init_method,
+                           parallel_mode="row" if tp > 1 else None)
+        self.proj = Linear(h * d, hidden_size, return_bias=return_bias, name=f"{self.name}.proj", **proj_common)
         self.tp_size, self.sequence_parallel = self.proj.tp_size, self.proj.sequence_parallel
+        self._register_load_state_dict_pre_hook(self._rename_old_keys)
+
+    @property
+    def qkv_linear(self):
+        """The module projecting `hidden_states`: `layernorm_qkv` / `qkv` (self attention) or
+        `layernorm_query` / `query_layer` (cross attention)."""
+        return getattr(self, self._qkv_linear_name())
+
+    def _qkv_linear_name(self) -> str:
+        if self.attention_type == "self":
+            return "layernorm_qkv" if self.input_layernorm else "qkv"
+        return "layernorm_query" if self.input_layernorm else "query_layer"
+
+    def _rename_old_keys(self, state_dict, prefix, *args):
+        """Checkpoints written before the projections took TE's names had `qkv.` / `query.`."""
+        old = "qkv." if self.attention_type == "self" else "query."
+        rename_state_dict_keys(state_dict, prefix, {old: self._qkv_linear_name() + "."})
 
     def _split_qkv(self, qkv: torch.Tensor):
         lead, hl, gl, d = qkv.shape[:-1], self.heads_local, self.groups_local, self.kv_channels
@@ -282,7 +317,7 @@ class MultiheadAttention(TransformerEngineBaseModule):
         if self.attention_type == "self":
             if encoder_output is not None:
                 raise_error(ValueError, f"{who}: encoder_output is only used with attention_type='cross'")
-            qkv = self.qkv(hidden_states, **mb)
+            qkv = self.qkv_linear(hidden_states, **mb)
             if self.return_layernorm_output:
                 qkv, ln_out = qkv
             q, k, v = self._split_qkv(qkv)
@@ -290,7 +325,7 @@ class MultiheadAttention(TransformerEngineBaseModule):
             if encoder_output is None:
                 raise_error(ValueError, f"{who}: attention_type='cross' needs encoder_output")
             self._check_input(encoder_output, self.hidden_size, "encoder_output")
-            q = self.query(hidden_states, **mb)
+            q = self.qkv_linear(hidden_states, **mb)
             if self.return_layernorm_output:
                 q, ln_out = q
             q = q.view(*q.shape[:-1], self.heads_local, self.kv_channels)

@@ -10,69 +10,66 @@ from ..autocast import get_fp8_recipe_key
 from ..capabilities import default_device
 from ..custom_ops.norm import NORMALIZATIONS, norm, norm_quantize
 from ..distributed import tp as _tp
-from .base import TransformerEngineBaseModule
+from .base import TransformerEngineBaseModule, rename_state_dict_keys
 from .fp8_state import FP8StateCheckpoint
 
-__all__ = ["LayerNorm", "RMSNorm", "NormParams", "NormFusedModule", "init_norm_parameters"]
+__all__ = ["LayerNorm", "RMSNorm", "NormFusedModule", "init_norm_parameters"]
 
 
 def init_norm_parameters(module: nn.Module, hidden_size: int, normalization: str, eps: float,
-                         zero_centered_gamma: bool, dtype: torch.dtype, device=None) -> None:
-    """Set normalization / eps / zero_centered_gamma and register TE's `weight` (gamma) and, for
-    LayerNorm, `bias` (beta) on `module`."""
+                         zero_centered_gamma: bool, dtype: torch.dtype, device=None, prefix: str = "") -> None:
+    """Set normalization / eps / zero_centered_gamma and register TE's `<prefix>weight` (gamma)
+    and, for LayerNorm, `<prefix>bias` (beta; None for RMSNorm) on `module`."""
     if normalization not in NORMALIZATIONS:
         raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
     module.normalization, module.eps, module.zero_centered_gamma = normalization, eps, zero_centered_gamma
     init, device = torch.zeros if zero_centered_gamma else torch.ones, default_device(device)
-    module.weight = nn.Parameter(init(hidden_size, dtype=dtype, device=device))
-    module.bias = (nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
-                   if normalization == "LayerNorm" else None)
-
-
-class NormParams(nn.Module):
-    """The gamma (and, for LayerNorm, beta) of a normalization; shared by the fused modules."""
-
-    def __init__(self, hidden_size: int, normalization: str, eps: float, zero_centered_gamma: bool,
-                 dtype: torch.dtype, device=None):
-        super().__init__()
-        init_norm_parameters(self, hidden_size, normalization, eps, zero_centered_gamma, dtype, device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return norm(x, self.weight, self.bias, self.eps, self.normalization, self.zero_centered_gamma)
-
-    def forward_quantized(self, x: torch.Tensor, columnwise: Optional[bool]):
-        """(norm output, its quantized buffers for the next GEMM), or no buffers when
-        `columnwise` is None (no stateless recipe active)."""
-        if columnwise is None:
-            return self(x), ()
-        return norm_quantize(x, self.weight, self.bias, self.eps, self.normalization,
-                             self.zero_centered_gamma, get_fp8_recipe_key(), columnwise)
+    setattr(module, prefix + "weight", nn.Parameter(init(hidden_size, dtype=dtype, device=device)))
+    setattr(module, prefix + "bias", nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
+            if normalization == "LayerNorm" else None)
 
 
 class NormFusedModule(FP8StateCheckpoint, TransformerEngineBaseModule):
-    """Base of LayerNormLinear / LayerNormMLP: TE's parameter names and output packing."""
+    """Base of LayerNormLinear / LayerNormMLP: the norm's parameters, TE's output packing.
 
-    norm: NormParams
+    The norm's gamma / beta are the module's own parameters `layer_norm_weight` /
+    `layer_norm_bias`, registered before the GEMMs' (call `_init_norm` first): TE's names and
+    order, which TE's tests and users rely on (`zip(module.parameters(), reference.parameters())`,
+    state-dict keys, assigning `module.layer_norm_weight = Parameter(...)`)."""
+
     return_bias: bool
     return_layernorm_output: bool
 
-    @property
-    def layer_norm_weight(self):
-        return self.norm.weight
+    def _init_norm(self, hidden_size: int, normalization: str, eps: float, zero_centered_gamma: bool,
+                   dtype: torch.dtype, device) -> None:
+        init_norm_parameters(self, hidden_size, normalization, eps, zero_centered_gamma, dtype, device,
+                             prefix="layer_norm_")
+        self._register_load_state_dict_pre_hook(_rename_norm_keys)
 
-    @property
-    def layer_norm_bias(self):
-        return self.norm.bias
+    def apply_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The module's norm of `x` (what it feeds the first GEMM)."""
+        return norm(x, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.normalization,
+                    self.zero_centered_gamma)
+
+    def _norm_params(self):
+        return [p for p in (self.layer_norm_weight, self.layer_norm_bias) if p is not None]
 
     def _norm_into_gemm(self, inp, gemm, weight, column_group: Optional[str]):
         """(norm output, the next GEMM's input, its quantized buffers, the GEMM's `sequence_gather`).
         With a column-parallel group: under sequence parallelism the GEMM all-gathers the norm's
         output shard (quantized where the recipe allows; the fused norm + quantize is skipped),
-        else an identity whose backward all-reduces dgrad."""
+        else an identity whose backward all-reduces dgrad. With a stateless recipe the norm and
+        the quantize of its output are one op (no buffers when `columnwise` is None)."""
         if column_group is not None and self.sequence_parallel:
-            ln_out = self.norm(inp)
+            ln_out = self.apply_norm(inp)
             return ln_out, ln_out, (), (column_group, self.tp_size)
-        ln_out, ln_q = self.norm.forward_quantized(inp, gemm.wants_quantized_input(weight, inp=inp))
+        columnwise = gemm.wants_quantized_input(weight, inp=inp)
+        if columnwise is None:
+            ln_out, ln_q = self.apply_norm(inp), ()
+        else:
+            ln_out, ln_q = norm_quantize(inp, self.layer_norm_weight, self.layer_norm_bias, self.eps,
+                                         self.normalization, self.zero_centered_gamma, get_fp8_recipe_key(),
+                                         columnwise)
         gemm_in = ln_out if column_group is None else _tp.copy_to_tp_region(ln_out, column_group)
         return ln_out, gemm_in, ln_q, None
 
@@ -84,6 +81,10 @@ class NormFusedModule(FP8StateCheckpoint, TransformerEngineBaseModule):
         if self.return_layernorm_output:
             outputs += (ln_out,)
         return outputs[0] if len(outputs) == 1 else outputs
+
+
+def _rename_norm_keys(state_dict, prefix, *args):
+    rename_state_dict_keys(state_dict, prefix, {"norm.weight": "layer_norm_weight", "norm.bias": "layer_norm_bias"})
 
 
 class _Norm(TransformerEngineBaseModule):

@@ -63,7 +63,11 @@ def quantize_new_weights(module: nn.Module) -> None:
     if not state.enabled:
         return
     for _, weight in module.gemm_weights():
-        name = next(n for n, p in module._parameters.items() if p is weight)
+        name = next((n for n, p in module._parameters.items() if p is weight), None)
+        if name is None:
+            raise RuntimeError(f"{module.name}: quantized_model_init cannot store a weight split into several "
+                               f"parameters ({', '.join(module.weight_names)}) quantized, as in TE: build it with "
+                               "parameters_split=None (fuse_qkv_params=True for attention)")
         setattr(module, name, _quantized_parameter(weight, state.recipe, state.preserve_high_precision_init_val,
                                                    module.name))
 

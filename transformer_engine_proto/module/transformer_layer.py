@@ -7,19 +7,24 @@ with `cu_seqlens_q` / `cu_seqlens_kv`. A Llama layer in one module:
 bias=False, self_attn_mask_type="causal", hidden_dropout=0, attention_dropout=0)` and
 `forward(x, rotary_pos_emb=RotaryPositionEmbedding(h // heads)(seq))`.
 
-Submodules and parameter names: `self_attention.qkv` (a LayerNormLinear: the input norm and the
-fused QKV GEMM, weight rows [Q (h*d); K (g*d); V (g*d)], i.e. MultiheadAttention's
-`qkv_weight_interleaved=False`), `self_attention.proj`, `mlp`. `layer.qkv` / `layer.proj` still
-name the two attention GEMM modules, and state dicts saved with the former top-level `qkv.` /
-`proj.` keys load (renamed on load).
+Submodules and parameter names are TE's: `self_attention` (a MultiheadAttention; its input norm
+and QKV GEMM are `self_attention.layernorm_qkv`, a LayerNormLinear, or `self_attention.qkv`, a
+Linear, with `output_layernorm`), `self_attention.proj`, `layernorm_mlp` and, with
+`output_layernorm`, `layernorm`. The QKV parameters follow `fuse_qkv_params` (TE's default False:
+`query_weight`, `key_weight`, `value_weight`; True: one `weight`, rows interleaved per KV group
+unless `qkv_weight_interleaved=False`). `layer.qkv` / `layer.proj` name the two attention GEMM
+modules; state dicts with older keys (top-level `qkv.` / `proj.`, `mlp.`, a norm at `norm.`, a
+fused QKV `weight` for the split parameters) load.
 
 Tensor parallelism (`tp_group` / `tp_size` / `sequence_parallel`, as TE): QKV is a column-parallel
 LayerNormLinear, the output projection a row-parallel Linear and the MLP fc1-column / fc2-row;
 each rank computes attention for num_attention_heads / tp_size heads (and num_gqa_groups /
-tp_size KV heads). The QKV weight's local shard holds this rank's heads of each of Q, K and V:
+tp_size KV heads). Each rank holds its chunk of `query_weight`, `key_weight` and `value_weight`;
+a fused non-interleaved QKV weight's local shard is
 `cat([part.chunk(tp)[r] for part in W.split([h*d, g*d, g*d])])` (the same rule as the gated MLP
-halves). With `sequence_parallel` the input and output are dim-0 shards (the sequence in "sbhd");
-norms, residuals and hidden dropout run on the shard (dropout RNG is not tracked across ranks here).
+halves), an interleaved one a contiguous chunk. With `sequence_parallel` the input and output are
+dim-0 shards (the sequence in "sbhd"); norms, residuals and hidden dropout run on the shard
+(dropout RNG is not tracked across ranks here).
 """
 from __future__ import annotations
 
@@ -31,18 +36,19 @@ import torch.nn.functional as F
 
 from ..errors import raise_error, shape_str
 from .attention import canonical_mask_type
-from .base import TransformerEngineBaseModule
+from .base import TransformerEngineBaseModule, rename_state_dict_keys
 from .layernorm_mlp import LayerNormMLP
 from .multihead_attention import MultiheadAttention
+from .normalization import LayerNorm, RMSNorm
 
 __all__ = ["TransformerLayer"]
 
 
 class TransformerLayer(TransformerEngineBaseModule):
     """Drop-in for `transformer_engine.pytorch.TransformerLayer` as an encoder layer:
-    x + drop(attn(norm(x))), then + drop(mlp(norm(.))), pre-norm as TE's default (see the module
-    docstring for submodules and tensor parallelism). Arguments after `num_attention_heads` are
-    keyword-only. The fused QKV weight's rows are [Q; K; V], not interleaved per head group.
+    x + drop(attn(norm(x))), then + drop(mlp(norm(.))), pre-norm as TE's default; the residual
+    variants below (see the module docstring for submodules and tensor parallelism). Arguments
+    after `num_attention_heads` are keyword-only.
 
     Parameters
     ----------
@@ -105,10 +111,25 @@ class TransformerLayer(TransformerEngineBaseModule):
         Shard dim 0 of the input and output across the TP ranks too.
     layer_type : {"encoder"}, default = "encoder"
         Only "encoder": "decoder" (a cross-attention block) is a `NotImplementedError`.
+    apply_residual_connection_post_layernorm : bool, default = False
+        The residual of each block is its norm's output instead of its input:
+        norm(x) + drop(attn(norm(x))) and likewise around the MLP (with `output_layernorm`, the
+        attention's residual stays x, as in TE, since it has no input norm).
+    output_layernorm : bool, default = False
+        Post-norm (BERT): the attention takes x unnormalized (QKV is a plain Linear) and a final
+        `layernorm` normalizes the output; the MLP keeps its input norm, as in TE.
+    parallel_attention_mlp : bool, default = False
+        Falcon's block: attention and MLP both read x, each through its own norm:
+        x + drop(attn(norm1(x)) + mlp(norm2(x))). Not with the two options above.
+    fuse_qkv_params : bool, default = False
+        One QKV `weight` parameter instead of TE's default `query_weight`, `key_weight`,
+        `value_weight` (module docstring); needed by `fuse_wgrad_accumulation` and
+        `quantized_model_init` (as in TE).
+    qkv_weight_interleaved : bool, default = True
+        With `fuse_qkv_params`: the fused QKV rows are grouped per KV head (else [Q; K; V]), as
+        `MultiheadAttention`'s; ignored without it.
 
-    TE's other keywords (`apply_residual_connection_post_layernorm`, `output_layernorm`,
-    `drop_path_rate`, `set_parallel_mode`, `fuse_qkv_params`, `qkv_weight_interleaved`, `ub_*`,
-    ...) are a `TypeError`."""
+    TE's other keywords (`drop_path_rate`, `set_parallel_mode`, `ub_*`, ...) are a `TypeError`."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int, *,
                  num_gqa_groups: Optional[int] = None, layernorm_epsilon: float = 1e-5, hidden_dropout: float = 0.1,
@@ -120,45 +141,71 @@ class TransformerLayer(TransformerEngineBaseModule):
                  rotary_pos_interleaved: bool = False, zero_centered_gamma: bool = False,
                  params_dtype: Optional[torch.dtype] = None, device=None, fuse_wgrad_accumulation: bool = False,
                  name: Optional[str] = None, tp_group=None, tp_size: Optional[int] = None,
-                 sequence_parallel: bool = False, layer_type: str = "encoder"):
+                 sequence_parallel: bool = False, layer_type: str = "encoder",
+                 apply_residual_connection_post_layernorm: bool = False, output_layernorm: bool = False,
+                 parallel_attention_mlp: bool = False, fuse_qkv_params: bool = False,
+                 qkv_weight_interleaved: bool = True):
         super().__init__(name)
+        who = f"TransformerLayer {self.name}"
+        flags = dict(apply_residual_connection_post_layernorm=apply_residual_connection_post_layernorm,
+                     output_layernorm=output_layernorm, parallel_attention_mlp=parallel_attention_mlp,
+                     fuse_qkv_params=fuse_qkv_params, qkv_weight_interleaved=qkv_weight_interleaved)
+        for arg, value in flags.items():
+            if not isinstance(value, bool):
+                raise TypeError(f"{who}: {arg} must be a bool, got {value!r}")
+        if parallel_attention_mlp and (apply_residual_connection_post_layernorm or output_layernorm):
+            raise ValueError(f"{who}: parallel_attention_mlp=True does not go with "
+                             "apply_residual_connection_post_layernorm or output_layernorm (as in TE)")
+        if fuse_wgrad_accumulation and not fuse_qkv_params:
+            raise ValueError(f"{who}: fuse_wgrad_accumulation=True needs fuse_qkv_params=True (one QKV weight "
+                             "parameter), as in TE")
         if layer_type != "encoder":
             raise NotImplementedError(f"{self.name}: layer_type={layer_type!r} is not supported (only 'encoder': "
                                       "no cross-attention block; build one from te.MultiheadAttention)")
         if kv_channels is None and hidden_size % num_attention_heads:
-            raise ValueError(f"hidden_size {hidden_size} is not divisible by num_attention_heads {num_attention_heads}")
+            raise ValueError(f"{who}: hidden_size {hidden_size} is not divisible by num_attention_heads "
+                             f"{num_attention_heads}")
         want = dist.get_world_size(tp_group) if tp_group is not None else (tp_size or 1)
         if isinstance(want, int) and want > 1 and num_attention_heads % want:
             raise ValueError(f"{self.name}: num_attention_heads={num_attention_heads} is not divisible by "
                              f"tp_size={want} (heads are split across tensor-parallel ranks)")
         self_attn_mask_type = canonical_mask_type(f"TransformerLayer {self.name}", self_attn_mask_type)
         if attn_input_format not in ("sbhd", "bshd", "thd"):
-            raise ValueError(f"attn_input_format must be 'sbhd', 'bshd' or 'thd', got {attn_input_format!r}")
+            raise ValueError(f"{who}: attn_input_format must be 'sbhd', 'bshd' or 'thd', got {attn_input_format!r}")
         self.hidden_size, self.num_heads = hidden_size, num_attention_heads
         self.self_attn_mask_type, self.attn_input_format = self_attn_mask_type, attn_input_format
         self.hidden_dropout, self.attention_dropout = hidden_dropout, attention_dropout
+        self.apply_residual_connection_post_layernorm = apply_residual_connection_post_layernorm
+        self.output_layernorm, self.parallel_attention_mlp = output_layernorm, parallel_attention_mlp
         common = dict(params_dtype=params_dtype, device=device, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-                      tp_group=tp_group, tp_size=tp_size, sequence_parallel=sequence_parallel)
+                      tp_group=tp_group, tp_size=tp_size, sequence_parallel=sequence_parallel,
+                      zero_centered_gamma=zero_centered_gamma, normalization=normalization,
+                      init_method=init_method, output_layer_init_method=output_layer_init_method,
+                      return_layernorm_output=apply_residual_connection_post_layernorm)
         self.self_attention = MultiheadAttention(
-            hidden_size, num_attention_heads, kv_channels, attention_dropout, layernorm_epsilon, init_method,
-            output_layer_init_method, layer_number, self_attn_mask_type, window_size, bottom_right_diagonal,
-            num_gqa_groups=num_gqa_groups, input_layernorm=True, set_parallel_mode=True,
-            qkv_weight_interleaved=False, rotary_pos_interleaved=rotary_pos_interleaved, bias=bias,
-            normalization=normalization, zero_centered_gamma=zero_centered_gamma, qkv_format=attn_input_format,
-            name=f"{self.name}.self_attention", **common)
-        self.mlp = LayerNormMLP(hidden_size, ffn_hidden_size, layernorm_epsilon, bias,
-                                normalization=normalization, activation=activation, init_method=init_method,
-                                output_layer_init_method=output_layer_init_method,
-                                zero_centered_gamma=zero_centered_gamma, name=f"{self.name}.mlp", **common)
+            hidden_size, num_attention_heads, kv_channels, attention_dropout, layernorm_epsilon,
+            layer_number=layer_number, attn_mask_type=self_attn_mask_type, window_size=window_size,
+            bottom_right_diagonal=bottom_right_diagonal, num_gqa_groups=num_gqa_groups,
+            input_layernorm=not output_layernorm, set_parallel_mode=True, fuse_qkv_params=fuse_qkv_params,
+            qkv_weight_interleaved=qkv_weight_interleaved, rotary_pos_interleaved=rotary_pos_interleaved,
+            bias=bias, qkv_format=attn_input_format, name=f"{self.name}.self_attention", **common)
+        self.layernorm_mlp = LayerNormMLP(hidden_size, ffn_hidden_size, layernorm_epsilon, bias,
+                                          activation=activation, name=f"{self.name}.layernorm_mlp", **common)
         self.tp_size = self.self_attention.tp_size
         self.sequence_parallel = self.self_attention.sequence_parallel
+        if output_layernorm:
+            norm = RMSNorm if normalization == "RMSNorm" else LayerNorm
+            self.layernorm = norm(hidden_size, layernorm_epsilon, zero_centered_gamma=zero_centered_gamma,
+                                  params_dtype=params_dtype, device=device, name=f"{self.name}.layernorm")
+            for p in self.layernorm.parameters() if self.sequence_parallel else ():
+                p.sequence_parallel = True  # TE's LayerNorm(sequence_parallel=True): partial grads
         self.local_heads = self.self_attention.heads_local
         self.local_hidden = self.local_heads * self.self_attention.kv_channels
-        self._register_load_state_dict_pre_hook(_rename_old_attention_keys)
+        self._register_load_state_dict_pre_hook(_rename_old_keys)
 
     @property
     def qkv(self):
-        return self.self_attention.qkv
+        return self.self_attention.qkv_linear
 
     @property
     def proj(self):
@@ -216,7 +263,7 @@ class TransformerLayer(TransformerEngineBaseModule):
         if encoder_output is not None or enc_dec_attn_mask is not None:
             raise_error(ValueError, f"{self.name}: encoder_output / enc_dec_attn_mask need layer_type='decoder' "
                                     "(not supported)")
-        drop = self.hidden_dropout if self.training else 0.0
+        mb = dict(is_first_microbatch=is_first_microbatch)
         attn = self.self_attention(
             hidden_states, attention_mask=attention_mask, attn_mask_type=self_attn_mask_type, window_size=window_size,
             bottom_right_diagonal=bottom_right_diagonal, is_first_microbatch=is_first_microbatch,
@@ -226,11 +273,23 @@ class TransformerLayer(TransformerEngineBaseModule):
             cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
             cu_seqlens_kv_padded=cu_seqlens_kv_padded, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
             fast_zero_fill=fast_zero_fill, pad_between_seqs=pad_between_seqs)
-        x = hidden_states + F.dropout(attn, drop, self.training)
-        return x + F.dropout(self.mlp(x, is_first_microbatch=is_first_microbatch), drop, self.training)
+        residual = hidden_states
+        if isinstance(attn, tuple):  # apply_residual_connection_post_layernorm with the input norm
+            attn, residual = attn
+        if self.parallel_attention_mlp:
+            return hidden_states + self._dropout(attn + self.layernorm_mlp(hidden_states, **mb))
+        x = residual + self._dropout(attn)
+        mlp, residual = self.layernorm_mlp(x, **mb), x
+        if isinstance(mlp, tuple):
+            mlp, residual = mlp
+        out = residual + self._dropout(mlp)
+        return self.layernorm(out) if self.output_layernorm else out
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, self.hidden_dropout, self.training)
 
 
-def _rename_old_attention_keys(state_dict, prefix, *args):
-    """State dicts from before the MultiheadAttention rebuild kept QKV / proj at `qkv.` / `proj.`."""
-    for key in [k for k in state_dict if k.startswith((prefix + "qkv.", prefix + "proj."))]:
-        state_dict[prefix + "self_attention." + key[len(prefix):]] = state_dict.pop(key)
+def _rename_old_keys(state_dict, prefix, *args):
+    """Older state dicts kept QKV / proj at top-level `qkv.` / `proj.` and the MLP at `mlp.`."""
+    rename_state_dict_keys(state_dict, prefix, {"qkv.": "self_attention.qkv.", "proj.": "self_attention.proj.",
+                                                "mlp.": "layernorm_mlp."})
