@@ -158,3 +158,55 @@ def test_layernorm_mlp_checkpoint_compiled_matches_eager(backend, rid):
 def test_layernorm_mlp_checkpoint_must_be_a_bool():
     with pytest.raises(TypeError, match=r"LayerNormMLP .*checkpoint must be a bool"):
         te.LayerNormMLP(16, 32, checkpoint="yes")
+
+
+# ---- LayerNormMLP's clamped_swiglu and TE's activation_params -------------------------------------------
+
+def _torch_clamped_swiglu_mlp(m, x, limit, alpha, offset):
+    """LayerNormMLP(activation="clamped_swiglu") written out in plain torch, TE's formula."""
+    h = F.layer_norm(x, (x.shape[-1],), m.layer_norm_weight, m.layer_norm_bias, m.eps)
+    h = F.linear(h, m.fc1_weight, m.fc1_bias)
+    gate, linear = h.chunk(2, -1)
+    gate = gate.clamp(max=limit)
+    h = gate * torch.sigmoid(alpha * gate) * (linear.clamp(-limit, limit) + offset)
+    return F.linear(h, m.fc2_weight, m.fc2_bias)
+
+
+@pytest.mark.parametrize("params,expect", [(None, (7.0, 1.702, 1.0)),
+                                           ({"limit": 0.5, "alpha": 2.0, "glu_linear_offset": 0.0}, (0.5, 2.0, 0.0))])
+def test_layernorm_mlp_clamped_swiglu_is_tes_formula(params, expect):
+    torch.manual_seed(0)
+    m = te.LayerNormMLP(32, 48, activation="clamped_swiglu", activation_params=params, device="cpu")
+    _randomize(m)
+    x = torch.randn(8, 32) * 3  # values past the clamp
+    torch.testing.assert_close(m(x), _torch_clamped_swiglu_mlp(m, x, *expect), rtol=1e-5, atol=1e-5)
+    assert m.fc1_weight.shape == (96, 32)  # gated: fc1 twice the ffn width
+
+
+@pytest.mark.parametrize("backend,rid", backend_params(["current"], ci=("current",)))
+def test_layernorm_mlp_clamped_swiglu_compiled_matches_eager(backend, rid):
+    fresh_dynamo()
+    torch.manual_seed(0)
+    eager_m = te.LayerNormMLP(32, 64, activation="clamped_swiglu", activation_params={"limit": 1.0}, device="cpu")
+    compiled = compile_for(eager_m, backend)
+    x, g = torch.randn(16, 2, 32) * 2, torch.randn(16, 2, 32)
+    for step in range(2):
+        want, got = _run(eager_m, x, g, RECIPES[rid]), _run(compiled, x, g, RECIPES[rid])
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert_matches_eager(a, b, backend, f"step {step} tensor {i}")
+    assert graph_breaks() == 0
+
+
+def test_layernorm_mlp_activation_params_errors_name_the_problem():
+    with pytest.raises(ValueError, match=r"activation_params apply to activation='clamped_swiglu' only"):
+        te.LayerNormMLP(16, 32, activation="gelu", activation_params={"limit": 1.0}, device="cpu")
+    with pytest.raises(ValueError, match=r"unknown activation_params \['beta'\]"):
+        te.LayerNormMLP(16, 32, activation="clamped_swiglu", activation_params={"beta": 1.0}, device="cpu")
+    te.LayerNormMLP(16, 32, activation="gelu", activation_params=None, device="cpu")  # TE's tests pass None
+
+
+def test_transformer_layer_hands_activation_params_to_its_mlp():
+    layer = te.TransformerLayer(32, 64, 4, activation="clamped_swiglu", activation_params={"limit": 3.0}, device="cpu")
+    assert layer.layernorm_mlp.activation_params == {"limit": 3.0}
+    with pytest.raises(ValueError, match=r"activation_params apply to activation='clamped_swiglu' only"):
+        te.TransformerLayer(32, 64, 4, activation="gelu", activation_params={"limit": 3.0}, device="cpu")

@@ -1,6 +1,7 @@
 """`LayerNormMLP`: norm -> fc1 -> activation -> fc2, both GEMMs quantized (TE's fused MLP)."""
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -10,6 +11,7 @@ from torch import nn
 
 from ..capabilities import default_device
 from ..distributed import tp as _tp
+from ..ops_api.activations import clamped_swiglu
 from ..recompute import checkpoint as _checkpoint
 from .linear import _init_weight
 from .normalization import NormFusedModule
@@ -53,7 +55,31 @@ ACTIVATIONS = {
     "qgeglu": (_glu(_qgelu), 2),
     "reglu": (_glu(F.relu), 2),
     "sreglu": (_glu(_srelu), 2),
+    "clamped_swiglu": (None, 2),  # its function takes `activation_params` (`_activation_fn`)
 }
+_CLAMPED_SWIGLU_PARAMS = {"limit": 7.0, "alpha": 1.702, "glu_linear_offset": 1.0}  # TE's defaults
+
+
+def _activation_fn(owner: str, activation: str, params: Optional[dict]):
+    """The activation as a function of fc1's output; `params` (TE's `activation_params`) are
+    `clamped_swiglu`'s limit / alpha / glu_linear_offset, and only its."""
+    if activation != "clamped_swiglu":
+        if params:
+            raise ValueError(f"LayerNormMLP {owner}: activation_params apply to activation='clamped_swiglu' "
+                             f"only, got {params!r} with activation={activation!r}")
+        return ACTIVATIONS[activation][0]
+    unknown = sorted(set(params or {}) - set(_CLAMPED_SWIGLU_PARAMS))
+    if unknown:
+        raise ValueError(f"LayerNormMLP {owner}: unknown activation_params {unknown} for clamped_swiglu "
+                         f"(known: {sorted(_CLAMPED_SWIGLU_PARAMS)})")
+    p = {**_CLAMPED_SWIGLU_PARAMS, **(params or {})}
+    return functools.partial(_clamped_swiglu, limit=float(p["limit"]), alpha=float(p["alpha"]),
+                             glu_linear_offset=float(p["glu_linear_offset"]))  # a partial: modules stay picklable
+
+
+def _clamped_swiglu(x, limit: float, alpha: float, glu_linear_offset: float):
+    a, b = x.chunk(2, -1)
+    return clamped_swiglu(a, b, limit, alpha, glu_linear_offset)
 
 
 class LayerNormMLP(NormFusedModule):
@@ -88,11 +114,14 @@ class LayerNormMLP(NormFusedModule):
         Learn fc1's and fc2's biases, initialized to zero.
     normalization : {"LayerNorm", "RMSNorm"}, default = "LayerNorm"
         The norm before fc1; RMSNorm has no bias.
-    activation : {"gelu", "qgelu", "relu", "srelu", "silu", "glu", "swiglu", "geglu", "qgeglu", "reglu", "sreglu"},
-        default = "gelu"
+    activation : {"gelu", "qgelu", "relu", "srelu", "silu", "glu", "swiglu", "geglu", "qgeglu", "reglu", "sreglu",
+        "clamped_swiglu"}, default = "gelu"
         Applied to fc1's output; gelu is the tanh approximation, as TE's. The gated ones split
-        fc1's output in two halves and return act(first) * second. Any other name (TE's
-        `clamped_swiglu`, ...) is a `ValueError`.
+        fc1's output in two halves and return act(first) * second; clamped_swiglu is GPT-OSS's
+        (`ops.ClampedSwiGLU`). Any other name is a `ValueError`.
+    activation_params : dict, default = None
+        clamped_swiglu's `limit` (7.0), `alpha` (1.702) and `glu_linear_offset` (1.0), as TE's;
+        with another activation, or with another key, a `ValueError`.
     return_layernorm_output : bool, default = False
         Also return the norm's output (last in the returned tuple).
     zero_centered_gamma : bool, default = False
@@ -130,11 +159,10 @@ class LayerNormMLP(NormFusedModule):
         (with the forward's scales, as `te.checkpoint`), trading compute for memory; outputs and
         gradients equal those without it. TE's recompute skips fc2's forward, this one does not.
 
-    TE's other keywords (`activation_params`, `delay_wgrad_compute`, `ub_*`, ...) are a
-    `TypeError`."""
+    TE's other keywords (`delay_wgrad_compute`, `ub_*`, ...) are a `TypeError`."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5, bias: bool = True, *,
-                 normalization: str = "LayerNorm", activation: str = "gelu",
+                 normalization: str = "LayerNorm", activation: str = "gelu", activation_params: Optional[dict] = None,
                  return_layernorm_output: bool = False, zero_centered_gamma: bool = False,
                  params_dtype: Optional[torch.dtype] = None, device=None, init_method=None,
                  output_layer_init_method=None, fuse_wgrad_accumulation: bool = False,
@@ -145,6 +173,8 @@ class LayerNormMLP(NormFusedModule):
         if activation not in ACTIVATIONS:
             raise ValueError(f"LayerNormMLP {self.name}: activation must be one of {sorted(ACTIVATIONS)}, "
                              f"got {activation!r}")
+        self.activation_params = activation_params
+        self._act = _activation_fn(self.name, activation, activation_params)
         if not isinstance(checkpoint, bool):
             raise TypeError(f"LayerNormMLP {self.name}: checkpoint must be a bool, got {checkpoint!r}")
         self.checkpoint = checkpoint
@@ -223,7 +253,7 @@ class LayerNormMLP(NormFusedModule):
         ln_out, fc1_in, ln_q, seq = self._norm_into_gemm(inp, self.fc1, self.fc1_weight, group)
         kw = dict(is_first_microbatch=is_first_microbatch, fuse_wgrad_accumulation=self.fuse_wgrad_accumulation)
         h = self.fc1(fc1_in, self.fc1_weight, self.fc1_bias, inp_quantized=ln_q, sequence_gather=seq, **kw)
-        h = ACTIVATIONS[self.activation][0](h)
+        h = self._act(h)
         fc2_bias = None if (self.return_bias or group is not None) else self.fc2_bias
         out = self.fc2(h, self.fc2_weight, fc2_bias, **kw)
         if group is not None:

@@ -85,6 +85,8 @@ class TransformerLayer(TransformerEngineBaseModule):
         Both norms.
     activation : str, default = "gelu"
         The MLP's activation, as `LayerNormMLP`'s ("swiglu" for Llama).
+    activation_params : dict, default = None
+        `LayerNormMLP`'s (clamped_swiglu's limit / alpha / glu_linear_offset).
     bias : bool, default = True
         Learn the GEMMs' biases.
     attn_input_format : {"sbhd", "bshd", "thd"}, default = "sbhd"
@@ -137,8 +139,9 @@ class TransformerLayer(TransformerEngineBaseModule):
                  layer_number: Optional[int] = None, kv_channels: Optional[int] = None,
                  self_attn_mask_type: str = "causal", window_size: Optional[Tuple[int, int]] = None,
                  bottom_right_diagonal: Optional[bool] = None, normalization: str = "LayerNorm",
-                 activation: str = "gelu", bias: bool = True, attn_input_format: str = "sbhd",
-                 rotary_pos_interleaved: bool = False, zero_centered_gamma: bool = False,
+                 activation: str = "gelu", activation_params: Optional[dict] = None, bias: bool = True,
+                 attn_input_format: str = "sbhd", rotary_pos_interleaved: bool = False,
+                 zero_centered_gamma: bool = False,
                  params_dtype: Optional[torch.dtype] = None, device=None, fuse_wgrad_accumulation: bool = False,
                  name: Optional[str] = None, tp_group=None, tp_size: Optional[int] = None,
                  sequence_parallel: bool = False, layer_type: str = "encoder",
@@ -190,7 +193,8 @@ class TransformerLayer(TransformerEngineBaseModule):
             qkv_weight_interleaved=qkv_weight_interleaved, rotary_pos_interleaved=rotary_pos_interleaved,
             bias=bias, qkv_format=attn_input_format, name=f"{self.name}.self_attention", **common)
         self.layernorm_mlp = LayerNormMLP(hidden_size, ffn_hidden_size, layernorm_epsilon, bias,
-                                          activation=activation, name=f"{self.name}.layernorm_mlp", **common)
+                                          activation=activation, activation_params=activation_params,
+                                          name=f"{self.name}.layernorm_mlp", **common)
         self.tp_size = self.self_attention.tp_size
         self.sequence_parallel = self.self_attention.sequence_parallel
         if output_layernorm:

@@ -175,8 +175,14 @@ class ClampedSwiGLU(SwiGLU):
         self.alpha, self.glu_linear_offset = float(alpha), float(glu_linear_offset)
 
     def _glu(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        a = a.clamp(max=self.limit)
-        return a * torch.sigmoid(self.alpha * a) * (b.clamp(-self.limit, self.limit) + self.glu_linear_offset)
+        return clamped_swiglu(a, b, self.limit, self.alpha, self.glu_linear_offset)
+
+
+def clamped_swiglu(a: torch.Tensor, b: torch.Tensor, limit: float, alpha: float, glu_linear_offset: float):
+    """GPT-OSS's gated activation of the halves (a, b): `ClampedSwiGLU` and LayerNormMLP's
+    `activation="clamped_swiglu"` both compute it here."""
+    a = a.clamp(max=limit)
+    return a * torch.sigmoid(alpha * a) * (b.clamp(-limit, limit) + glu_linear_offset)
 
 
 class SiTUGLU(SwiGLU):
