@@ -152,13 +152,14 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[_
                and not saved.enabled)
     if enabled:
         with FP8GlobalState.lock:
-            modules = list(FP8GlobalState.modules)
-            for module in modules:
-                module.prepare_for_recipe(recipe, entered, key)
+            named_gemms = []
+            for module in list(FP8GlobalState.modules):
+                for gemm in module.prepare_for_recipe(recipe, entered, key):
+                    named_gemms.append((module.name, gemm))
             if isinstance(entered, _recipe.DelayedScaling):
                 from .custom_ops.delayed_scaling import poll_nonfinite
 
-                poll_nonfinite([(m.name, g) for m in modules for g, _ in m.gemm_weights()])
+                poll_nonfinite(named_gemms)
             if advance:
                 _update_delayed_scaling(entered, forward_half=False, grad_half=True)
     FP8GlobalState.state = _State(enabled=bool(enabled), recipe=recipe if enabled else None, entered=entered,

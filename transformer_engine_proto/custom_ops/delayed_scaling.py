@@ -173,7 +173,10 @@ def poll_nonfinite(named_gemms: Sequence[Tuple[str, "DelayedScalingState"]]) -> 
                 event = torch.cuda.Event()
                 event.record()
             _polls[device] = (copy, event, [name for name, _ in entries])
-    bad = [(name, counts) for name, counts in seen if any(counts)]
+    bad = []
+    for name, counts in seen:  # a loop, not a comprehension: this runs at every autocast entry
+        if any(counts):
+            bad.append((name, counts))
     if bad:
         _nonfinite_warned = True
         name, counts = bad[0]

@@ -64,12 +64,16 @@ class TransformerEngineBaseModule(GemmOwner, nn.Module):
             return []
         return [(gemm, self._tp_group_name, self.parallel_mode) for gemm, _ in self.gemm_weights()]
 
-    def prepare_for_recipe(self, recipe, entered, key: str) -> None:
+    def prepare_for_recipe(self, recipe, entered, key: str) -> list:
         """Autocast entry: `recipe` is the user's object (TE's fp8_meta["recipe"]); the GEMMs
-        prepare for `entered`, its fields at entry (`RecipeKey.recipe(key)`)."""
+        prepare for `entered`, its fields at entry (`RecipeKey.recipe(key)`). Returns them (the
+        non-finite poll reads their counters)."""
         self._last_recipe = recipe
+        gemms = []
         for gemm, weight in self.gemm_weights():
             gemm.prepare_for_recipe(entered, weight, key)
+            gemms.append(gemm)
+        return gemms
 
     def delayed_scaling_gemms(self) -> list:
         """This module's GEMMs whose delayed-scaling update autocast runs (`update_delayed_scaling`):
