@@ -33,6 +33,9 @@ class LayerNormLinear(ParallelLinearMixin, NormFusedModule):
     With a stateless recipe (any but delayed scaling) the norm and the quantize of its output run
     as one op, so the GEMM's input is not read again to be quantized.
 
+    Parameters in TE's names and order: `layer_norm_weight`, `layer_norm_bias` (None for
+    RMSNorm), `weight`, `bias` (with `parameters_split`: `<name>_weight`s, then `<name>_bias`es).
+
     Parameters
     ----------
     in_features : int
