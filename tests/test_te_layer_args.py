@@ -230,13 +230,19 @@ def test_mha_split_qkv_parameters_equal_the_fused_weight(input_layernorm):
     fused = _randomize(te.MultiheadAttention(H, HEADS, fuse_qkv_params=True, qkv_weight_interleaved=False, **kw))
     split = te.MultiheadAttention(H, HEADS, **kw)
     assert split.qkv_weight_interleaved is False  # TE forces it off for separate parameters
-    split.load_state_dict(fused.state_dict())  # a fused checkpoint loads into the split parameters
+    fq, sq = fused.qkv_linear, split.qkv_linear
+    rows = [H, 2 * D, 2 * D]
+    with torch.no_grad():
+        fused_params = dict(fused.named_parameters())
+        for name, p in split.named_parameters():
+            if name in fused_params:  # the norm and proj
+                p.copy_(fused_params[name])
+        for name, w, b in zip(("query", "key", "value"), fq.weight.split(rows), fq.bias.split(rows)):
+            getattr(sq, f"{name}_weight").copy_(w), getattr(sq, f"{name}_bias").copy_(b)
     x = torch.randn(S, B, H)
     out_f, out_s = fused(x), split(x)
     assert torch.equal(out_f, out_s)
     out_f.sum().backward(), out_s.sum().backward()
-    fq, sq = fused.qkv_linear, split.qkv_linear
-    rows = [H, 2 * D, 2 * D]
     for name, part in zip(("query", "key", "value"), fq.weight.grad.split(rows)):
         assert torch.equal(getattr(sq, f"{name}_weight").grad, part)
     for name, part in zip(("query", "key", "value"), fq.bias.grad.split(rows)):
@@ -309,3 +315,22 @@ def test_fsdp_quantized_gather_leaves_split_qkv_parameters_in_high_precision():
     with pytest.raises(ValueError, match=r"split into parameters .* build it with fuse_qkv_params=True"):
         fsdp.enable_quantized_all_gather(te.MultiheadAttention(H, HEADS), strict=True)
     assert fsdp.enable_quantized_all_gather(te.MultiheadAttention(H, HEADS, fuse_qkv_params=True)) == 2
+
+
+def test_older_transformer_layer_state_dict_loads_into_split_or_fused_qkv():
+    """Before TE's names: `self_attention.qkv.` held the input norm (`norm.`) and one [Q; K; V]
+    weight, `mlp.` the MLP. It loads into the split parameters and into a fused non-interleaved
+    weight; an interleaved one is refused (its rows would be misread)."""
+    layer, x = _layer(), torch.randn(S, B, H)
+    sd, qkv = layer.state_dict(), "self_attention.layernorm_qkv."
+    old = {k.replace(qkv, "self_attention.qkv.").replace("layernorm_mlp.", "mlp.").replace("layer_norm_", "norm."): v
+           for k, v in sd.items() if not k.startswith(tuple(qkv + n for n in ("query", "key", "value")))}
+    for part in ("weight", "bias"):
+        old["self_attention.qkv." + part] = torch.cat([sd[qkv + f"{n}_{part}"] for n in ("query", "key", "value")])
+    for kw in ({}, dict(fuse_qkv_params=True, qkv_weight_interleaved=False)):
+        fresh = te.TransformerLayer(H, 2 * H, HEADS, hidden_dropout=0.0, attention_dropout=0.0, **kw)
+        fresh.load_state_dict(dict(old))
+        assert torch.equal(fresh(x), layer(x))
+    fused = te.TransformerLayer(H, 2 * H, HEADS, fuse_qkv_params=True, name="tl")
+    with pytest.raises(ValueError, match=r"^TransformerLayer tl: this state dict's QKV weight has \[Q; K; V\] rows"):
+        fused.load_state_dict(dict(old))

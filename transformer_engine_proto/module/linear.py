@@ -45,6 +45,7 @@ def _split_sizes(owner: str, out_features: int, parameters_split) -> Tuple[List[
 
 
 def check_split_args(owner: str, parameters_split, fuse_wgrad_accumulation: bool) -> None:
+    """The GEMM accumulates its wgrad into one weight's `main_grad`: split parameters have none."""
     if parameters_split is not None and fuse_wgrad_accumulation:
         raise ValueError(f"{owner}: fuse_wgrad_accumulation=True needs one weight parameter, not parameters_split "
                          f"{parameters_split!r} (attention: fuse_qkv_params=True)")
@@ -93,17 +94,6 @@ def init_parallel_linear(module, in_features, out_features, bias, tp_group, tp_s
             # training loop all-reduces the grads of parameters marked `sequence_parallel`
             getattr(module, name).sequence_parallel = True
     module.parameter_split_sizes = sizes
-    if len(sizes) > 1:
-        module._register_load_state_dict_pre_hook(_split_fused_keys, with_module=True)
-
-
-def _split_fused_keys(module, state_dict, prefix, *args):
-    """A checkpoint of the unsplit module (one `weight` / `bias`) loads into the split one."""
-    for fused, names in (("weight", module.weight_names), ("bias", module.bias_names)):
-        t = state_dict.get(prefix + fused)
-        if t is not None and prefix + names[0] not in state_dict:
-            del state_dict[prefix + fused]
-            state_dict.update({prefix + n: part for n, part in zip(names, t.split(module.parameter_split_sizes))})
 
 
 class ParallelLinearMixin:

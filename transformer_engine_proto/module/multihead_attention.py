@@ -226,7 +226,7 @@ class MultiheadAttention(TransformerEngineBaseModule):
                            parallel_mode="row" if tp > 1 else None)
         self.proj = Linear(h * d, hidden_size, return_bias=return_bias, name=f"{self.name}.proj", **proj_common)
         self.tp_size, self.sequence_parallel = self.proj.tp_size, self.proj.sequence_parallel
-        self._register_load_state_dict_pre_hook(self._rename_old_keys)
+        self._register_load_state_dict_pre_hook(_rename_old_keys, with_module=True)
 
     @property
     def qkv_linear(self):
@@ -238,11 +238,6 @@ class MultiheadAttention(TransformerEngineBaseModule):
         if self.attention_type == "self":
             return "layernorm_qkv" if self.input_layernorm else "qkv"
         return "layernorm_query" if self.input_layernorm else "query_layer"
-
-    def _rename_old_keys(self, state_dict, prefix, *args):
-        """Checkpoints written before the projections took TE's names had `qkv.` / `query.`."""
-        old = "qkv." if self.attention_type == "self" else "query."
-        rename_state_dict_keys(state_dict, prefix, {old: self._qkv_linear_name() + "."})
 
     def _split_qkv(self, qkv: torch.Tensor):
         lead, hl, gl, d = qkv.shape[:-1], self.heads_local, self.groups_local, self.kv_channels
@@ -354,3 +349,9 @@ class MultiheadAttention(TransformerEngineBaseModule):
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, heads={self.num_attention_heads}, gqa_groups={self.num_gqa_groups}, "
                 f"kv_channels={self.kv_channels}, attention_type={self.attention_type!r}, name={self.name!r}")
+
+
+def _rename_old_keys(module, state_dict, prefix, *args):
+    """Checkpoints written before the projections took TE's names had `qkv.` / `query.`."""
+    old = "qkv." if module.attention_type == "self" else "query."
+    rename_state_dict_keys(state_dict, prefix, {old: module._qkv_linear_name() + "."})

@@ -205,7 +205,7 @@ class TransformerLayer(TransformerEngineBaseModule):
                 p.sequence_parallel = True  # TE's LayerNorm(sequence_parallel=True): partial grads
         self.local_heads = self.self_attention.heads_local
         self.local_hidden = self.local_heads * self.self_attention.kv_channels
-        self._register_load_state_dict_pre_hook(_rename_old_keys)
+        self._register_load_state_dict_pre_hook(_load_older_state_dict, with_module=True)
 
     @property
     def qkv(self):
@@ -293,7 +293,22 @@ class TransformerLayer(TransformerEngineBaseModule):
         return F.dropout(x, self.hidden_dropout, self.training)
 
 
-def _rename_old_keys(state_dict, prefix, *args):
-    """Older state dicts kept QKV / proj at top-level `qkv.` / `proj.` and the MLP at `mlp.`."""
+def _load_older_state_dict(module, state_dict, prefix, *args):
+    """Older state dicts kept QKV / proj at top-level `qkv.` / `proj.`, the MLP at `mlp.`, and the
+    input norm + QKV at `self_attention.qkv.` with one QKV weight of [Q; K; V] rows (split here
+    into TE's query / key / value parameters)."""
     rename_state_dict_keys(state_dict, prefix, {"qkv.": "self_attention.qkv.", "proj.": "self_attention.proj.",
                                                 "mlp.": "layernorm_mlp."})
+    old = prefix + "self_attention.qkv."
+    if module.output_layernorm or not any(k.startswith(old) for k in state_dict):
+        return
+    rename_state_dict_keys(state_dict, prefix, {"self_attention.qkv.": "self_attention.layernorm_qkv."})
+    qkv, new = module.self_attention.layernorm_qkv, prefix + "self_attention.layernorm_qkv."
+    if module.self_attention.qkv_weight_interleaved:
+        raise ValueError(f"TransformerLayer {module.name}: this state dict's QKV weight has [Q; K; V] rows: load it "
+                         "with fuse_qkv_params=False or qkv_weight_interleaved=False")
+    if len(qkv.weight_names) > 1:
+        for fused, names in (("weight", qkv.weight_names), ("bias", qkv.bias_names)):
+            if new + fused in state_dict:
+                parts = state_dict.pop(new + fused).split(qkv.parameter_split_sizes)
+                state_dict.update({new + n: part for n, part in zip(names, parts)})
