@@ -96,7 +96,11 @@ def test_layernorm_linear_gradients_equal_the_hand_reference(rid):
     assert torch.equal(lnl.weight.grad, _mm(dy.t(), _fwd_values(recipe, "input", ln_out), torch.float32))
     # dx: the norm's own backward of d(ln_out) = dy @ w_hat
     x_ref = x.detach().clone().requires_grad_()
-    lnl.norm(x_ref).backward(_mm(dy, w_hat, torch.float32))
+    norm = te.LayerNorm(IN, eps=lnl.eps, device="cpu")  # the same norm, alone
+    with torch.no_grad():
+        norm.weight.copy_(lnl.layer_norm_weight)
+        norm.bias.copy_(lnl.layer_norm_bias)
+    norm(x_ref).backward(_mm(dy, w_hat, torch.float32))
     assert torch.equal(x.grad, x_ref.grad)
 
 

@@ -11,7 +11,6 @@ from torch import nn
 
 from ..capabilities import default_device
 from ..distributed import tp as _tp
-from ..ops_api.activations import clamped_swiglu
 from ..recompute import checkpoint as _checkpoint
 from .linear import _init_weight
 from .normalization import NormFusedModule
@@ -75,6 +74,13 @@ def _activation_fn(owner: str, activation: str, params: Optional[dict]):
     p = {**_CLAMPED_SWIGLU_PARAMS, **(params or {})}
     return functools.partial(_clamped_swiglu, limit=float(p["limit"]), alpha=float(p["alpha"]),
                              glu_linear_offset=float(p["glu_linear_offset"]))  # a partial: modules stay picklable
+
+
+def clamped_swiglu(a: torch.Tensor, b: torch.Tensor, limit: float, alpha: float, glu_linear_offset: float):
+    """GPT-OSS's gated activation of the halves (a, b): `activation="clamped_swiglu"` here and
+    `te.ops.ClampedSwiGLU` both compute it with this function."""
+    a = a.clamp(max=limit)
+    return a * torch.sigmoid(alpha * a) * (b.clamp(-limit, limit) + glu_linear_offset)
 
 
 def _clamped_swiglu(x, limit: float, alpha: float, glu_linear_offset: float):

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import raise_error
+from ..module.layernorm_mlp import clamped_swiglu
 from .fp8_saved_input import activation_with_fp8_saved_input
 from .op import BasicOperation, compute_dtype
 
@@ -177,12 +178,6 @@ class ClampedSwiGLU(SwiGLU):
     def _glu(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return clamped_swiglu(a, b, self.limit, self.alpha, self.glu_linear_offset)
 
-
-def clamped_swiglu(a: torch.Tensor, b: torch.Tensor, limit: float, alpha: float, glu_linear_offset: float):
-    """GPT-OSS's gated activation of the halves (a, b): `ClampedSwiGLU` and LayerNormMLP's
-    `activation="clamped_swiglu"` both compute it here."""
-    a = a.clamp(max=limit)
-    return a * torch.sigmoid(alpha * a) * (b.clamp(-limit, limit) + glu_linear_offset)
 
 
 class SiTUGLU(SwiGLU):
