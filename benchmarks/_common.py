@@ -28,10 +28,11 @@ import torch
 def make_recipe(name: str):
     """None for 'none'/'bf16'; else a fresh recipe with TE's defaults. Suffixes after '+' are run
     options the scripts read ('+policy': `te_autocast` adds the GemmPolicy; '+soi', '+rc' in
-    bench_llama); the recipe is the name before them."""
+    bench_llama); the recipe is the name before them. '+split': every GEMM with the split
+    accumulator (the recipe's fast-accumulation fprop off, `recipe.MMParams`)."""
     from transformer_engine_proto import recipe as R
 
-    name = name.split("+", 1)[0]
+    name, _, options = name.partition("+")
 
     table = {
         "none": None,
@@ -45,7 +46,12 @@ def make_recipe(name: str):
     if name not in table:
         raise ValueError(f"unknown recipe {name!r}; choose from {sorted(table)}")
     cls = table[name]
-    return None if cls is None else cls()
+    recipe = None if cls is None else cls()
+    if "split" in options.split("+"):
+        if not hasattr(recipe, "fp8_gemm_fprop"):
+            raise ValueError(f"'+split': recipe {name!r} has no fp8_gemm_* fields")
+        recipe.fp8_gemm_fprop = R.MMParams(use_split_accumulator=True)
+    return recipe
 
 
 def te_autocast(recipe, variant: str):

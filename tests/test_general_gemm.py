@@ -64,7 +64,7 @@ def test_quantized_operands_read_the_usage_each_layout_needs(device):
         fprop = general_gemm(wq, xq, out_dtype=torch.float32, layout="TN")[0]
         assert torch.equal(fprop, gemm(q.quantize(x, internal=True).only_usage(True),
                                        q.quantize(w, internal=True).only_usage(True),
-                                       out_dtype=torch.float32, trans_b=True))
+                                       out_dtype=torch.float32, trans_b=True, use_split_accumulator=False))
         dgrad = general_gemm(wq, dyq, out_dtype=torch.float32, layout="NN")[0]
         torch.testing.assert_close(dgrad, dyq.dequantize(dtype=torch.float32) @ wq.dequantize(dtype=torch.float32),
                                    **fp8_accumulation_tol)

@@ -49,8 +49,8 @@ def general_gemm(A: torch.Tensor, B: torch.Tensor, out_dtype: Optional[torch.dty
     of B over its rows (TE's fused dbias of a wgrad). `gelu`: out = gelu(product) (tanh
     approximation) and `gelu_input` = the product; with `grad=True`, out = product *
     gelu'(gelu_in). `accumulate`: out = alpha * product + beta * out (beta defaults to 1), into
-    `out`. `quantization_params`: a quantizer for the output. `use_split_accumulator` is accepted
-    and left to cuBLAS (this package's FP8 GEMMs accumulate in fp32)."""
+    `out`. `quantization_params`: a quantizer for the output. `use_split_accumulator=False`: a
+    per-tensor FP8 GEMM accumulates in the tensor cores' fast mode (`gemm.gemm`)."""
     if layout not in _LAYOUTS:
         raise ValueError(f"general_gemm: layout must be one of {_LAYOUTS}, got {layout!r}")
     if ub is not None or ub_type is not None or extra_output is not None or bulk_overlap:
@@ -70,7 +70,7 @@ def general_gemm(A: torch.Tensor, B: torch.Tensor, out_dtype: Optional[torch.dty
     add_bias = bias if (bias is not None and not grad) else None
     epilogue = gelu or alpha != 1.0 or accumulate or quantization_params is not None
     product = gemm(left, right, out_dtype=torch.float32 if epilogue else out_dtype, trans_a=trans_b,
-                   trans_b=trans_a, bias=add_bias)
+                   trans_b=trans_a, bias=add_bias, use_split_accumulator=use_split_accumulator)
     bias_grad = None
     if bias is not None and grad:
         rows = B.dequantize(dtype=torch.float32) if isinstance(B, QuantizedTensorStorage) else B.float()

@@ -62,7 +62,7 @@ def emulated_gemm(a, b, *, out_dtype, trans_a=False, trans_b=False, bias=None, c
 
 
 # ---- per-tensor FP8 -----------------------------------------------------------------------------
-def _tensorwise(a, b, trans_a, trans_b, out_dtype, bias):
+def _tensorwise(a, b, trans_a, trans_b, out_dtype, bias, fast_accum):
     pa = a.gemm_operand(reduce_last=not trans_a)  # (M, K) row-major
     pb = b.gemm_operand(reduce_last=trans_b)  # (N, K) row-major, i.e. B column-major
     if pa is None or pb is None:
@@ -73,7 +73,7 @@ def _tensorwise(a, b, trans_a, trans_b, out_dtype, bias):
         return None
     fused_bias = bias is not None and out_dtype == torch.bfloat16 and bias.dtype == torch.bfloat16
     out = torch._scaled_mm(a_mat, b_rows.t(), pa.scale, pb.scale,
-                           bias=bias if fused_bias else None, out_dtype=out_dtype)
+                           bias=bias if fused_bias else None, out_dtype=out_dtype, use_fast_accum=fast_accum)
     if bias is not None and not fused_bias:
         out = (out.float() + bias.float()).to(out_dtype)
     return out
@@ -153,11 +153,13 @@ def _same_format(a, b) -> bool:
 
 def gemm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype, trans_a: bool = False,
          trans_b: bool = False, bias: Optional[torch.Tensor] = None,
-         dequantize_in: Callable[[], ContextManager] = contextlib.nullcontext) -> torch.Tensor:
+         dequantize_in: Callable[[], ContextManager] = contextlib.nullcontext,
+         use_split_accumulator: bool = True) -> torch.Tensor:
     """op(a) (M,K) @ op(b) (K,N), + bias, in out_dtype. An empty operand (no tokens) takes the
     emulated path: a matmul gives the empty output, or zeros for a reduction over no tokens.
     `dequantize_in`: the context the emulated path dequantizes the operands in (the Linear op
-    tags them for inductor's partitioner)."""
+    tags them for inductor's partitioner). `use_split_accumulator=False`: a native per-tensor FP8
+    GEMM accumulates in the tensor cores' fast mode (recipe.MMParams); other paths ignore it."""
     a_quantized = isinstance(a, QuantizedTensorStorage)
     device = a._buffer_device() if a_quantized else a.device
     if device.type == "cuda" and not (_empty(a) or _empty(b)):
@@ -165,7 +167,7 @@ def gemm(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype, trans_a: b
         path = a.gemm_native() if a_quantized else None
         if path is not None and _same_format(a, b):
             if path == "tensorwise":
-                out = _tensorwise(a, b, trans_a, trans_b, out_dtype, bias)
+                out = _tensorwise(a, b, trans_a, trans_b, out_dtype, bias, not use_split_accumulator)
             elif path == "blockwise":
                 out = _blockwise(a, b, trans_a, trans_b, out_dtype, bias)
             elif path == "block_scaled":

@@ -26,6 +26,7 @@ import torch
 __all__ = [
     "Format",
     "QParams",
+    "MMParams",
     "Recipe",
     "DelayedScaling",
     "Float8CurrentScaling",
@@ -35,6 +36,7 @@ __all__ = [
     "CustomRecipe",
     "QuantizerRole",
     "require_recipe",
+    "uses_split_accumulator",
 ]
 
 
@@ -74,6 +76,29 @@ class QParams:
     random_hadamard_transform: bool = False
     stochastic_rounding: bool = False
     fp4_2d_quantization: bool = False
+
+
+@dataclass(frozen=True)
+class MMParams:
+    """One GEMM's accumulation (TE's `MMParams`). `use_split_accumulator=False` lets Hopper's FP8
+    tensor cores accumulate in their fast, lower-precision mode (cuBLAS's fast accumulation,
+    `torch._scaled_mm(use_fast_accum=True)`): TE's per-tensor recipes use it for fprop only, whose
+    K is the hidden size; the gradient GEMMs, which reduce over the tokens, keep the split
+    accumulator. Frozen, as TE's."""
+
+    use_split_accumulator: bool = True
+
+
+# TE's defaults where a recipe has no `fp8_gemm_*` field (DelayedScaling): fast fprop only
+_SPLIT_ACCUMULATOR_DEFAULT = {"fprop": False, "dgrad": True, "wgrad": True}
+
+
+def uses_split_accumulator(recipe: Optional["Recipe"], gemm: str) -> bool:
+    """Whether `gemm` ("fprop", "dgrad" or "wgrad") of `recipe` accumulates at full precision:
+    the recipe's `fp8_gemm_<gemm>` where it has one, else TE's default. Only per-tensor FP8 GEMMs
+    have a fast mode; the others always accumulate at full precision."""
+    params = getattr(recipe, f"fp8_gemm_{gemm}", None)
+    return _SPLIT_ACCUMULATOR_DEFAULT[gemm] if params is None else params.use_split_accumulator
 
 
 class Recipe:
@@ -192,6 +217,18 @@ def _check_margin(recipe) -> None:
         raise ValueError(f"{type(recipe).__name__}.margin must be a finite number >= 0, got {m!r}")
 
 
+def _check_mmparams(recipe, split_only: bool = False) -> None:
+    for gemm in ("fprop", "dgrad", "wgrad"):
+        name = f"fp8_gemm_{gemm}"
+        params = getattr(recipe, name)
+        if not isinstance(params, MMParams) or not isinstance(params.use_split_accumulator, bool):
+            raise TypeError(f"{type(recipe).__name__}.{name} must be a recipe.MMParams(use_split_accumulator=bool), "
+                            f"got {params!r}")
+        if split_only and not params.use_split_accumulator:
+            raise ValueError(f"{type(recipe).__name__}.{name}: blockwise FP8 GEMMs need the split accumulator "
+                             f"(use_split_accumulator=True) for accuracy, as in TE")
+
+
 def _check_qparams(recipe) -> None:
     for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
         q = getattr(recipe, name)
@@ -250,6 +287,9 @@ class Float8CurrentScaling(Recipe):
     fp8_quant_bwd_grad: QParams = field(default_factory=QParams)
     use_power_2_scales: bool = False  # TE's switch: power-of-two scales for every role
     margin: int = 0
+    fp8_gemm_fprop: MMParams = field(default_factory=lambda: MMParams(use_split_accumulator=False))
+    fp8_gemm_dgrad: MMParams = field(default_factory=MMParams)
+    fp8_gemm_wgrad: MMParams = field(default_factory=MMParams)
     fp8_dpa: bool = False
     fp8_mha: bool = False
     backward_override: Optional[str] = _backward_override_field()
@@ -259,6 +299,7 @@ class Float8CurrentScaling(Recipe):
         _check_backward_override(self)
         _check_margin(self)
         _check_qparams(self)
+        _check_mmparams(self)
 
 
 @dataclass
@@ -292,6 +333,9 @@ class Float8BlockScaling(Recipe):
     x_block_scaling_dim: int = 1
     w_block_scaling_dim: int = 2
     grad_block_scaling_dim: int = 1
+    fp8_gemm_fprop: MMParams = field(default_factory=MMParams)
+    fp8_gemm_dgrad: MMParams = field(default_factory=MMParams)
+    fp8_gemm_wgrad: MMParams = field(default_factory=MMParams)
     fp8_dpa: bool = False
     fp8_mha: bool = False
     backward_override: Optional[str] = _backward_override_field()
@@ -300,6 +344,7 @@ class Float8BlockScaling(Recipe):
         _check_format(self)
         _check_backward_override(self)
         _check_qparams(self)
+        _check_mmparams(self, split_only=True)
         for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
             if getattr(self, name) not in (1, 2):
                 raise ValueError(f"Float8BlockScaling.{name} must be 1 (1x128 tiles) or 2 (128x128), "

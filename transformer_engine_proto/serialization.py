@@ -28,9 +28,9 @@ def _subclasses(cls: type):
 
 def safe_globals() -> list:
     """This package's storage / tensor classes, quantizers, recipes, `Format` (and its value type),
-    `QParams` and the
-    FSDP2 weight wrapper (`enable_quantized_all_gather`'s parameters are in the state dict)."""
-    classes = [_recipe.Format, _recipe._FormatHelper, _recipe.QParams, FSDPWeight]
+    `QParams`, `MMParams` and the FSDP2 weight wrapper (`enable_quantized_all_gather`'s
+    parameters are in the state dict)."""
+    classes = [_recipe.Format, _recipe._FormatHelper, _recipe.QParams, _recipe.MMParams, FSDPWeight]
     for base in (QuantizedTensorStorage, Quantizer, _recipe.Recipe):
         classes += [base, *_subclasses(base)]
     own = __name__.rsplit(".", 1)[0] + "."

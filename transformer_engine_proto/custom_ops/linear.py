@@ -338,7 +338,7 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         # dequantized in place of its quantized bytes
         tag = recomputed_in_backward if plan.wgrad_deq or plan.dgrad_deq else contextlib.nullcontext
         out = gemm(xq.only_usage(True), wq.only_usage(True), trans_b=True, bias=bias, out_dtype=inp.dtype,
-                   dequantize_in=tag)
+                   dequantize_in=tag, use_split_accumulator=RecipeKey.split_accumulator(plan.key, "fprop"))
         out = unpad_rows(out, x2d.shape[0])
     else:  # the high-precision GEMM, exactly as with the recipe off
         out = gemm(x2d, weight, trans_b=True, bias=bias, out_dtype=inp.dtype)
@@ -423,12 +423,14 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
     dgrad_q, wgrad_q = plan.dgrad_q, plan.wgrad_q  # dy_q holds the usages of these two
     if input_requires_grad:  # a GEMM in high precision reads dy: the bf16 path's own GEMM
         a = (dy_q.only_usage(True) if wgrad_q else dy_q) if dgrad_q else dy
-        dgrad = unpad_rows(gemm(a, w, out_dtype=grad_out.dtype), dy.shape[0])
+        split = RecipeKey.split_accumulator(key, "dgrad")
+        dgrad = unpad_rows(gemm(a, w, out_dtype=grad_out.dtype, use_split_accumulator=split), dy.shape[0])
         grads.append(dgrad.view(tuple(in_shape)))
     if weight_requires_grad:
         a = (dy_q.only_usage(False) if dgrad_q else dy_q) if wgrad_q else dy
         wgrad_dtype = torch.float32 if call.fuse_wgrad_accumulation else weight_dtype
-        grads.append(gemm(a, x, trans_a=True, out_dtype=wgrad_dtype))
+        split = RecipeKey.split_accumulator(key, "wgrad")
+        grads.append(gemm(a, x, trans_a=True, out_dtype=wgrad_dtype, use_split_accumulator=split))
     return backward_tail(grads, dy, call.bias_requires_grad, weight_dtype, grad_amax if delayed else None)
 
 

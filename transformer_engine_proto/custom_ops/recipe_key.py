@@ -15,7 +15,7 @@ torch.compile bakes into the graph as a constant (and guards on). The grammar:
                                                         choice, which wins over dequantized)
 
 Every key is built here (`of`, `with_high_precision_gemms`) and read here (`recipe`, `quantizers`,
-`base`, `high_precision_gemms`, `dequantized_gemms`). A derived recipe (e.g. TP amax reduction's)
+`base`, `high_precision_gemms`, `dequantized_gemms`, `split_accumulator`). A derived recipe (e.g. TP amax reduction's)
 is a recipe of its own, registered by `of`.
 
 Recipes are mutable (recipe.py), so a key is the repr of the recipe's fields now, computed on
@@ -30,7 +30,7 @@ import dataclasses
 import functools
 from typing import Dict, FrozenSet, Iterable, Optional
 
-from ..recipe import Recipe
+from ..recipe import Recipe, uses_split_accumulator
 from ..tensor.recipe_quantizers import GEMMS, RoleQuantizers, quantizers_for_recipe
 
 __all__ = ["RecipeKey"]
@@ -106,6 +106,13 @@ class RecipeKey:
     def base(key: str) -> str:
         """`key` without its high-precision GEMMs (the recipe's own key)."""
         return key.split(_HP_MARK, 1)[0]
+
+    @staticmethod
+    @functools.lru_cache(maxsize=None)
+    def split_accumulator(key: str, gemm: str) -> bool:
+        """Whether the key's `gemm` (fprop / dgrad / wgrad) accumulates at full precision
+        (`recipe.uses_split_accumulator`; the gemm's fast mode only exists for per-tensor FP8)."""
+        return uses_split_accumulator(RecipeKey.recipe(key), gemm)
 
     @staticmethod
     @functools.lru_cache(maxsize=None)

@@ -205,7 +205,8 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
                             (amaxes, 0) if delayed else None)
     ws = calls.input_tensor("weight", weight, wq, True, input_requires_grad and not deq_w,
                             (amaxes, 1) if delayed else None)
-    out = gemm(_operand(xs["fprop"], True), _operand(ws["fprop"], True), trans_b=True, bias=bias, out_dtype=inp.dtype)
+    out = gemm(_operand(xs["fprop"], True), _operand(ws["fprop"], True), trans_b=True, bias=bias, out_dtype=inp.dtype,
+               use_split_accumulator=RecipeKey.split_accumulator(key, "fprop"))
     out = calls.output_tensor("output", out).reshape(tuple(inp.shape[:-1]) + (weight.shape[0],))
     i = next(_tokens)
     token = torch.tensor([i], dtype=torch.int64)
@@ -251,12 +252,14 @@ def linear_bwd(grad_out: torch.Tensor, token: torch.Tensor, grad_fp8_scale: Opti
                                 (grad_amax, 0) if delayed else None)
         if input_requires_grad:
             w = _high(saved["w"], grad_out.dtype) if "dgrad" in calls.dequantized_gemms else saved["w"]
-            dgrad = gemm(_operand(gs["dgrad"], True), w, out_dtype=grad_out.dtype)
+            dgrad = gemm(_operand(gs["dgrad"], True), w, out_dtype=grad_out.dtype,
+                         use_split_accumulator=RecipeKey.split_accumulator(key, "dgrad"))
             grads.append(_fresh(calls.output_tensor("dgrad", dgrad).reshape(tuple(in_shape)), (grad_out,)))
         if weight_requires_grad:
             wdtype = torch.float32 if call.fuse_wgrad_accumulation else weight_dtype
             x = _high(saved["x"], grad_out.dtype) if "wgrad" in calls.dequantized_gemms else saved["x"]
-            wgrad = gemm(_operand(gs["wgrad"], False), x, trans_a=True, out_dtype=wdtype)
+            wgrad = gemm(_operand(gs["wgrad"], False), x, trans_a=True, out_dtype=wdtype,
+                         use_split_accumulator=RecipeKey.split_accumulator(key, "wgrad"))
             grads.append(_fresh(calls.output_tensor("wgrad", wgrad), (grad_out,)))
     return backward_tail(grads, dy, call.bias_requires_grad, weight_dtype, grad_amax if delayed else None)
 
