@@ -26,6 +26,8 @@ def test_parse_and_group(tmp_path):
     path.write_text(XML)
     res = tc.parse_junit(path)
     assert (res["collected"], res["passed"], res["failed"], res["errors"], res["skipped"]) == (5, 1, 1, 2, 1)
+    assert res["needs_cuda"] == 1  # the CUDA assertion: of the 3 not skipped, 2 are the package's
+    assert tc.pct_run(res) == "33.3"
     res["file"] = "test_a.py"
     summ = tc.summarise([res])
     fams = {f["family"]: f["count"] for f in summ["families"]}
@@ -38,3 +40,6 @@ def test_parse_and_group(tmp_path):
 def test_family_strips_numbers_and_addresses():
     assert tc.family("RuntimeError: bad size 128 vs 4.5e-3 at 0xdeadbeef") == "RuntimeError: bad size N vs N at <addr>"
     assert tc.family("TypeError: got torch.bfloat16\nmore") == "TypeError: got <dtype>"
+    # modules' default names (one family, not one per instance)
+    assert tc.family("TypeError: grouped_linear_60: bad") == tc.family("TypeError: grouped_linear_7: bad") \
+        == "TypeError: grouped_linear_N: bad"
