@@ -20,6 +20,7 @@ from transformer_engine_proto import recipe as R
 from transformer_engine_proto.custom_ops.recipe_key import RecipeKey
 from transformer_engine_proto.debug import quant_view
 from transformer_engine_proto.kernels.reference import nvfp4 as ref
+from transformer_engine_proto.quantization import NVFP4BlockScalingRecipeState
 from transformer_engine_proto.tensor import NVFP4Quantizer
 from transformer_engine_proto.tensor.recipe_quantizers import quantizers_for_recipe
 
@@ -216,7 +217,11 @@ def test_4over6_448_never_loses_a_block():
 
 # ---- the quantizer: settings, layout, capabilities --------------------------------------------------
 def test_quantizer_settings_are_checked_and_normalized():
-    assert NVFP4Quantizer(nvfp4_e4m3_max=256, nvfp4_4over6_err_mode="MSE") == NVFP4Quantizer()  # unused: normalized
+    assert NVFP4Quantizer(nvfp4_e4m3_max=256) == NVFP4Quantizer()  # the bound without 4over6: normalized
+    unused = NVFP4Quantizer(nvfp4_4over6_err_mode="mse", columnwise_usage=False)
+    assert unused.nvfp4_4over6_err_mode == "MSE"  # kept as given, as TE's (its recipe state reports it)
+    x = torch.randn(32, 64)
+    assert torch.equal(unused.quantize(x).dequantize(), NVFP4Quantizer(columnwise_usage=False).quantize(x).dequantize())
     q = NVFP4Quantizer(nvfp4_use_4over6=True, nvfp4_4over6_err_mode="mse", nvfp4_e4m3_max=256)
     assert q.nvfp4_4over6_err_mode == "MSE" and q.nvfp4_e4m3_max == 256
     assert q != NVFP4Quantizer(nvfp4_use_4over6=True) and hash(q) == hash(dataclasses.replace(q))
@@ -379,7 +384,9 @@ def test_recipe_fields_follow_te():
     assert q.input == NVFP4Quantizer(row_scaled_nvfp4=True, nvfp4_use_4over6=True, nvfp4_4over6_err_mode="MSE")
     assert q.weight == NVFP4Quantizer(with_2d_quantization=True, nvfp4_use_4over6=True, nvfp4_e4m3_max=256,
                                       nvfp4_4over6_err_mode="MSE")
-    assert q.grad_output == NVFP4Quantizer(stochastic_rounding=True)  # gradients never use either option
+    # gradients never use either option (the error mode is reported, unused, as TE's)
+    assert q.grad_output == NVFP4Quantizer(stochastic_rounding=True, nvfp4_4over6_err_mode="MSE")
+    assert not q.grad_output.nvfp4_use_4over6
     q = quantizers_for_recipe(R.NVFP4BlockScaling(nvfp4_4over6="weights"))  # the RHT stays on the input
     assert q.weight.nvfp4_use_4over6 and q.weight.nvfp4_e4m3_max == 256 and q.input == NVFP4Quantizer(with_rht=True)
     for bad, err, match in [
@@ -453,3 +460,24 @@ def test_linear_trains_compiled_as_eager(name):
         plain = m(x)
     with te.autocast(recipe=recipe):
         assert not torch.equal(m(x), plain)
+
+
+def test_is_quantizable_as_te():
+    """TE's `is_quantizable`: whole 16-blocks along both dims, never for a row-scaled quantizer."""
+    assert NVFP4Quantizer().is_quantizable(torch.empty(16, 32))
+    assert not NVFP4Quantizer().is_quantizable(torch.empty(16, 24))
+    assert not NVFP4Quantizer().is_quantizable(torch.empty(8, 32))
+    assert not NVFP4Quantizer().is_quantizable(torch.empty(32))
+    assert not NVFP4Quantizer(row_scaled_nvfp4=True).is_quantizable(torch.empty(16, 16))
+    assert te.MXFP8Quantizer(torch.float8_e4m3fn).is_quantizable(torch.empty(64, 32))
+    assert not te.MXFP8Quantizer(torch.float8_e4m3fn).is_quantizable(torch.empty(48, 32))
+    assert te.Float8CurrentScalingQuantizer(torch.float8_e4m3fn, device="cpu").is_quantizable(torch.empty(3, 5))
+
+
+def test_recipe_state_reports_the_recipes_err_mode_on_every_role():
+    recipe = te.recipe.NVFP4BlockScaling(nvfp4_4over6="weights", nvfp4_4over6_err_mode="MSE")
+    quantizers = [q for mode in ("forward", "backward") for q in
+                  NVFP4BlockScalingRecipeState(recipe, mode=mode, num_quantizers=3 if mode == "forward" else 2)
+                  .make_quantizers()]
+    assert [q.nvfp4_4over6_err_mode for q in quantizers] == ["MSE"] * 5
+    assert [q.nvfp4_use_4over6 for q in quantizers] == [False, True, False, False, False]

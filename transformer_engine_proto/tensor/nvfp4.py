@@ -285,8 +285,8 @@ class NVFP4Quantizer(Quantizer):
     TE's encoding options (kernels/reference/nvfp4.py): `row_scaled_nvfp4`, one amax per row (1D
     blocks, no RHT or stochastic rounding); `nvfp4_use_4over6`, each block's map-to-4 or map-to-6
     scale by `nvfp4_4over6_err_mode` ("MAE" / "MSE"), with `nvfp4_e4m3_max` (448 or 256) the
-    block-scale bound in S_enc (no RHT or stochastic rounding). As in TE, the bound is 448 and the
-    error mode unused without 4over6; they are normalized then, so equal encodings compare equal."""
+    block-scale bound in S_enc (no RHT or stochastic rounding). As in TE, the bound is 448 without
+    4over6 (normalized then), and the error mode is kept as given, unused."""
 
     with_2d_quantization: bool = False
     with_rht: bool = False
@@ -317,7 +317,7 @@ class NVFP4Quantizer(Quantizer):
             raise ValueError("NVFP4Quantizer: row_scaled_nvfp4 cannot be combined with with_rht, "
                              "with_2d_quantization or stochastic_rounding (TE has no such kernel either)")
         on = self.nvfp4_use_4over6
-        object.__setattr__(self, "nvfp4_4over6_err_mode", mode.upper() if on else "MAE")
+        object.__setattr__(self, "nvfp4_4over6_err_mode", mode.upper())
         object.__setattr__(self, "nvfp4_e4m3_max", int(self.nvfp4_e4m3_max) if on else 448)
 
     def _reference_only(self) -> bool:
@@ -356,6 +356,10 @@ class NVFP4Quantizer(Quantizer):
 
     def row_block(self) -> int:
         return BLOCK if self.columnwise_usage else 1  # columnwise blocks (and RHT runs) along rows
+
+    def is_quantizable(self, inp: torch.Tensor) -> bool:
+        """As TE: a row-scaled quantizer's per-row amaxes cannot be gathered, so never."""
+        return not self.row_scaled_nvfp4 and super().is_quantizable(inp)
 
     # ---- format capabilities (tensor/format_api.py) ------------------------------------------
     def has_scale_state(self):

@@ -159,6 +159,15 @@ class Quantizer:
         """Raise ValueError if the format cannot represent `shape` with this usage."""
         flat_2d(shape)
 
+    def is_quantizable(self, inp: torch.Tensor) -> bool:
+        """TE's name: whether `inp`'s shape can be quantized with both usages (TE asks before a
+        quantized all-gather); a block format needs whole blocks along both dims."""
+        try:
+            self.with_usage(rowwise=True, columnwise=True).check_shape(tuple(inp.shape))
+        except ValueError:
+            return False
+        return True
+
     def row_block(self) -> int:
         """The multiple the rows (product of the leading dims) must be for this usage; 1: any.
         The Linear op zero-pads a GEMM's tokens to it (`custom_ops/row_padding.py`). A format capability:

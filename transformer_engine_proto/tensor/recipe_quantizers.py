@@ -97,7 +97,7 @@ def quantizers_for_recipe(recipe: Optional[R.Recipe]) -> RoleQuantizers:
             fp4(recipe.fp4_quant_fwd_inp, row_scaled_nvfp4=recipe.row_scaled_activation,
                 **_nvfp4_4over6(recipe, "input")),
             fp4(recipe.fp4_quant_fwd_weight, **_nvfp4_4over6(recipe, "weight")),
-            fp4(recipe.fp4_quant_bwd_grad),
+            fp4(recipe.fp4_quant_bwd_grad, nvfp4_4over6_err_mode=recipe.nvfp4_4over6_err_mode),
         )
     if isinstance(recipe, R.CustomRecipe):
         return _custom_quantizers(recipe)
