@@ -54,6 +54,7 @@ ALIASES = {
     "transformer_engine.pytorch.ops.basic": f"{_PKG}.ops_api.basic",
     "transformer_engine.pytorch.module": f"{_PKG}.module",
     "transformer_engine.pytorch.module.base": f"{_PKG}.module.base",
+    "transformer_engine.pytorch._extra_state": f"{_PKG}.extra_state_policy",
     "transformer_engine.pytorch.module.linear": f"{_PKG}.module.linear",
     "transformer_engine.pytorch.module.layernorm_linear": f"{_PKG}.module.layernorm_linear",
     "transformer_engine.pytorch.module.layernorm_mlp": f"{_PKG}.module.layernorm_mlp",

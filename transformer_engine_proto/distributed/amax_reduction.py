@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from .. import recipe as R
 from ..custom_ops.recipe_key import RecipeKey
+from ..extra_state_policy import CheckpointExtraStatePolicy, register_recipe_policy
 from ..tensor import Float8CurrentScalingQuantizer
 from ..tensor.recipe_quantizers import quantizers_for_recipe
 from . import tp as _tp
@@ -80,6 +81,9 @@ class _TPReducedCurrentScaling(R.Float8CurrentScaling):
                 q.fp8_dtype, force_pow_2_scales=q.force_pow_2_scales, amax_epsilon=q.amax_epsilon,
                 margin=q.margin, amax_reduction_group=self.amax_reduction_group)
         return dataclasses.replace(base, **changes)
+
+
+register_recipe_policy(_TPReducedCurrentScaling, CheckpointExtraStatePolicy.STATELESS)
 
 
 @torch._dynamo.assume_constant_result
