@@ -71,6 +71,8 @@ ALIASES = {
     "transformer_engine.pytorch.tensor.identity_tensor": f"{_PKG}.tensor.identity",
     "transformer_engine.pytorch.tensor.storage": f"{_PKG}.tensor.storage",  # the storage base classes
     "transformer_engine.pytorch.tensor.storage.identity_tensor_storage": f"{_PKG}.tensor.identity",
+    "transformer_engine.pytorch.tensor.hybrid_tensor": f"{_PKG}.tensor.hybrid",
+    "transformer_engine.pytorch.tensor.storage.hybrid_tensor_storage": f"{_PKG}.tensor.hybrid",
     "transformer_engine.pytorch.quantized_tensor": f"{_PKG}.tensor",  # Quantizer, QuantizedTensor(Storage)
     "transformer_engine.pytorch.float8_tensor": f"{_PKG}.tensor.float8",  # TE's older path for Float8Tensor
     "transformer_engine.debug": f"{_PKG}.debug",
