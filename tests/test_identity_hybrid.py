@@ -8,8 +8,8 @@ import torch
 from linear_cases import forget_modules, fresh_dynamo, graph_breaks
 
 import transformer_engine_proto as te
-from transformer_engine_proto.tensor import MXFP8TensorStorage
 from transformer_engine_proto.recipe import CustomRecipe
+from transformer_engine_proto.tensor import MXFP8TensorStorage
 
 BF16 = torch.bfloat16
 
@@ -57,16 +57,20 @@ def fwd_identity_bwd_fp8(role):
 
 def _fwd_bwd(module_cls, recipe, bias=False, compile_backend=None):
     torch.manual_seed(0)
-    m = module_cls(64, 64, bias=bias, params_dtype=BF16)
+    if module_cls is te.GroupedLinear:
+        m = te.GroupedLinear(2, 64, 64, bias=bias, params_dtype=BF16)
+    else:
+        m = module_cls(64, 128 if module_cls is te.LayerNormMLP else 64, bias=bias, params_dtype=BF16)
     run = torch.compile(m, fullgraph=True, backend=compile_backend) if compile_backend else m
     torch.manual_seed(1)
     x = torch.randn(32, 64, dtype=BF16, requires_grad=True)
+    args = (x, [16, 16]) if module_cls is te.GroupedLinear else (x,)
     with forget_modules(m):
         if recipe is None:
-            y = run(x)
+            y = run(*args)
         else:
             with te.autocast(recipe=recipe):
-                y = run(x)
+                y = run(*args)
         y.backward(torch.randn_like(y))
     return [y.detach(), x.grad] + [p.grad for p in m.parameters()]
 
@@ -151,7 +155,10 @@ def test_te_module_paths():
 
 
 # ---- CustomRecipe: each GEMM's precision ---------------------------------------------------------
-@pytest.mark.parametrize("module_cls", [te.Linear, te.LayerNormLinear])
+MODULES = [te.Linear, te.LayerNormLinear, te.LayerNormMLP, te.GroupedLinear]
+
+
+@pytest.mark.parametrize("module_cls", MODULES, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("qfactory", [identity_all, hybrid_identity_all])
 @pytest.mark.parametrize("bias", [False, True])
 def test_identity_everywhere_equals_no_recipe(module_cls, qfactory, bias):
@@ -159,7 +166,7 @@ def test_identity_everywhere_equals_no_recipe(module_cls, qfactory, bias):
                     _fwd_bwd(module_cls, None, bias))
 
 
-@pytest.mark.parametrize("module_cls", [te.Linear, te.LayerNormLinear])
+@pytest.mark.parametrize("module_cls", MODULES, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("make", [_fp8, _mxfp8], ids=["fp8_current", "mxfp8"])
 def test_quantized_forward_identity_backward_equals_high_precision_override(module_cls, make):
     grad = (lambda: _fp8(torch.float8_e5m2)) if make is _fp8 else None

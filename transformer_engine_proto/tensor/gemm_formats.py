@@ -110,9 +110,8 @@ def gemm_formats(made: Dict[str, Quantizer]) -> GemmFormats:
     roles = {}
     for role, options in wanted.items():
         if len(options) > 1:
-            raise NotImplementedError(
-                f"CustomRecipe: the {role} role is quantized by different quantizers in different GEMMs "
-                f"({', '.join(sorted(type(q).__name__ for q in options))}: {sorted(map(repr, options))}); the Linear op "
-                "takes one quantizer per role")
+            found = sorted(map(repr, options))
+            raise NotImplementedError(f"CustomRecipe: the {role} role is quantized by different quantizers in "
+                                      f"different GEMMs ({found}); the Linear op takes one quantizer per role")
         roles[role] = next(iter(options), None)
     return GemmFormats(roles, frozenset(high), frozenset(dequantized))
