@@ -14,8 +14,8 @@ from transformer_engine_proto.autocast import get_fp8_recipe_key
 from transformer_engine_proto.custom_ops.recipe_key import RecipeKey
 
 
-def _no_quantizer(role):
-    return None
+def _mxfp8_quantizer(role):  # the key asks a CustomRecipe's factory (its identity quantizers pick GEMMs)
+    return te.MXFP8Quantizer()
 
 
 # (recipe factory, field, new value) for every recipe class
@@ -28,7 +28,7 @@ EDITS = {
     "block-dim": (R.Float8BlockScaling, "x_block_scaling_dim", 2),
     "nvfp4-role": (R.NVFP4BlockScaling, "fp4_quant_fwd_inp", R.QParams()),
     "nvfp4-switch": (R.NVFP4BlockScaling, "disable_stochastic_rounding", True),
-    "custom-alignment": (lambda: R.CustomRecipe(qfactory=_no_quantizer), "quantization_alignment", 64),
+    "custom-alignment": (lambda: R.CustomRecipe(qfactory=_mxfp8_quantizer), "quantization_alignment", 64),
 }
 
 

@@ -69,6 +69,11 @@ ALIASES = {
     "transformer_engine.pytorch.tensor.mxfp8_tensor": f"{_PKG}.tensor.mxfp8",
     "transformer_engine.pytorch.tensor.float8_blockwise_tensor": f"{_PKG}.tensor.float8_blockwise",
     "transformer_engine.pytorch.tensor.nvfp4_tensor": f"{_PKG}.tensor.nvfp4",
+    "transformer_engine.pytorch.tensor.identity_tensor": f"{_PKG}.tensor.identity",
+    "transformer_engine.pytorch.tensor.storage": f"{_PKG}.tensor.storage",  # the storage base classes
+    "transformer_engine.pytorch.tensor.storage.identity_tensor_storage": f"{_PKG}.tensor.identity",
+    "transformer_engine.pytorch.tensor.hybrid_tensor": f"{_PKG}.tensor.hybrid",
+    "transformer_engine.pytorch.tensor.storage.hybrid_tensor_storage": f"{_PKG}.tensor.hybrid",
     "transformer_engine.pytorch.quantized_tensor": f"{_PKG}.tensor",  # Quantizer, QuantizedTensor(Storage)
     "transformer_engine.pytorch.float8_tensor": f"{_PKG}.tensor.float8",  # TE's older path for Float8Tensor
     "transformer_engine.debug": f"{_PKG}.debug",

@@ -55,11 +55,14 @@ class RecipeKey:
         key = repr(recipe)
         if key not in _RECIPES:
             _RECIPES[key] = copy.copy(recipe)  # QParams are frozen: a shallow copy is the values
-        dequantized = recipe.dequantized_gemms()  # TE's backward_override, spelled out for string readers
+        # TE's backward_override, and the GEMMs a CustomRecipe's identity quantizers keep in high
+        # precision, spelled out for string readers
+        implied = RecipeKey.quantizers(key) if recipe.custom() else None
+        dequantized = recipe.dequantized_gemms() | (implied.dequantized_gemms if implied else frozenset())
         if dequantized:
             recipe_key, key = key, key + _DQ_MARK + "+".join(g for g in GEMMS if g in dequantized)
             _RECIPES.setdefault(key, _RECIPES[recipe_key])
-        gemms = recipe.high_precision_gemms()  # those the recipe itself keeps (TE's backward_override)
+        gemms = recipe.high_precision_gemms() | (implied.high_precision_gemms if implied else frozenset())
         return RecipeKey.with_high_precision_gemms(key, gemms) if gemms else key
 
     @staticmethod

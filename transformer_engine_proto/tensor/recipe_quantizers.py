@@ -11,6 +11,7 @@ from typing import Optional
 from .. import recipe as R
 from .float8 import Float8CurrentScalingQuantizer, Float8Quantizer
 from .float8_blockwise import Float8BlockQuantizer
+from .gemm_formats import gemm_formats
 from .mxfp8 import MXFP8Quantizer
 from .nvfp4 import NVFP4Quantizer
 from .quantizer import Quantizer
@@ -118,7 +119,8 @@ def _nvfp4_4over6(recipe: R.NVFP4BlockScaling, role: str) -> dict:
 
 
 def _custom_quantizers(recipe: R.CustomRecipe) -> RoleQuantizers:
-    """Ask the user's factory for each role's quantizer and check the three can meet in a GEMM."""
+    """Ask the user's factory for each role's quantizer and check the roles can meet in each GEMM
+    (identity and hybrid quantizers pick each GEMM's precision: `tensor/gemm_formats.py`)."""
     made = {}
     for role in ROLES:
         q = recipe.qfactory(R.QuantizerRole(module_type="linear", tensor_type=role))
@@ -129,8 +131,15 @@ def _custom_quantizers(recipe: R.CustomRecipe) -> RoleQuantizers:
             raise NotImplementedError(f"CustomRecipe: qfactory returned a delayed-scaling {type(q).__name__} for "
                                       f"{role!r}; delayed scaling keeps its state in the modules: use "
                                       "recipe.DelayedScaling")
-        made[role] = q.with_usage(rowwise=True, columnwise=True)
-    formats = {type(q).__name__ for q in made.values()}
-    if len({q.tensor_class for q in made.values()}) != 1:
-        raise ValueError(f"CustomRecipe: the roles' quantizers must be one format, got {sorted(formats)}")
-    return RoleQuantizers(**made)
+        made[role] = q
+    formats = gemm_formats(made)
+    chosen = [q for q in formats.roles.values() if q is not None]
+    if not chosen:  # every GEMM in high precision: no quantizer is ever used
+        return RoleQuantizers(None, None, None, high_precision_gemms=formats.high_precision_gemms)
+    names = {type(q).__name__ for q in chosen}
+    if len({q.tensor_class for q in chosen}) != 1:
+        raise ValueError(f"CustomRecipe: the roles' quantizers must be one format, got {sorted(names)}")
+    # a role no GEMM quantizes gets another role's quantizer, which the plan never uses
+    roles = {role: q if q is not None else chosen[0] for role, q in formats.roles.items()}
+    return RoleQuantizers(**roles, high_precision_gemms=formats.high_precision_gemms,
+                          dequantized_gemms=formats.dequantized_gemms)
