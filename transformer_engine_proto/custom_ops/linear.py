@@ -254,10 +254,20 @@ def _scale_slot(scales: torch.Tensor, slot: int) -> torch.Tensor:
     return scale.clone() if type(scales) is not torch.Tensor and is_fake(scales) else scale
 
 
-def _bind_delayed(q, scales, slot: int):
-    """(q bound to scales[slot] and a fresh amax, that amax (1,): the quantize records into it)."""
-    amax = torch.zeros(1, dtype=torch.float32, device=scales.device)
-    return q.with_scale_state(_scale_slot(scales, slot), amax), amax
+def _forward_amax_slots(inp: torch.Tensor) -> Optional[torch.Tensor]:
+    """Eager delayed scaling: one zeroed (2,) buffer whose halves the input's and the weight's
+    quantizes record their amaxes into (one launch, and it is the op's amax output as it is).
+    None while tracing: inductor passes no slice of an in-graph tensor to a user Triton kernel, so
+    each quantize gets its own (1,) and they are concatenated after."""
+    return None if is_fake(inp) else torch.zeros(2, dtype=torch.float32, device=inp.device)
+
+
+def _bind_delayed(q, scales, slot: int, amaxes: list):
+    """q bound to scales[slot] and to amaxes[slot] (a fresh (1,) where the slot has none yet),
+    which the quantize records its amax into."""
+    if amaxes[slot] is None:
+        amaxes[slot] = torch.zeros(1, dtype=torch.float32, device=scales.device)
+    return q.with_scale_state(_scale_slot(scales, slot), amaxes[slot])
 
 
 def _plan(key, inp, weight, call: LinearCall, prequantized=False):
@@ -306,6 +316,9 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         out = gemm(x2d, weight, trans_b=True, bias=bias, out_dtype=inp.dtype)
         return out.view(out_shape), inp.new_empty(0, dtype=torch.float32), [], []
     amaxes = [None, None] if plan.delayed else []  # (input, weight): bound to the quantizes below, else zero
+    slots = _forward_amax_slots(inp) if plan.delayed else None
+    if slots is not None:
+        amaxes = [slots[0:1], slots[1:2]]
     xq = None
     iq = plan.input_quantizer()
     if plan.prequantized:
@@ -314,7 +327,7 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         # its columnwise copy is saved for wgrad, or rebuilt in backward (recompute_tags.py)
         with recomputed_in_backward(plan.saved_input() is not None and recompute_saved_input()):
             if plan.delayed:
-                iq, amaxes[0] = _bind_delayed(iq, fp8_scale, 0)
+                iq = _bind_delayed(iq, fp8_scale, 0, amaxes)
                 xq = iq.quantize(pad_rows(x2d, plan.input_rows), internal=True)
             else:
                 xq = _quantize_shared(plan, inp, x2d)
@@ -324,14 +337,22 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         wq = plan.weight_quantizer()  # None: forward reads the bf16 weight only
         if wq is not None:
             if plan.delayed:
-                wq, amaxes[1] = _bind_delayed(wq, fp8_scale, 1)
+                wq = _bind_delayed(wq, fp8_scale, 1, amaxes)
             wq = wq.quantize(weight, internal=True)
     if plan.delayed:  # a tensor only backward quantizes: record its amax here (forward_amax_roles)
         for role in plan.forward_amax_roles():
             slot, t = (0, x2d) if role == "input" else (1, weight)
-            amaxes[slot] = t.abs().amax().float().reshape(1)
-    amaxes = torch.cat([inp.new_zeros(1, dtype=torch.float32) if a is None else a for a in amaxes]) if amaxes \
-        else inp.new_empty(0, dtype=torch.float32)
+            amax = t.abs().amax().float().reshape(1)
+            if slots is not None:
+                amaxes[slot].copy_(amax)
+            else:
+                amaxes[slot] = amax
+    if slots is not None:
+        amaxes = slots
+    elif amaxes:
+        amaxes = torch.cat([inp.new_zeros(1, dtype=torch.float32) if a is None else a for a in amaxes])
+    else:
+        amaxes = inp.new_empty(0, dtype=torch.float32)
     if plan.fprop_q:
         # an emulated GEMM dequantizes its operands as a dequantized backward GEMM does, and AOT's
         # CSE merges the two: tagged as backward's, or inductor's partitioner would save the input
@@ -504,8 +525,13 @@ def _setup_context(ctx, inputs, output):
     # Scales are snapshotted (the delayed-scaling update at autocast exit rewrites them in place);
     # the buffers backward writes into (grad amax state, main_grad) are kept by reference, not
     # saved, so a module applied twice before its backwards does not trip autograd's version check.
-    clone = lambda t: None if t is None else t.clone()  # noqa: E731
-    state = (raw_inp, raw_w, clone(a["fp8_scale"]), clone(a["grad_fp8_scale"]))
+    fp8_scale, grad_fp8_scale = a["fp8_scale"], a["grad_fp8_scale"]
+    if fp8_scale is not None and grad_fp8_scale is not None:  # one copy of both, backward reads views
+        snapshot = torch.cat([fp8_scale, grad_fp8_scale])
+        fp8_scale, grad_fp8_scale = snapshot[:-1], snapshot[-1:]
+    else:
+        fp8_scale, grad_fp8_scale = (None if t is None else t.clone() for t in (fp8_scale, grad_fp8_scale))
+    state = (raw_inp, raw_w, fp8_scale, grad_fp8_scale)
     ctx.has = tuple(t is not None for t in state)
     ctx.grad_amax_state, ctx.main_grad = list(a["grad_amax_state"]), a["main_grad"]
     tensors = [t for t in state if t is not None]
