@@ -150,10 +150,12 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
     # ---- the call: named steps ----------------------------------------------------------------
     def forward(self, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                 is_first_microbatch: Optional[bool] = None, save_original_input: bool = False,
-                fuse_wgrad_accumulation: bool = False, inp_quantized=(), sequence_gather=None) -> torch.Tensor:
+                fuse_wgrad_accumulation: bool = False, inp_quantized=(), sequence_gather=None,
+                main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`inp_quantized`: the input's buffers from a fused norm + quantize (`wants_quantized_input`).
         `sequence_gather`: (TP group name, tp size) when `inp` is a sequence-parallel dim-0 shard
-        to all-gather before the GEMM (column parallel + SP)."""
+        to all-gather before the GEMM (column parallel + SP). `main_grad`: where the fused wgrad
+        accumulates when `weight` is a view of the parameter holding it (None: `weight.main_grad`)."""
         recipe = entered_recipe()  # the settings this autocast block entered with
         key = self.recipe_key()
         delayed = isinstance(recipe, R.DelayedScaling)
@@ -166,7 +168,8 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         record = delayed and not in_activation_recompute_phase()
         if record:
             self._check_history_len(recipe, weight)
-        main_grad = _main_grad(weight) if fuse_wgrad_accumulation and weight.requires_grad else None
+        fused_wgrad = fuse_wgrad_accumulation and weight.requires_grad
+        main_grad = (_main_grad(weight) if main_grad is None else main_grad) if fused_wgrad else None
         # precision debug tools: a layer with an active debug feature takes the debug GEMM path
         debug_linear = _debug_gemm.linear_for(self, recipe is not None)
         debugging = debug_linear is not None
