@@ -104,18 +104,22 @@ def test_return_bias_gives_the_packed_parameter(single_param_env):
 
 @pytest.mark.parametrize("use_grouped_tensor", [None, False], ids=["grouped_mm", "expert_loop"])
 def test_fuse_wgrad_accumulation_into_the_grouped_main_grad(single_param_env, use_grouped_tensor):
-    """`weight.main_grad` [n, out, in] ends as the per-expert main_grads stacked, `.grad` stays None."""
+    """`weight.main_grad` [n, out, in] ends as the per-expert main_grads stacked, `.grad` stays
+    None, and Megatron's `grad_added_to_main_grad` is set by backward, not forward."""
     if use_grouped_tensor is None and not grouped_mm_supported(torch.device("cpu"), torch.bfloat16, K, OUT):
         pytest.skip("torch._grouped_mm does not run here")
     single, per_expert = _pair(torch.bfloat16, fuse_wgrad_accumulation=True, use_grouped_tensor=use_grouped_tensor)
     start = torch.randn(N, OUT, K)
     single.weight.main_grad = start.clone()
+    single.weight.grad_added_to_main_grad = False
     for i, w in enumerate(per_expert.weights):
         w.main_grad = start[i].clone()
     x, dy = torch.randn(96, K, dtype=torch.bfloat16), torch.randn(96, OUT, dtype=torch.bfloat16)
     xs = x.clone().requires_grad_()
     y = single(xs, SPLITS)
+    assert single.weight.grad_added_to_main_grad is False
     y.backward(dy)
+    assert single.weight.grad_added_to_main_grad is True
     _step(per_expert, x, dy)
     assert single.weight.grad is None
     assert not torch.equal(single.weight.main_grad, start)

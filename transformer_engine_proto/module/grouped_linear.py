@@ -50,7 +50,7 @@ from ..tensor import QuantizedTensor
 from .base import TransformerEngineBaseModule
 from .fp8_state import FP8StateCheckpoint
 from .linear import _init_weight
-from .quantized_gemm import QuantizedGemm
+from .quantized_gemm import QuantizedGemm, mark_grad_added_to_main_grad
 from .quantized_params import quantize_new_weights
 
 __all__ = ["GroupedLinear", "grouped_mm_supported"]
@@ -182,7 +182,8 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
         forward raises a RuntimeError without it; with `single_grouped_weight` one
         [num_gemms, out, in] buffer on `weight`) instead of producing `.grad`, on both paths.
         The `torch._grouped_mm` path adds the grouped GEMM's bf16 weight gradient; the per-expert
-        loop, like `Linear`, computes it in fp32.
+        loop, like `Linear`, computes it in fp32. A weight with a `grad_added_to_main_grad`
+        attribute (Megatron-LM's) gets it set to True once backward has added into `main_grad`.
     save_original_input : bool, default = False
         Save each expert's high-precision input for backward instead of its quantized copy (the
         per-expert loop).
@@ -428,6 +429,7 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
         stacked = self._stacked_weight()  # [n, out, in]
         if self.fuse_wgrad_accumulation and stacked.requires_grad:
             stacked = _IntoMainGrad.apply(stacked, *self._main_grads())
+            mark_grad_added_to_main_grad(self._weight_params(), stacked)
         out = torch._grouped_mm(inp, stacked.transpose(-2, -1), offs=offsets)
         if with_bias:
             # each row's expert: the first offset past the row
@@ -473,6 +475,8 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
             y = gemm(x, w, b if with_bias else None, is_first_microbatch=is_first_microbatch,
                      save_original_input=self.save_original_input, fuse_wgrad_accumulation=fuse,
                      main_grad=main_grad)
+            if fuse and self.single_grouped_weight and main_grad is not None:
+                mark_grad_added_to_main_grad([self.weight], y)  # the GEMM sees a view, not the parameter
             outs.append(y[:m] if one_row else y)
         return torch.cat(outs)
 

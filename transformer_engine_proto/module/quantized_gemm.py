@@ -197,6 +197,8 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
                 self.record_amax(sp_amax.detach())
         for buf, new in zip(cache, new_cache):
             buf.copy_(new.detach())
+        if fused_wgrad:
+            mark_grad_added_to_main_grad([weight], out)
         return out
 
     def _forward_scale(self) -> torch.Tensor:
@@ -266,6 +268,27 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         scale = self.fp8_scale[0:1] if delayed else None
         full, amax, buffers = _sp_gather.all_gather_quantized(inp, scale, group, world, key, layout, columnwise)
         return full, buffers, (amax if delayed else None)
+
+
+def mark_grad_added_to_main_grad(params, out: torch.Tensor) -> None:
+    """Megatron-LM's DDP adds a parameter's `.grad` into its `main_grad` unless the parameter's
+    `grad_added_to_main_grad` is True; TE sets it, on parameters that have the attribute, once
+    backward has added the weight gradient into `main_grad`. Eager: a hook on `out`'s backward
+    node (the one that accumulates) sets it after that node ran. A compiled backward runs no
+    Python, so under torch.compile it is set in forward instead, a side effect dynamo replays on
+    every call. Nothing is set when no backward will run (grad mode off)."""
+    params = [p for p in params if hasattr(p, "grad_added_to_main_grad")]
+    if not params or not torch.is_grad_enabled():
+        return
+
+    def set_flags(*_):
+        for p in params:
+            p.grad_added_to_main_grad = True
+
+    if torch.compiler.is_compiling():
+        set_flags()
+    elif out.grad_fn is not None:
+        out.grad_fn.register_hook(set_flags)
 
 
 def _main_grad(weight):
