@@ -163,7 +163,8 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         if recipe is None and isinstance(weight, QuantizedTensor):  # no recipe: a high-precision GEMM
             weight = dequantized_weight(weight)
         if is_first_microbatch is not None or isinstance(weight, QuantizedTensor):
-            cache_mode, cache = self._weight_cache(recipe, key, weight, is_first_microbatch)
+            dgrad = torch.is_grad_enabled() and inp.requires_grad
+            cache_mode, cache = self._weight_cache(recipe, key, weight, is_first_microbatch, dgrad)
         # te.checkpoint's recompute: the first forward's scales, no history update, no amax recorded
         record = delayed and not in_activation_recompute_phase()
         if record:
@@ -218,13 +219,13 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         scales.append(self.fp8_scale.clone())
         return self.fp8_scale
 
-    def _weight_cache(self, recipe, key: str, weight, is_first_microbatch):
+    def _weight_cache(self, recipe, key: str, weight, is_first_microbatch, dgrad: bool = True):
         """(cache mode, cache buffers) of this call. A weight FSDP2 gathered already quantized
         (distributed/fsdp.py) enters as the cache: its delayed-scaling update and weight amax were
-        done in the pre-all-gather hook."""
+        done in the pre-all-gather hook. `dgrad`: whether backward may read the weight's columnwise usage."""
         if isinstance(weight, QuantizedTensor):
             return linear_ops.CACHE_USE, _fsdp.gathered_weight_cache(type(self).__name__, weight, key,
-                                                                     is_first_microbatch)
+                                                                     is_first_microbatch, dgrad)
         if recipe is None:
             return linear_ops.CACHE_OFF, []
         if self._cache_for != (key, tuple(weight.shape), weight.dtype):
