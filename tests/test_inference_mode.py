@@ -1,15 +1,17 @@
 """Forward under `torch.inference_mode()` (CPU, eager): every recipe and module runs, state first
 allocated there is made of normal tensors (training afterwards works), and delayed scaling
-behaves as under `torch.no_grad()`, as in TE: amaxes recorded, no scale update."""
+behaves as under `torch.no_grad()`, as in TE: amaxes recorded, no scale update. Weights stored
+quantized by a module built without grad keep no columnwise usage, as in TE."""
 import copy
 
 import pytest
 import torch
-from linear_cases import QUANTIZED_IDS, RECIPES
+from linear_cases import QUANTIZED_IDS, RECIPES, fresh_dynamo, graph_breaks
 
 import transformer_engine_proto as te
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.custom_ops import shared_input
+from transformer_engine_proto.tensor import QuantizedTensor
 
 MODULES = {
     "Linear": (lambda: te.Linear(64, 64), (32, 64)),
@@ -124,3 +126,62 @@ def test_delayed_scaling_without_grad_records_amax_but_keeps_scales(grad_mode):
     _train_step(m, recipe)
     assert g.amax_history[-1, 0] == x.abs().amax()  # rolled in at the training block's exit (slot 0 -> -1)
     assert not torch.equal(g.fp8_scale, scale)
+
+
+# ---- weights stored quantized for inference (quantized_model_init without grad) ---------------------
+STORED = {
+    "Linear": (lambda: te.Linear(64, 64), {}),
+    "LayerNormLinear": (lambda: te.LayerNormLinear(64, 64), {}),
+    "LayerNormMLP": (lambda: te.LayerNormMLP(64, 128), {}),
+    "GroupedLinear": (lambda: te.GroupedLinear(2, 64, 64), {"m_splits": [8, 24]}),
+}
+
+
+def _stored(mid, rid, grad: bool):
+    torch.manual_seed(0)
+    with torch.set_grad_enabled(grad), te.quantized_model_init(recipe=RECIPES[rid]):
+        return STORED[mid][0]()
+
+
+def _columnwise_kept(m):
+    return [n for n, p in m.named_parameters() if isinstance(p, QuantizedTensor) and p._quantizer.columnwise_usage
+            and not p.derives_usages()]
+
+
+@pytest.mark.parametrize("mid", list(STORED))
+@pytest.mark.parametrize("rid", ["mxfp8", "current"])
+def test_weights_built_without_grad_keep_no_columnwise_usage(mid, rid):
+    """TE's test_inference_mode: a module built under no_grad inside quantized_model_init stores
+    its weights rowwise only (MXFP8 would otherwise keep its columnwise copy), and an
+    inference_mode forward neither builds nor keeps one; its output is the one a module built for
+    training gives (the same rowwise bytes)."""
+    m, trained = _stored(mid, rid, grad=False), _stored(mid, rid, grad=True)
+    params = [p for p in m.parameters() if isinstance(p, QuantizedTensor)]
+    assert params and all(not p._quantizer.columnwise_usage for p in params)
+    if rid == "mxfp8":
+        assert _columnwise_kept(trained) and all(p._columnwise_data is None for p in params)
+    x = torch.randn(32, 64)
+    with torch.inference_mode(), te.autocast(recipe=RECIPES[rid]):
+        y = m(x.clone(), **STORED[mid][1])
+    assert all(not p._quantizer.columnwise_usage for p in params)
+    with torch.no_grad(), te.autocast(recipe=RECIPES[rid]):
+        assert torch.equal(y, trained(x, **STORED[mid][1]))
+
+
+def test_training_a_model_built_for_inference_names_the_cause():
+    m = _stored("Linear", "mxfp8", grad=False)
+    with te.autocast(recipe=RECIPES["mxfp8"]), pytest.raises(RuntimeError, match="built inside quantized_model_init "
+                                                                                  "under torch.no_grad"):
+        m(torch.randn(32, 64, requires_grad=True))
+    with te.autocast(recipe=RECIPES["mxfp8"]):  # no dgrad: the rowwise usage is all it needs
+        m(torch.randn(32, 64)).sum().backward()
+
+
+def test_compiled_forward_of_a_model_built_for_inference():
+    m = _stored("Linear", "mxfp8", grad=False)
+    fresh_dynamo()
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    x = torch.randn(32, 64)
+    with torch.no_grad(), te.autocast(recipe=RECIPES["mxfp8"]):
+        assert torch.equal(compiled(x), m(x))
+    assert graph_breaks() == 0

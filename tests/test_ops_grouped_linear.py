@@ -81,7 +81,7 @@ def test_accumulates_into_main_grad():
 
 
 def test_refusals_name_the_argument():
-    for kw in (dict(scale_bias=True), dict(single_grouped_weight=True), dict(rng_state_tracker_function=lambda: 0)):
+    for kw in (dict(scale_bias=True), dict(rng_state_tracker_function=lambda: 0)):
         with pytest.raises(NotImplementedError, match=f"te.ops.GroupedLinear: {next(iter(kw))}"):
             ops.GroupedLinear(2, 8, 8, device="cpu", **kw)
     with pytest.raises(NotImplementedError, match="delay_wgrad_compute"):

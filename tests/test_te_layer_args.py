@@ -290,8 +290,8 @@ def test_argument_errors_name_the_module_and_argument():
         te.TransformerLayer(H, 2 * H, HEADS, parallel_attention_mlp=True, output_layernorm=True, name="tl")
     with pytest.raises(TypeError, match=r"^TransformerLayer tl: apply_residual_connection_post_layernorm must be a "):
         te.TransformerLayer(H, 2 * H, HEADS, apply_residual_connection_post_layernorm="yes", name="tl")
-    with pytest.raises(TypeError, match="drop_path_rate"):
-        te.TransformerLayer(H, 2 * H, HEADS, drop_path_rate=0.1)
+    with pytest.raises(TypeError, match="ub_tp_comm_overlap"):
+        te.TransformerLayer(H, 2 * H, HEADS, ub_tp_comm_overlap=True)
     with pytest.raises(ValueError, match=r"^MultiheadAttention mha: fuse_wgrad_accumulation=True needs fuse_qkv_"):
         te.MultiheadAttention(H, HEADS, fuse_wgrad_accumulation=True, name="mha")
     with pytest.raises(ValueError, match=r"^lin: parameters_split sizes \[16, 16\] do not add up to out_features=64"):
@@ -334,3 +334,62 @@ def test_older_transformer_layer_state_dict_loads_into_split_or_fused_qkv():
     fused = te.TransformerLayer(H, 2 * H, HEADS, fuse_qkv_params=True, name="tl")
     with pytest.raises(ValueError, match=r"^TransformerLayer tl: this state dict's QKV weight has \[Q; K; V\] rows"):
         fused.load_state_dict(dict(old))
+
+
+# ---- drop_path_rate (stochastic depth) ----------------------------------------------------------------
+
+def _train_out(layer, x, seed=3):
+    torch.manual_seed(seed)
+    return layer.train()(x)
+
+
+def test_drop_path_rate_zero_and_eval_are_the_identity():
+    x = torch.randn(S, B, H)
+    want = _train_out(_layer(), x)
+    assert torch.equal(_train_out(_layer(drop_path_rate=0.0), x), want)
+    assert torch.equal(_layer(drop_path_rate=0.5).eval()(x), _layer().eval()(x))
+
+
+def test_drop_path_rate_one_drops_both_branches():
+    x = torch.randn(S, B, H)
+    assert torch.equal(_train_out(_layer(drop_path_rate=1.0), x), x)
+
+
+def test_drop_path_drops_or_scales_each_dim0_slice():
+    """attention + MLP as one branch (parallel_attention_mlp): per index of dim 0 (the sequence in
+    sbhd, as TE's DropPath) the branch is either zero or the undropped branch / (1 - rate); both
+    happen, and the same seed draws the same slices."""
+    p = 0.5
+    x = torch.randn(S, B, H)
+    layer = _layer(parallel_attention_mlp=True, drop_path_rate=p)
+    branch = _layer(parallel_attention_mlp=True)(x) - x
+    got = _train_out(layer, x) - x
+    kept = [not torch.equal(got[i], torch.zeros_like(got[i])) for i in range(S)]
+    assert any(kept) and not all(kept)
+    for i in range(S):
+        if kept[i]:
+            torch.testing.assert_close(got[i], branch[i] / (1 - p), rtol=1e-5, atol=1e-5)
+    assert torch.equal(_train_out(layer, x), _train_out(layer, x))
+    assert not torch.equal(_train_out(layer, x, seed=4), _train_out(layer, x))
+
+
+def test_drop_path_compiled_matches_eager():
+    """Traced with fullgraph (aot_eager): the same seed gives eager's output and input grad."""
+    fresh_dynamo()
+    eager_m, comp_m = _layer(drop_path_rate=0.5), _layer(drop_path_rate=0.5)
+    compiled = torch.compile(comp_m, fullgraph=True, backend="aot_eager")
+    x, g = torch.randn(S, B, H), torch.randn(S, B, H)
+    res = []
+    for m in (compiled, eager_m):
+        xi = x.clone().requires_grad_()
+        out = _train_out(m, xi)
+        out.backward(g)
+        res.append((out.detach(), xi.grad))
+    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+    assert not torch.equal(res[1][0], _train_out(_layer(), x))  # something was dropped
+    assert graph_breaks() == 0
+
+
+def test_drop_path_rate_out_of_range_is_named():
+    with pytest.raises(ValueError, match="TransformerLayer tl: drop_path_rate must be in"):
+        te.TransformerLayer(H, 2 * H, HEADS, drop_path_rate=1.5, name="tl")

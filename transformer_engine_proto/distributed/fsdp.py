@@ -302,12 +302,16 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 # ---- the gathered weight inside the module -------------------------------------------------------------
-def gathered_weight_cache(owner: str, weight: QuantizedTensor, key: str, is_first_microbatch) -> List[torch.Tensor]:
+def gathered_weight_cache(owner: str, weight: QuantizedTensor, key: str, is_first_microbatch,
+                          columnwise_read: bool = True) -> List[torch.Tensor]:
     """The buffers of a quantized weight (an FSDP2 quantized all-gather, or a parameter made by
     `quantized_model_init`) in the order the Linear op's weight cache takes them (both usages;
     one stored usage is relayed out into the other where the format allows), after checking
     it suits this call. Only with a recipe active: without one, `QuantizedGemm` dequantizes the
-    weight for a high-precision GEMM."""
+    weight for a high-precision GEMM. `columnwise_read` False (no dgrad will run): a columnwise
+    usage the weight lacks is not built; zero-stride stand-ins of its shapes fill its slots,
+    which is what lets a weight stored for inference (rowwise only, as TE stores one built
+    without grad) run where its format cannot derive the other usage (MXFP8)."""
     if is_first_microbatch is not None:
         raise ValueError(f"{owner}: is_first_microbatch is not supported with a quantized weight (FSDP2 "
                          "quantized all-gather or quantized_model_init): it is quantized already")
@@ -320,12 +324,30 @@ def gathered_weight_cache(owner: str, weight: QuantizedTensor, key: str, is_firs
     q = weight._quantizer
     stored = _stored_buffer_names(key, tuple(weight.shape), q.rowwise_usage, q.columnwise_usage)
     buffers = {n: getattr(weight, n) for n in stored}
-    if any(n not in buffers for n in names[1]):  # attribute reads only: dynamo traces them
+    missing = [n for n in names[1] if n not in buffers]  # attribute reads only: dynamo traces them
+    columnwise = _columnwise_buffer_specs(key, tuple(weight.shape))
+    if missing and not columnwise_read and all(n in columnwise for n in missing):
+        for n in missing:
+            shape, dtype = columnwise[n]
+            buffers[n] = torch.empty((), dtype=dtype, device=weight.device).expand(shape)
+    elif missing:
         meta = {m: getattr(weight, m) for m in type(weight)._META_FIELDS}
         storage = type(weight).storage_class._from_buffers(buffers, shape=tuple(weight.shape), dtype=weight.dtype,
                                                            quantizer=weight._quantizer, **meta)
+        if not storage.derives_usages():
+            raise RuntimeError(f"{owner}: the weight is stored quantized without the {', '.join(missing)} that "
+                               f"backward reads, which a {type(weight).__name__} cannot derive from what it keeps "
+                               "(a model built inside quantized_model_init under torch.no_grad / inference_mode "
+                               "stores its weights for inference, as TE does): build it with grad enabled to train")
         buffers = storage.update_usage(rowwise_usage=True, columnwise_usage=True).get_buffers()
     return [buffers[n] for n in names[1]]
+
+
+@torch._dynamo.assume_constant_result
+def _columnwise_buffer_specs(key: str, shape) -> dict:
+    """name -> (shape, dtype) of the buffers of the weight's columnwise usage (constants to dynamo)."""
+    q = RecipeKey.quantizers(key).weight.with_usage(rowwise=False, columnwise=True)
+    return {n: (tuple(spec.shape), spec.dtype) for n, spec in q.buffer_layout(shape).items()}
 
 
 @torch._dynamo.assume_constant_result

@@ -7,7 +7,7 @@ expert; expert i multiplies its `m_splits[i]` rows by `weight{i}`. Two paths:
   whose rows are 16-byte multiples): one grouped GEMM over an int32 offsets tensor. The splits
   stay data: no host sync, nothing for torch.compile to specialize on. With
   `fuse_wgrad_accumulation` the stacked weights' gradient is added into each weight's
-  `main_grad` (`_StackIntoMainGrad`) instead of `.grad`, as the expert loop's GEMMs do.
+  `main_grad` (`_IntoMainGrad`) instead of `.grad`, as the expert loop's GEMMs do.
 - every recipe (and high precision where the grouped kernel does not apply): a loop over the
   experts, each through its own `QuantizedGemm` (so delayed scaling keeps per-expert amax
   history and scales), exactly what a loop of per-expert `te.Linear` computes. The loop slices
@@ -24,11 +24,18 @@ recompiles once, with the ints that changed made dynamic, and later splits reuse
 `capture_scalar_outputs` for the loop, or on CUDA with a recipe, a list's values stay ints or
 SymInts and new splits recompile.)
 
+TE's `single_grouped_weight` / `single_grouped_bias` (experimental in TE, honoured only with
+`NVTE_GROUPED_LINEAR_SINGLE_PARAM=1`, as there) keep all experts in one parameter, `weight`
+[num_gemms, out, in] / `bias` [num_gemms, out], TE's names and layout: `torch._grouped_mm` reads
+the weight as it is (no stacking copy) and the expert loop reads its per-expert views.
+
 The FP8 grouped GEMM (`torch._scaled_grouped_mm`, rowwise scales, Hopper) is not wired yet:
 `_scaled_grouped_gemm` is the place (see its docstring).
 """
 from __future__ import annotations
 
+import os
+import warnings
 from typing import List, Optional, Sequence, Union
 
 import torch
@@ -38,11 +45,12 @@ from .. import kernels
 from ..autocast import get_fp8_recipe
 from ..capabilities import default_device
 from ..errors import raise_error, shape_str
+from ..quantization import param_init_state
 from ..tensor import QuantizedTensor
 from .base import TransformerEngineBaseModule
 from .fp8_state import FP8StateCheckpoint
 from .linear import _init_weight
-from .quantized_gemm import QuantizedGemm
+from .quantized_gemm import QuantizedGemm, mark_grad_added_to_main_grad
 from .quantized_params import quantize_new_weights
 
 __all__ = ["GroupedLinear", "grouped_mm_supported"]
@@ -110,29 +118,42 @@ def _at_least_one_row(x: torch.Tensor, m) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, 0, 0, torch.sym_max(m, 1) - m))
 
 
-class _StackIntoMainGrad(torch.autograd.Function):
-    """`torch.stack` of the first `n` tensors (the weights); the rest are their `main_grad`
-    buffers (None for a weight that needs no gradient). Backward adds each weight's gradient
-    into its `main_grad` and gives the weight none: `fuse_wgrad_accumulation` as a `Linear`
-    backward does it (`.grad` stays None), for the one grouped GEMM over all experts."""
+class _IntoMainGrad(torch.autograd.Function):
+    """The identity on the experts' weights stacked [n, out, in]; the other arguments are each
+    expert's `main_grad` (None for a weight that needs no gradient). Backward adds each expert's
+    gradient into its `main_grad` and gives the weights none: `fuse_wgrad_accumulation` as a
+    `Linear` backward does it (`.grad` stays None), for the one grouped GEMM over all experts."""
 
     @staticmethod
-    def forward(ctx, n: int, *tensors):
-        ctx.main_grads = tensors[n:]
-        return torch.stack(tensors[:n])
+    def forward(ctx, stacked, *main_grads):
+        ctx.main_grads = main_grads
+        return stacked.view_as(stacked)
 
     @staticmethod
     def backward(ctx, grad):
         for main_grad, g in zip(ctx.main_grads, grad.unbind(0)):
             if main_grad is not None:
                 main_grad.add_(g)
-        return (None,) * (1 + 2 * len(ctx.main_grads))
+        return (None,) * (1 + len(ctx.main_grads))
+
+
+def _single_param_flags(name: str, weight: bool, bias: bool):
+    """TE's gate on its experimental single grouped parameters: without
+    NVTE_GROUPED_LINEAR_SINGLE_PARAM=1 a request falls back to per-expert parameters with a
+    warning, so the same code and environment give TE's parameter layout."""
+    if (weight or bias) and int(os.environ.get("NVTE_GROUPED_LINEAR_SINGLE_PARAM", "0")) <= 0:
+        warnings.warn(f"{name}: GroupedLinear was constructed with single_grouped_weight={weight} and "
+                      f"single_grouped_bias={bias}, but NVTE_GROUPED_LINEAR_SINGLE_PARAM is not set: using "
+                      "per-expert parameters, as TE does", UserWarning, stacklevel=3)
+        return False, False
+    return weight, bias
 
 
 class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
     """Drop-in for `transformer_engine.pytorch.GroupedLinear`: `num_gemms` experts, each
     y_i = x_i W_i^T + b_i on its own rows. Parameters `weight0..weight{n-1}` ([out, in]) and
-    `bias0..bias{n-1}` as TE names them. Arguments after `out_features` are keyword-only.
+    `bias0..bias{n-1}` as TE names them (or one `weight` / `bias`: `single_grouped_weight`).
+    Arguments after `out_features` are keyword-only.
 
     Parameters
     ----------
@@ -145,20 +166,24 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
     bias : bool, default = True
         Learn a bias per expert, initialized to zero.
     return_bias : bool, default = False
-        Leave the biases out of the output and return `(out, [bias0, ..., bias{n-1}])`.
+        Leave the biases out of the output and return `(out, [bias0, ..., bias{n-1}])` (with
+        `single_grouped_bias`, `(out, bias)`: the [num_gemms, out] parameter, as TE).
     params_dtype : torch.dtype, default = None
         dtype of the parameters; None is `torch.get_default_dtype()`.
     device : torch.device or str, default = None
         Where the parameters are created; None: CUDA when available, as in TE
         (a default device the user set wins), else the CPU.
     init_method : Callable, default = None
-        Called as `init_method(weight)` on each expert's weight. None is `nn.Linear`'s
-        Kaiming-uniform init (TE's: a normal with std 0.023).
+        Called as `init_method(weight)` on each expert's weight (its [out, in] slice with
+        `single_grouped_weight`). None is `nn.Linear`'s Kaiming-uniform init (TE's: a normal
+        with std 0.023).
     fuse_wgrad_accumulation : bool, default = False
         Add each expert's weight gradient into its `main_grad` (an fp32 buffer the caller sets;
-        forward raises a RuntimeError without it) instead of producing `.grad`, on both paths.
+        forward raises a RuntimeError without it; with `single_grouped_weight` one
+        [num_gemms, out, in] buffer on `weight`) instead of producing `.grad`, on both paths.
         The `torch._grouped_mm` path adds the grouped GEMM's bf16 weight gradient; the per-expert
-        loop, like `Linear`, computes it in fp32.
+        loop, like `Linear`, computes it in fp32. A weight with a `grad_added_to_main_grad`
+        attribute (Megatron-LM's) gets it set to True once backward has added into `main_grad`.
     save_original_input : bool, default = False
         Save each expert's high-precision input for backward instead of its quantized copy (the
         per-expert loop).
@@ -182,16 +207,27 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
     use_grouped_tensor : bool, default = None
         High precision only: None or True run all experts in one `torch._grouped_mm` where it
         applies (bf16 input and weights, CPU or CUDA compute capability 9.0+, feature rows that are
-        16-byte multiples); False always runs the per-expert loop. Recipes always loop.
+        16-byte multiples); False always runs the per-expert loop. Recipes always loop. TE also
+        ties its single grouped parameters to its native grouped path; here they run on either.
+    single_grouped_weight : bool, default = False
+        All experts' weights in one parameter `weight` [num_gemms, out, in] (TE's name and
+        layout; `weight0..` are None), each expert initialized as its own weight would be. As in
+        TE, only with the environment variable NVTE_GROUPED_LINEAR_SINGLE_PARAM=1; otherwise a
+        warning and per-expert weights. Not inside `quantized_model_init` (`NotImplementedError`).
+    single_grouped_bias : bool, default = False
+        All experts' biases in one parameter `bias` [num_gemms, out], under the same variable.
 
     Any other keyword (`ub_*`, ...) is a `TypeError`."""
+
+    single_grouped_weight = single_grouped_bias = False
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, *, bias: bool = True,
                  return_bias: bool = False, params_dtype: Optional[torch.dtype] = None, device=None,
                  init_method=None, fuse_wgrad_accumulation: bool = False, save_original_input: bool = False,
                  name: Optional[str] = None, sequence_parallel: bool = False, tp_group=None, tp_size: int = 1,
                  parallel_mode: Optional[str] = None, get_rng_state_tracker=None, rng_tracker_name=None,
-                 delay_wgrad_compute: bool = False, use_grouped_tensor: Optional[bool] = None, **unsupported):
+                 delay_wgrad_compute: bool = False, use_grouped_tensor: Optional[bool] = None,
+                 single_grouped_weight: bool = False, single_grouped_bias: bool = False, **unsupported):
         super().__init__(name)
         if unsupported:
             raise TypeError(f"{self.name}: GroupedLinear: unsupported arguments {sorted(unsupported)}")
@@ -205,6 +241,13 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
             raise NotImplementedError(f"{self.name}: get_rng_state_tracker / rng_tracker_name are not supported")
         if delay_wgrad_compute:
             raise NotImplementedError(f"{self.name}: delay_wgrad_compute=True is not supported")
+        single_grouped_weight, single_grouped_bias = _single_param_flags(self.name, single_grouped_weight,
+                                                                         single_grouped_bias)
+        if single_grouped_weight and param_init_state().enabled:
+            raise NotImplementedError(f"{self.name}: GroupedLinear(single_grouped_weight=True) inside "
+                                      "quantized_model_init is not supported (each expert's weight is stored "
+                                      "quantized on its own): use single_grouped_weight=False")
+        self.single_grouped_weight, self.single_grouped_bias = single_grouped_weight, single_grouped_bias and bias
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.return_bias, self.use_bias = return_bias, bias
         self.fuse_wgrad_accumulation, self.save_original_input = fuse_wgrad_accumulation, save_original_input
@@ -217,16 +260,40 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
             self.register_parameter(f"weight{i}", w)
             b = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
             self.register_parameter(f"bias{i}", b)
+        if single_grouped_weight:
+            self._pack_parameters("weight")
+        if self.single_grouped_bias:
+            self._pack_parameters("bias")
         self.gemms = nn.ModuleList(QuantizedGemm(device) for _ in range(num_gemms))
         quantize_new_weights(self)  # inside quantized_model_init: each expert's weight is stored quantized
 
+    def _pack_parameters(self, kind: str) -> None:
+        """TE's packing into a single grouped parameter: the experts' initialized `<kind>{i}`
+        stacked into one parameter `<kind>` [num_gemms, ...], the per-expert names kept as None."""
+        names = [f"{kind}{i}" for i in range(self.num_gemms)]
+        with torch.no_grad():
+            packed = torch.stack([getattr(self, n) for n in names])
+        for n in names:
+            self.register_parameter(n, None)
+        self.register_parameter(kind, nn.Parameter(packed))
+
     @property
     def weights(self) -> List[torch.Tensor]:
+        """Each expert's weight [out, in] (views of `weight` with `single_grouped_weight`)."""
+        if self.single_grouped_weight:
+            return list(self.weight.unbind(0))
         return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
 
     @property
     def biases(self) -> List[Optional[torch.Tensor]]:
+        """Each expert's bias [out] or None (views of `bias` with `single_grouped_bias`)."""
+        if self.single_grouped_bias:
+            return list(self.bias.unbind(0))
         return [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+
+    def _stacked_weight(self) -> torch.Tensor:
+        """The experts' weights as one [n, out, in] tensor: the parameter itself when single."""
+        return self.weight if self.single_grouped_weight else torch.stack(self.weights)
 
     def gemm_weights(self):
         return list(zip(self.gemms, self.weights))
@@ -327,9 +394,9 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
         recipe = get_fp8_recipe()
         # weights stored quantized (quantized_model_init) are read by the per-expert GEMMs
         grouped = (recipe is None and self.use_grouped_tensor is not False
-                   and not isinstance(self.weight0, QuantizedTensor)
+                   and not isinstance(self._weight_params()[0], QuantizedTensor)
                    and grouped_mm_supported(inp.device, inp.dtype, self.in_features, self.out_features)
-                   and inp.dtype == self.weight0.dtype)
+                   and inp.dtype == self._weight_params()[0].dtype)
         refusal = None
         if torch.compiler.is_dynamo_compiling() and not grouped:
             refusal = self._graph_sizes_refusal(inp.device, recipe is not None)
@@ -343,7 +410,7 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
         if out is None:
             out = self._expert_loop(inp, splits, sizes, tokens, bias_in_gemm, is_first_microbatch)
         if self.return_bias:
-            return out, self.biases
+            return out, (self.bias if self.single_grouped_bias else self.biases)
         return out
 
     def _grouped_mm(self, inp, splits, sizes, tokens, with_bias: bool) -> torch.Tensor:
@@ -359,12 +426,10 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
                 total += s
                 ends.append(total)
             offsets = torch.tensor(ends, dtype=torch.int32, device=inp.device)
-        weights = self.weights
-        if self.fuse_wgrad_accumulation and any(w.requires_grad for w in weights):
-            main_grads = [self._main_grad(i, w) if w.requires_grad else None for i, w in enumerate(weights)]
-            stacked = _StackIntoMainGrad.apply(len(weights), *weights, *main_grads)  # [n, out, in]
-        else:
-            stacked = torch.stack(weights)  # [n, out, in]
+        stacked = self._stacked_weight()  # [n, out, in]
+        if self.fuse_wgrad_accumulation and stacked.requires_grad:
+            stacked = _IntoMainGrad.apply(stacked, *self._main_grads())
+            mark_grad_added_to_main_grad(self._weight_params(), stacked)
         out = torch._grouped_mm(inp, stacked.transpose(-2, -1), offs=offsets)
         if with_bias:
             # each row's expert: the first offset past the row
@@ -374,12 +439,24 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
             out = (out.float() + torch.stack(self.biases).float()[expert]).to(out.dtype)
         return out
 
-    def _main_grad(self, i: int, weight: torch.Tensor) -> torch.Tensor:
-        main_grad = getattr(weight, "main_grad", None)
-        if main_grad is None:
-            raise_error(RuntimeError, f"{self.name}: fuse_wgrad_accumulation=True needs weight{i}.main_grad "
-                                      "(an fp32 buffer) to be set")
-        return main_grad
+    def _weight_params(self) -> List[torch.Tensor]:
+        """The weight parameters: `weight`, or `weight0..`."""
+        return [self.weight] if self.single_grouped_weight else self.weights
+
+    def _main_grads(self) -> List[Optional[torch.Tensor]]:
+        """Each expert's `main_grad`, None where its weight needs no gradient (`fuse_wgrad_accumulation`):
+        with `single_grouped_weight`, the slices of `weight.main_grad`."""
+        names = ["weight"] if self.single_grouped_weight else [f"weight{i}" for i in range(self.num_gemms)]
+        main_grads = []
+        for name, w in zip(names, self._weight_params()):
+            main_grad = getattr(w, "main_grad", None) if w.requires_grad else None
+            if w.requires_grad and main_grad is None:
+                raise_error(RuntimeError, f"{self.name}: fuse_wgrad_accumulation=True needs {name}.main_grad "
+                                          "(an fp32 buffer) to be set")
+            main_grads.append(main_grad)
+        if self.single_grouped_weight:
+            return [None] * self.num_gemms if main_grads[0] is None else list(main_grads[0].unbind(0))
+        return main_grads
 
     def _expert_loop(self, inp, splits, sizes, tokens, with_bias: bool, is_first_microbatch) -> torch.Tensor:
         """One quantized GEMM per expert on its slice of the tokens (what a loop of te.Linear does)."""
@@ -388,13 +465,18 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
         one_row = sizes is None and recipe is not None and not recipe.float8_per_tensor_scaling()
         if sizes is None:
             sizes = self._sizes_in_graph(splits, tokens)
+        fuse = self.fuse_wgrad_accumulation
+        main_grads = self._main_grads() if fuse else [None] * self.num_gemms
         outs = []
-        for gemm, x, w, b, m in zip(self.gemms, torch.split(inp, sizes), self.weights, self.biases, sizes):
+        for gemm, x, w, b, m, main_grad in zip(self.gemms, torch.split(inp, sizes), self.weights, self.biases, sizes,
+                                               main_grads):
             if one_row:
                 x = _at_least_one_row(x, m)
             y = gemm(x, w, b if with_bias else None, is_first_microbatch=is_first_microbatch,
-                     save_original_input=self.save_original_input,
-                     fuse_wgrad_accumulation=self.fuse_wgrad_accumulation)
+                     save_original_input=self.save_original_input, fuse_wgrad_accumulation=fuse,
+                     main_grad=main_grad)
+            if fuse and self.single_grouped_weight and main_grad is not None:
+                mark_grad_added_to_main_grad([self.weight], y)  # the GEMM sees a view, not the parameter
             outs.append(y[:m] if one_row else y)
         return torch.cat(outs)
 

@@ -64,7 +64,8 @@ class LayerNormLinear(ParallelLinearMixin, NormFusedModule):
         beta = 0.
     fuse_wgrad_accumulation : bool, default = False
         Add the weight gradient into `weight.main_grad` (an fp32 buffer the caller sets; forward
-        raises a RuntimeError without it) instead of producing `weight.grad`.
+        raises a RuntimeError without it) instead of producing `weight.grad`; sets
+        `weight.grad_added_to_main_grad`, where present, as `Linear`.
     return_bias : bool, default = False
         Leave the bias out of the output and return it after the output, so the caller can fuse
         the add.

@@ -145,7 +145,8 @@ class LayerNormMLP(NormFusedModule):
         Initializes fc2's weight; None uses `init_method`.
     fuse_wgrad_accumulation : bool, default = False
         Add each weight gradient into its `main_grad` (fp32 buffers the caller sets; forward raises
-        a RuntimeError without them) instead of producing `.grad`.
+        a RuntimeError without them) instead of producing `.grad`; sets each weight's
+        `grad_added_to_main_grad`, where present, as `Linear`.
     return_bias : bool, default = False
         Leave fc2's bias out of the output and return it after the output, so the caller can fuse
         the add (fc1's bias is always added).

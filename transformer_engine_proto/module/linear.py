@@ -163,8 +163,10 @@ class Linear(FP8StateCheckpoint, ParallelLinearMixin, TransformerEngineBaseModul
         normal with std 0.023).
     fuse_wgrad_accumulation : bool, default = False
         Add the weight gradient into `weight.main_grad`, an fp32 buffer the caller sets (forward
-        raises a RuntimeError without it), instead of producing `weight.grad`. Not with FSDP2's
-        quantized all-gather (`enable_quantized_all_gather` raises).
+        raises a RuntimeError without it), instead of producing `weight.grad`; a
+        `weight.grad_added_to_main_grad` attribute (Megatron-LM's) is set to True once backward has
+        added into it, as TE does. Not with FSDP2's quantized all-gather
+        (`enable_quantized_all_gather` raises).
     save_original_input : bool, default = False
         Save the high-precision input for backward instead of its quantized copy; backward
         quantizes it again for wgrad.

@@ -13,7 +13,18 @@ from ..distributed import tp as _tp
 from .base import TransformerEngineBaseModule, rename_state_dict_keys
 from .fp8_state import FP8StateCheckpoint
 
-__all__ = ["LayerNorm", "RMSNorm", "NormFusedModule", "init_norm_parameters"]
+__all__ = ["LayerNorm", "RMSNorm", "NormFusedModule", "init_norm_parameters", "autocast_operands"]
+
+
+def autocast_operands(inp: torch.Tensor, *params: Optional[torch.Tensor]) -> tuple:
+    """`(inp, *params)` cast to torch.autocast's dtype where it is on for the input's device, else
+    as given. TE's LayerNorm / RMSNorm compute in that dtype (its ops' `maybe_autocast_dtype`), so
+    under AMP their output has it; autograd returns each gradient in its own tensor's dtype."""
+    device = inp.device.type
+    if not torch.is_autocast_enabled(device):
+        return (inp, *params)
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(None if t is None else t.to(dtype) for t in (inp, *params))
 
 
 def init_norm_parameters(module: nn.Module, hidden_size: int, normalization: str, eps: float,
@@ -101,7 +112,8 @@ class _Norm(TransformerEngineBaseModule):
                              params_dtype or torch.get_default_dtype(), device)
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
-        """The norm over the last dimension, computed in float32, returned in the input's dtype.
+        """The norm over the last dimension, computed in float32, returned in the input's dtype
+        (under torch.autocast, as in TE: the input and parameters cast to its dtype).
 
         Parameters
         ----------
@@ -109,7 +121,8 @@ class _Norm(TransformerEngineBaseModule):
             [..., hidden_size], float32, bfloat16 or float16.
         """
         self._check_input(inp, self.hidden_size)
-        return norm(inp, self.weight, self.bias, self.eps, self.normalization, self.zero_centered_gamma)
+        inp, weight, bias = autocast_operands(inp, self.weight, self.bias)
+        return norm(inp, weight, bias, self.eps, self.normalization, self.zero_centered_gamma)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}, name={self.name!r}"

@@ -150,10 +150,12 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
     # ---- the call: named steps ----------------------------------------------------------------
     def forward(self, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                 is_first_microbatch: Optional[bool] = None, save_original_input: bool = False,
-                fuse_wgrad_accumulation: bool = False, inp_quantized=(), sequence_gather=None) -> torch.Tensor:
+                fuse_wgrad_accumulation: bool = False, inp_quantized=(), sequence_gather=None,
+                main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`inp_quantized`: the input's buffers from a fused norm + quantize (`wants_quantized_input`).
         `sequence_gather`: (TP group name, tp size) when `inp` is a sequence-parallel dim-0 shard
-        to all-gather before the GEMM (column parallel + SP)."""
+        to all-gather before the GEMM (column parallel + SP). `main_grad`: where the fused wgrad
+        accumulates when `weight` is a view of the parameter holding it (None: `weight.main_grad`)."""
         recipe = entered_recipe()  # the settings this autocast block entered with
         key = self.recipe_key()
         delayed = isinstance(recipe, R.DelayedScaling)
@@ -161,12 +163,14 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         if recipe is None and isinstance(weight, QuantizedTensor):  # no recipe: a high-precision GEMM
             weight = dequantized_weight(weight)
         if is_first_microbatch is not None or isinstance(weight, QuantizedTensor):
-            cache_mode, cache = self._weight_cache(recipe, key, weight, is_first_microbatch)
+            dgrad = torch.is_grad_enabled() and inp.requires_grad
+            cache_mode, cache = self._weight_cache(recipe, key, weight, is_first_microbatch, dgrad)
         # te.checkpoint's recompute: the first forward's scales, no history update, no amax recorded
         record = delayed and not in_activation_recompute_phase()
         if record:
             self._check_history_len(recipe, weight)
-        main_grad = _main_grad(weight) if fuse_wgrad_accumulation and weight.requires_grad else None
+        fused_wgrad = fuse_wgrad_accumulation and weight.requires_grad
+        main_grad = (_main_grad(weight) if main_grad is None else main_grad) if fused_wgrad else None
         # precision debug tools: a layer with an active debug feature takes the debug GEMM path
         debug_linear = _debug_gemm.linear_for(self, recipe is not None)
         debugging = debug_linear is not None
@@ -194,6 +198,8 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
                 self.record_amax(sp_amax.detach())
         for buf, new in zip(cache, new_cache):
             buf.copy_(new.detach())
+        if fused_wgrad:
+            mark_grad_added_to_main_grad([weight], out)
         return out
 
     def _forward_scale(self) -> torch.Tensor:
@@ -213,13 +219,13 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         scales.append(self.fp8_scale.clone())
         return self.fp8_scale
 
-    def _weight_cache(self, recipe, key: str, weight, is_first_microbatch):
+    def _weight_cache(self, recipe, key: str, weight, is_first_microbatch, dgrad: bool = True):
         """(cache mode, cache buffers) of this call. A weight FSDP2 gathered already quantized
         (distributed/fsdp.py) enters as the cache: its delayed-scaling update and weight amax were
-        done in the pre-all-gather hook."""
+        done in the pre-all-gather hook. `dgrad`: whether backward may read the weight's columnwise usage."""
         if isinstance(weight, QuantizedTensor):
             return linear_ops.CACHE_USE, _fsdp.gathered_weight_cache(type(self).__name__, weight, key,
-                                                                     is_first_microbatch)
+                                                                     is_first_microbatch, dgrad)
         if recipe is None:
             return linear_ops.CACHE_OFF, []
         if self._cache_for != (key, tuple(weight.shape), weight.dtype):
@@ -263,6 +269,27 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         scale = self.fp8_scale[0:1] if delayed else None
         full, amax, buffers = _sp_gather.all_gather_quantized(inp, scale, group, world, key, layout, columnwise)
         return full, buffers, (amax if delayed else None)
+
+
+def mark_grad_added_to_main_grad(params, out: torch.Tensor) -> None:
+    """Megatron-LM's DDP adds a parameter's `.grad` into its `main_grad` unless the parameter's
+    `grad_added_to_main_grad` is True; TE sets it, on parameters that have the attribute, once
+    backward has added the weight gradient into `main_grad`. Eager: a hook on `out`'s backward
+    node (the one that accumulates) sets it after that node ran. A compiled backward runs no
+    Python, so under torch.compile it is set in forward instead, a side effect dynamo replays on
+    every call. Nothing is set when no backward will run (grad mode off)."""
+    params = [p for p in params if hasattr(p, "grad_added_to_main_grad")]
+    if not params or not torch.is_grad_enabled():
+        return
+
+    def set_flags(*_):
+        for p in params:
+            p.grad_added_to_main_grad = True
+
+    if torch.compiler.is_compiling():
+        set_flags()
+    elif out.grad_fn is not None:
+        out.grad_fn.register_hook(set_flags)
 
 
 def _main_grad(weight):

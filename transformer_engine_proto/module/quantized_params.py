@@ -4,9 +4,12 @@ A module built inside `quantized_model_init` replaces each GEMM weight by a Para
 QuantizedTensor. The Linear op takes it as is, as it takes an FSDP2 quantized all-gather (its
 buffers enter as the weight cache). Formats whose two usages are exact relayouts of each other
 (per-tensor FP8, 128x128 blockwise, 2D NVFP4) store one usage and build the other per step;
-MXFP8 stores both. An optimizer step on the parameter re-quantizes the updated value into it
-(`QuantizedTensor` in-place write-back); keep fp32 master weights in the optimizer for training
-that needs updates below the format's resolution (`preserve_high_precision_init_val` seeds them).
+MXFP8 stores both, unless the module is built without grad (`torch.no_grad()` /
+`inference_mode()`): then, as in TE, only the rowwise usage is stored, for inference, and
+training it (dgrad) is an error naming the cause. An optimizer step on the parameter
+re-quantizes the updated value into it (`QuantizedTensor` in-place write-back); keep fp32 master
+weights in the optimizer for training that needs updates below the format's resolution
+(`preserve_high_precision_init_val` seeds them).
 """
 from __future__ import annotations
 
@@ -32,6 +35,8 @@ def weight_param_quantizer(recipe: R.Recipe) -> Quantizer:
 
 def _quantized_parameter(weight: torch.Tensor, recipe: R.Recipe, keep_init_val: bool, owner: str) -> nn.Parameter:
     q = weight_param_quantizer(recipe)
+    if not torch.is_grad_enabled():  # built for inference, as TE: no columnwise usage (what dgrad reads)
+        q = q.with_usage(rowwise=True, columnwise=False)
     try:
         q.check_shape(tuple(weight.shape))
     except ValueError as e:

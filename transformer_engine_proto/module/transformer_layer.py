@@ -130,8 +130,14 @@ class TransformerLayer(TransformerEngineBaseModule):
     qkv_weight_interleaved : bool, default = True
         With `fuse_qkv_params`: the fused QKV rows are grouped per KV head (else [Q; K; V]), as
         `MultiheadAttention`'s; ignored without it.
+    drop_path_rate : float, default = 0.0
+        Stochastic depth in training (TE's `DropPath`): after the hidden dropout, each residual
+        branch (attention, MLP; their sum with `parallel_attention_mlp`) is dropped whole per
+        index of dim 0 (as TE: the sequence in "sbhd", the batch in "bshd") with this
+        probability, and scaled by 1 / (1 - rate) where kept. 1.0 drops every branch (TE's
+        division by zero gives NaN there). Identity in eval mode and at 0.
 
-    TE's other keywords (`drop_path_rate`, `set_parallel_mode`, `ub_*`, ...) are a `TypeError`."""
+    TE's other keywords (`set_parallel_mode`, `ub_*`, ...) are a `TypeError`."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int, *,
                  num_gqa_groups: Optional[int] = None, layernorm_epsilon: float = 1e-5, hidden_dropout: float = 0.1,
@@ -147,7 +153,7 @@ class TransformerLayer(TransformerEngineBaseModule):
                  sequence_parallel: bool = False, layer_type: str = "encoder",
                  apply_residual_connection_post_layernorm: bool = False, output_layernorm: bool = False,
                  parallel_attention_mlp: bool = False, fuse_qkv_params: bool = False,
-                 qkv_weight_interleaved: bool = True):
+                 qkv_weight_interleaved: bool = True, drop_path_rate: float = 0.0):
         super().__init__(name)
         who = f"TransformerLayer {self.name}"
         flags = dict(apply_residual_connection_post_layernorm=apply_residual_connection_post_layernorm,
@@ -172,12 +178,15 @@ class TransformerLayer(TransformerEngineBaseModule):
         if isinstance(want, int) and want > 1 and num_attention_heads % want:
             raise ValueError(f"{self.name}: num_attention_heads={num_attention_heads} is not divisible by "
                              f"tp_size={want} (heads are split across tensor-parallel ranks)")
+        if not 0.0 <= drop_path_rate <= 1.0:
+            raise ValueError(f"{who}: drop_path_rate must be in [0, 1], got {drop_path_rate!r}")
         self_attn_mask_type = canonical_mask_type(f"TransformerLayer {self.name}", self_attn_mask_type)
         if attn_input_format not in ("sbhd", "bshd", "thd"):
             raise ValueError(f"{who}: attn_input_format must be 'sbhd', 'bshd' or 'thd', got {attn_input_format!r}")
         self.hidden_size, self.num_heads = hidden_size, num_attention_heads
         self.self_attn_mask_type, self.attn_input_format = self_attn_mask_type, attn_input_format
         self.hidden_dropout, self.attention_dropout = hidden_dropout, attention_dropout
+        self.drop_path_rate = float(drop_path_rate)
         self.apply_residual_connection_post_layernorm = apply_residual_connection_post_layernorm
         self.output_layernorm, self.parallel_attention_mlp = output_layernorm, parallel_attention_mlp
         common = dict(params_dtype=params_dtype, device=device, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
@@ -290,7 +299,19 @@ class TransformerLayer(TransformerEngineBaseModule):
         return self.layernorm(out) if self.output_layernorm else out
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
-        return F.dropout(x, self.hidden_dropout, self.training)
+        """A residual branch's hidden dropout, then its drop path."""
+        return drop_path(F.dropout(x, self.hidden_dropout, self.training), self.drop_path_rate, self.training)
+
+
+def drop_path(x: torch.Tensor, rate: float, training: bool) -> torch.Tensor:
+    """TE's `DropPath` (stochastic depth): in training, each index of dim 0 keeps its slice with
+    probability 1 - rate, scaled by 1 / (1 - rate) so the expectation is unchanged, or zeroes it.
+    The same ops as TE's (a uniform draw in x's dtype, floored), so a seed draws the same mask."""
+    if rate == 0.0 or not training:
+        return x
+    keep = 1.0 - rate
+    mask = (keep + torch.rand((x.shape[0],) + (1,) * (x.dim() - 1), dtype=x.dtype, device=x.device)).floor_()
+    return x.div(keep) * mask if keep > 0.0 else x * mask
 
 
 def _load_older_state_dict(module, state_dict, prefix, *args):

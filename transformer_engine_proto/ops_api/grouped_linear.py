@@ -3,7 +3,7 @@
 It is `te.GroupedLinear` (module/grouped_linear.py) with TE's operation arguments and calling
 convention: the split sizes are the extra input, `op(x, split_sizes)`, so a `Sequential` of it,
 an activation and another `GroupedLinear` is an MoE expert MLP. Every recipe runs per group, as in
-the module; parameters are TE's `weight0..`, `bias0..`.
+the module; parameters are TE's `weight0..`, `bias0..` (or its single grouped `weight` / `bias`).
 """
 from __future__ import annotations
 
@@ -43,7 +43,9 @@ class GroupedLinear(_GroupedLinearModule, BasicOperation):
         Add each group's weight gradient into `weight{i}.main_grad` (an fp32 buffer the caller
         sets) instead of producing `.grad`.
     single_grouped_weight, single_grouped_bias : bool, default = False
-        TE's experimental single `GroupedTensor` parameter: only False (`NotImplementedError`).
+        TE's experimental single grouped parameters, `weight` [num_groups, out, in] / `bias`
+        [num_groups, out], as the module's (honoured with NVTE_GROUPED_LINEAR_SINGLE_PARAM=1,
+        as in TE); `accumulate_into_main_grad` then reads `weight.main_grad`.
     delay_wgrad_compute : bool, default = False
         Only False (`NotImplementedError`).
     scale_bias : bool, default = False
@@ -59,15 +61,14 @@ class GroupedLinear(_GroupedLinearModule, BasicOperation):
                  single_grouped_bias: bool = False, delay_wgrad_compute: bool = False, scale_bias: bool = False
                  ) -> None:
         refused = [name for name, value in (("rng_state_tracker_function", rng_state_tracker_function),
-                                            ("single_grouped_weight", single_grouped_weight),
-                                            ("single_grouped_bias", single_grouped_bias),
                                             ("scale_bias", scale_bias and bias)) if value]
         if refused:
             raise NotImplementedError(f"te.ops.GroupedLinear: {', '.join(refused)} is not supported (leave the "
                                       "default)")
         super().__init__(num_groups, in_features, out_features, bias=bias,
                          params_dtype=param_dtype("te.ops.GroupedLinear", dtype), device=device,
-                         fuse_wgrad_accumulation=accumulate_into_main_grad, delay_wgrad_compute=delay_wgrad_compute)
+                         fuse_wgrad_accumulation=accumulate_into_main_grad, delay_wgrad_compute=delay_wgrad_compute,
+                         single_grouped_weight=single_grouped_weight, single_grouped_bias=single_grouped_bias)
 
     @property
     def num_groups(self) -> int:

@@ -1,6 +1,6 @@
 """`LayerNorm` and `RMSNorm` operations on the `te_proto::norm_*` custom ops (as `te.LayerNorm` /
-`te.RMSNorm`: statistics in float32, output in the input's dtype), and the parameter-free
-`L2Normalization` in torch operations.
+`te.RMSNorm`: statistics in float32, output in the input's dtype, or torch.autocast's), and the
+parameter-free `L2Normalization` in torch operations.
 
 A `normalized_shape` of several dims normalizes over the input's trailing dims together: the op
 flattens them into one, which is the same computation.
@@ -16,6 +16,7 @@ from torch import nn
 from ..capabilities import default_device
 from ..custom_ops.norm import norm
 from ..errors import raise_error
+from ..module.normalization import autocast_operands
 from .linear import param_dtype
 from .op import BasicOperation
 
@@ -74,12 +75,13 @@ class _NormOp(BasicOperation):
         if input.dim() < k or tuple(input.shape[input.dim() - k:]) != self.normalized_shape:
             raise_error(ValueError, f"{type(self).__name__}: the input's trailing dims must be "
                                     f"{list(self.normalized_shape)}")
+        x, weight, bias = autocast_operands(input, self.weight, self.bias)
         if k == 1:
-            return norm(input, self.weight, self.bias, self.eps, self._KIND, self.zero_centered_gamma)
-        flat = input.reshape(*input.shape[:input.dim() - k], math.prod(self.normalized_shape))
-        bias = None if self.bias is None else self.bias.reshape(-1)
-        out = norm(flat, self.weight.reshape(-1), bias, self.eps, self._KIND, self.zero_centered_gamma)
-        return out.reshape(input.shape)
+            return norm(x, weight, bias, self.eps, self._KIND, self.zero_centered_gamma)
+        flat = x.reshape(*x.shape[:x.dim() - k], math.prod(self.normalized_shape))
+        bias = None if bias is None else bias.reshape(-1)
+        out = norm(flat, weight.reshape(-1), bias, self.eps, self._KIND, self.zero_centered_gamma)
+        return out.reshape(x.shape)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"
