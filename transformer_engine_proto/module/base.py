@@ -27,14 +27,24 @@ _DEFAULT_NAMES = {"LayerNormLinear": "layernorm_linear", "LayerNormMLP": "layern
 # ---- end debug
 
 
-class TransformerEngineBaseModule(GemmOwner, nn.Module):
-    """Registers itself so `autocast` can prepare recipe state before any compiled graph runs."""
+class _RegisteredWhenBuilt(type):
+    """Registers a module with `autocast` once its constructor has returned: a constructor that
+    raises (an unsupported argument) leaves no half-built module for the next autocast entry to
+    prepare."""
+
+    def __call__(cls, *args, **kwargs):
+        module = super().__call__(*args, **kwargs)
+        FP8GlobalState.register_module(module)
+        return module
+
+
+class TransformerEngineBaseModule(GemmOwner, nn.Module, metaclass=_RegisteredWhenBuilt):
+    """Registered (when built) so `autocast` can prepare recipe state before any compiled graph runs."""
 
     def __init__(self, name: Optional[str] = None):
         super().__init__()
         prefix = _DEFAULT_NAMES.get(type(self).__name__, type(self).__name__.lower())
         self.name = name if name is not None else f"{prefix}_{next(_counter)}"
-        FP8GlobalState.register_module(self)
 
     _tp_group_name = None  # tensor-parallel modules set it (the group is kept by name)
 
