@@ -31,7 +31,6 @@ from ..distributed import amax_reduction as _amax_reduction
 from ..distributed import fsdp as _fsdp
 from ..distributed import sp_gather as _sp_gather
 from ..distributed import tp as _tp
-from ..errors import raise_error
 from ..precision import policy as _policy
 from ..tensor import QuantizedTensor, TensorProto
 from .quantized_params import dequantized_weight
@@ -90,7 +89,9 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         if not (policy or self.pinned_precision) or key == RecipeKey.HIGH_PRECISION:
             return key
         pins = self.pinned_precision
-        if isinstance(weight, QuantizedTensor):  # stored quantized: fprop and dgrad read it as it is
+        if isinstance(weight, QuantizedTensor):
+            # stored quantized: the policy keeps fprop / dgrad on its bytes (in high precision they
+            # read it dequantized, a cost its table does not price); explicit pins still apply
             pins = _policy.with_default_pins(pins, fprop=_policy.RECIPE, dgrad=_policy.RECIPE)
         return _policy.key_with_policy_precision(key, policy, pins, self._debug_uid, str(inp.device),
                                                  inp.numel() // inp.shape[-1], weight.shape[0], weight.shape[1],
@@ -177,8 +178,8 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
             inp, inp_quantized, sp_amax = self._gather_input(
                 inp, weight, key, delayed, sequence_gather, not debugging and not save_original_input)
         op_key = self.op_key(key, inp, weight)
-        if isinstance(weight, QuantizedTensor):
-            _check_stored_weight_precision(op_key)
+        if isinstance(weight, QuantizedTensor) and RecipeKey.high_precision_gemms(op_key) & {"fprop", "dgrad"}:
+            weight = dequantized_weight(weight)  # what a high-precision fprop / dgrad reads, as in TE
         out, amaxes, new_cache = (debug_linear or linear_ops.linear)(
             inp, weight, bias, key=op_key,
             fp8_scale=self._forward_scale() if delayed else None,
@@ -272,12 +273,3 @@ def _main_grad(weight):
         raise RuntimeError("fuse_wgrad_accumulation=True needs weight.main_grad (an fp32 buffer) to be set")
     return main_grad
 
-
-def _check_stored_weight_precision(op_key: str) -> None:
-    """A weight stored quantized has no high-precision copy for fprop / dgrad to read."""
-    if RecipeKey.high_precision_gemms(op_key) & {"fprop", "dgrad"}:
-        raise_error(NotImplementedError,
-                    "fprop / dgrad pinned to bf16 (pin_gemm_precision, or dgrad by the recipe's "
-                    "backward_override='high_precision') on a weight stored quantized "
-                    "(quantized_model_init or an FSDP2 quantized all-gather): the weight exists only "
-                    "quantized; unpin them for this layer")
