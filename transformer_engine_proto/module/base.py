@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import warnings
 from typing import Optional
@@ -36,6 +37,12 @@ class _RegisteredWhenBuilt(type):
         module = super().__call__(*args, **kwargs)
         FP8GlobalState.register_module(module)
         return module
+
+    @property
+    def __signature__(cls):
+        """The constructor's (`inspect.signature(te.Linear)` would show `__call__`'s otherwise)."""
+        sig = inspect.signature(cls.__init__)
+        return sig.replace(parameters=list(sig.parameters.values())[1:])
 
 
 class TransformerEngineBaseModule(GemmOwner, nn.Module, metaclass=_RegisteredWhenBuilt):
