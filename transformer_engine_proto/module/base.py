@@ -16,6 +16,7 @@ from ..distributed import tp as _tp
 from ..distributed.gemm_owner import GemmOwner
 from ..errors import raise_error, shape_str
 from ..tensor.quantizer import HIGH_PRECISION_DTYPES
+from .delayed_wgrad import DelayedWgrad
 
 __all__ = ["TransformerEngineBaseModule", "rename_state_dict_keys"]
 
@@ -45,13 +46,14 @@ class _RegisteredWhenBuilt(type):
         return sig.replace(parameters=list(sig.parameters.values())[1:])
 
 
-class TransformerEngineBaseModule(GemmOwner, nn.Module, metaclass=_RegisteredWhenBuilt):
+class TransformerEngineBaseModule(DelayedWgrad, GemmOwner, nn.Module, metaclass=_RegisteredWhenBuilt):
     """Registered (when built) so `autocast` can prepare recipe state before any compiled graph runs."""
 
     def __init__(self, name: Optional[str] = None):
         super().__init__()
         prefix = _DEFAULT_NAMES.get(type(self).__name__, type(self).__name__.lower())
         self.name = name if name is not None else f"{prefix}_{next(_counter)}"
+        self.wgrad_accumulation_and_reduce_hooks = []  # run by backward_dw (delay_wgrad_compute)
 
     _tp_group_name = None  # tensor-parallel modules set it (the group is kept by name)
 
@@ -106,6 +108,7 @@ class TransformerEngineBaseModule(GemmOwner, nn.Module, metaclass=_RegisteredWhe
         if inp.dim() < 1 or inp.shape[-1] != features:
             raise_error(ValueError, f"{self.name}: {what} last dim must be {features}, "
                                     f"got shape {shape_str(inp)}")
+        self.check_delay_wgrad_traceable()
         recipe = get_fp8_recipe()
         if recipe is not None:
             self._check_recipe_shapes()

@@ -29,6 +29,8 @@ The FP8 grouped GEMM (`torch._scaled_grouped_mm`, rowwise scales, Hopper) is not
 """
 from __future__ import annotations
 
+import collections
+import functools
 from typing import List, Optional, Sequence, Union
 
 import torch
@@ -40,6 +42,7 @@ from ..capabilities import default_device
 from ..errors import raise_error, shape_str
 from ..tensor import QuantizedTensor
 from .base import TransformerEngineBaseModule
+from .delayed_wgrad import defer_param_grads
 from .fp8_state import FP8StateCheckpoint
 from .linear import _init_weight
 from .quantized_gemm import QuantizedGemm
@@ -129,6 +132,20 @@ class _StackIntoMainGrad(torch.autograd.Function):
         return (None,) * (1 + 2 * len(ctx.main_grads))
 
 
+def _grouped_gemm(offsets, inp, weights, biases, stacked=None) -> torch.Tensor:
+    """inp's rows times their expert's weight (`stacked`: the weights stacked, [n, out, in]), plus
+    their expert's bias where `biases` are given."""
+    stacked = torch.stack(weights) if stacked is None else stacked
+    out = torch._grouped_mm(inp, stacked.transpose(-2, -1), offs=offsets)
+    if not biases:
+        return out
+    # each row's expert: the first offset past the row
+    rows = torch.arange(inp.shape[0], device=inp.device, dtype=torch.int32)
+    expert = torch.searchsorted(offsets, rows, right=True).clamp_(max=len(biases) - 1)
+    # added in fp32, so the bias grad (a per-expert sum over its rows) accumulates in fp32 as in Linear
+    return (out.float() + torch.stack(biases).float()[expert]).to(out.dtype)
+
+
 class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
     """Drop-in for `transformer_engine.pytorch.GroupedLinear`: `num_gemms` experts, each
     y_i = x_i W_i^T + b_i on its own rows. Parameters `weight0..weight{n-1}` ([out, in]) and
@@ -178,7 +195,8 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
     rng_tracker_name : str, default = None
         Only None (`NotImplementedError` otherwise).
     delay_wgrad_compute : bool, default = False
-        Only False (`NotImplementedError` otherwise).
+        Each expert's weight (and, unquantized, bias) gradient waits for `backward_dw()`, as
+        `Linear`'s, on both paths (the grouped GEMM's from its own autograd graph).
     use_grouped_tensor : bool, default = None
         High precision only: None or True run all experts in one `torch._grouped_mm` where it
         applies (bf16 input and weights, CPU or CUDA compute capability 9.0+, feature rows that are
@@ -203,8 +221,6 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
                                       "(TE leaves the MoE communication to the dispatcher; use tp_size=1)")
         if get_rng_state_tracker is not None or rng_tracker_name is not None:
             raise NotImplementedError(f"{self.name}: get_rng_state_tracker / rng_tracker_name are not supported")
-        if delay_wgrad_compute:
-            raise NotImplementedError(f"{self.name}: delay_wgrad_compute=True is not supported")
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.return_bias, self.use_bias = return_bias, bias
         self.fuse_wgrad_accumulation, self.save_original_input = fuse_wgrad_accumulation, save_original_input
@@ -219,6 +235,8 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
             self.register_parameter(f"bias{i}", b)
         self.gemms = nn.ModuleList(QuantizedGemm(device) for _ in range(num_gemms))
         quantize_new_weights(self)  # inside quantized_model_init: each expert's weight is stored quantized
+        self._grouped_wgrads = collections.deque()  # the grouped GEMM's queued parameter gradients
+        self._init_delay_wgrad(delay_wgrad_compute)
 
     @property
     def weights(self) -> List[torch.Tensor]:
@@ -230,6 +248,10 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
 
     def gemm_weights(self):
         return list(zip(self.gemms, self.weights))
+
+    def _wgrad_queues(self):
+        names = [f"weight{i}" for i in range(self.num_gemms)], [f"bias{i}" for i in range(self.num_gemms)]
+        return [(g.pending_wgrads, [w], [b]) for g, w, b in zip(self.gemms, *names)] + [(self._grouped_wgrads, *names)]
 
     # ---- the splits ---------------------------------------------------------------------------
     def _check_splits(self, m_splits, tokens, grouped: bool, refusal):
@@ -359,20 +381,14 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
                 total += s
                 ends.append(total)
             offsets = torch.tensor(ends, dtype=torch.int32, device=inp.device)
-        weights = self.weights
-        if self.fuse_wgrad_accumulation and any(w.requires_grad for w in weights):
-            main_grads = [self._main_grad(i, w) if w.requires_grad else None for i, w in enumerate(weights)]
-            stacked = _StackIntoMainGrad.apply(len(weights), *weights, *main_grads)  # [n, out, in]
-        else:
-            stacked = torch.stack(weights)  # [n, out, in]
-        out = torch._grouped_mm(inp, stacked.transpose(-2, -1), offs=offsets)
-        if with_bias:
-            # each row's expert: the first offset past the row
-            rows = torch.arange(tokens, device=inp.device, dtype=torch.int32)
-            expert = torch.searchsorted(offsets, rows, right=True).clamp_(max=self.num_gemms - 1)
-            # added in fp32, so the bias grad (a per-expert sum over its rows) accumulates in fp32 as in Linear
-            out = (out.float() + torch.stack(self.biases).float()[expert]).to(out.dtype)
-        return out
+        weights, biases = self.weights, self.biases if with_bias else []
+        fuse = self.fuse_wgrad_accumulation and any(w.requires_grad for w in weights)
+        main_grads = [self._main_grad(i, w) if w.requires_grad else None for i, w in enumerate(weights)] if fuse else []
+        if self.delay_wgrad_compute and torch.is_grad_enabled():  # backward_dw adds into main_grad with fuse
+            return defer_param_grads(self._grouped_wgrads, functools.partial(_grouped_gemm, offsets), inp, weights,
+                                     biases)
+        stacked = _StackIntoMainGrad.apply(len(weights), *weights, *main_grads) if fuse else None  # [n, out, in]
+        return _grouped_gemm(offsets, inp, weights, biases, stacked)
 
     def _main_grad(self, i: int, weight: torch.Tensor) -> torch.Tensor:
         main_grad = getattr(weight, "main_grad", None)

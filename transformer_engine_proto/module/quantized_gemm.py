@@ -7,6 +7,7 @@ delayed-scaling state (`custom_ops/delayed_scaling.py`) and the quantized weight
 """
 from __future__ import annotations
 
+import collections
 from typing import Optional
 
 import torch
@@ -58,6 +59,9 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         # delayed scaling's update runs at training-autocast exit and entry, except where FSDP2's
         # pre-all-gather must reduce the amaxes first (distributed/fsdp.py updates there)
         self.scales_updated_by_autocast = True
+        # delay_wgrad_compute: backward queues the weight gradient here for the module's backward_dw
+        self.delay_wgrad = False
+        self.pending_wgrads = collections.deque()
 
     def _apply(self, fn, recurse=True):
         """`model.to(torch.bfloat16)` / `.half()` move these buffers but keep their dtypes: the
@@ -173,6 +177,12 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         debugging = debug_linear is not None
         if debugging and isinstance(weight, QuantizedTensor):
             raise NotImplementedError("precision debug features do not support FSDP2 quantized all-gather weights")
+        wgrad_store = None
+        if self.delay_wgrad and torch.is_grad_enabled() and weight.requires_grad:
+            if debugging:
+                raise NotImplementedError("delay_wgrad_compute is not supported with the precision debug features "
+                                          "(as in TE)")
+            wgrad_store = self.pending_wgrads
         sp_amax = None
         if sequence_gather is not None:
             inp, inp_quantized, sp_amax = self._gather_input(
@@ -188,6 +198,7 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
             weight_cache=cache, main_grad=main_grad, cache_mode=cache_mode,
             save_original_input=save_original_input, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
             **({"inp_quantized": inp_quantized} if inp_quantized and not debugging else {}),
+            **({"wgrad_store": wgrad_store} if wgrad_store is not None else {}),
         )
         if record:
             self.record_amax(amaxes.detach())
