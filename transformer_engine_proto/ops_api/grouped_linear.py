@@ -45,7 +45,8 @@ class GroupedLinear(_GroupedLinearModule, BasicOperation):
     single_grouped_weight, single_grouped_bias : bool, default = False
         TE's experimental single `GroupedTensor` parameter: only False (`NotImplementedError`).
     delay_wgrad_compute : bool, default = False
-        Only False (`NotImplementedError`).
+        The weight (and, unquantized, bias) gradients wait for `backward_dw()`, as in
+        `te.GroupedLinear`; eager only.
     scale_bias : bool, default = False
         TE's bias times per-row probabilities (a second extra input): only False
         (`NotImplementedError`).
