@@ -283,4 +283,3 @@ def _main_grad(weight):
     if main_grad is None:
         raise RuntimeError("fuse_wgrad_accumulation=True needs weight.main_grad (an fp32 buffer) to be set")
     return main_grad
-
