@@ -41,14 +41,16 @@ class DelayedWgrad:
 
     def _wgrad_queues(self) -> list:
         """(queue, weight names, bias names) per GEMM. A queue entry is a callable giving (weight
-        gradient, bias gradient), each None where not computed there, or a tensor for the
-        concatenation of the named parameters (split by their rows), or a list of one per name."""
+        gradients, bias gradients), each None (nothing computed there), a tensor for the named
+        parameters concatenated (split by their rows) or a list with one per name."""
         return []
 
     def _params(self, names: Sequence[str]) -> list:
         return [p for p in (getattr(self, n) for n in names) if p is not None]
 
     def check_delay_wgrad_traceable(self) -> None:
+        """At trace time, naming the module: a compiled backward would compute the weight
+        gradients itself, so backward_dw() would find nothing queued."""
         if self.delay_wgrad_compute and torch.is_grad_enabled() and torch.compiler.is_compiling():
             raise_error(RuntimeError, f"{self.name}: delay_wgrad_compute=True is not supported under torch.compile "
                                       "(backward_dw() runs the weight gradients outside the compiled backward); "
