@@ -297,7 +297,7 @@ def test_pins_with_the_weight_cache_match_no_cache():
 
 def test_weights_stored_quantized_keep_fprop_and_dgrad_in_the_recipe(tmp_path):
     """quantized_model_init: the policy may move wgrad to bf16 but never fprop / dgrad (they read
-    the stored FP8 weight); pinning those to bf16 there is a clear error."""
+    the stored FP8 weight, which in bf16 they would read dequantized)."""
     path = _synthetic_table(tmp_path / "t.json")  # small GEMMs: every GEMM bf16 if free to choose
     recipe = R.Float8CurrentScaling()
     with te.quantized_model_init(recipe=recipe):
@@ -306,10 +306,31 @@ def test_weights_stored_quantized_keep_fprop_and_dgrad_in_the_recipe(tmp_path):
     with te.autocast(recipe=recipe, gemm_policy=te.GemmPolicy(table=path)):
         m(x).float().sum().backward()
     assert P.decisions()[m.gemm._debug_uid].high_precision == {"wgrad"}
-    te.pin_gemm_precision(m, fprop="bf16")
-    with pytest.raises(NotImplementedError, match="stored quantized"):
-        with te.autocast(recipe=recipe):
-            m(x)
+
+
+@pytest.mark.parametrize("recipe_id", ["current", "mxfp8", "block"])
+@pytest.mark.parametrize("pins, override", [({"fprop"}, None), ((), "high_precision"),
+                                            ({"fprop"}, "high_precision")], ids=["fprop", "backward", "all"])
+def test_weights_stored_quantized_in_high_precision_read_them_dequantized(recipe_id, pins, override):
+    """A GEMM pinned to bf16, or dgrad / wgrad by `backward_override="high_precision"`, on a weight
+    stored quantized: the bf16 GEMM against `weight.dequantize()`, bit for bit (as TE's); the
+    weight's gradient reaches the stored parameter."""
+    recipe = type(RECIPES[recipe_id])(backward_override=override)
+    torch.manual_seed(0)
+    with te.quantized_model_init(recipe=recipe):
+        m = te.Linear(K, N, bias=True, params_dtype=torch.bfloat16)
+    ref = te.Linear(K, N, bias=True, params_dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref.weight.copy_(m.weight.dequantize())
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    got, want, quantized = _run(m, x, recipe, pins), _run(ref, x, None), _run(ref, x, recipe)
+    hp = set(pins) | ({"dgrad", "wgrad"} if override else set())
+    for i, gemm in enumerate(("fprop", "dgrad", "wgrad")):
+        if gemm in hp:
+            assert torch.equal(got[i], want[i]), gemm
+    if "fprop" in hp:
+        assert not torch.equal(got[0], quantized[0])  # the recipe's fprop would differ
+    assert got[2] is not None and got[2].shape == (N, K)
 
 
 def test_report_measures_when_asked(tmp_path, monkeypatch):

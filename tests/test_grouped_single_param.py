@@ -168,3 +168,9 @@ def test_ops_grouped_linear_single_params(single_param_env):
     y_ref, dx_ref = _step(per_expert, x, dy)
     assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
     _assert_same_grads(single, per_expert)
+
+
+def test_delay_wgrad_compute_with_single_parameters_is_refused(single_param_env):
+    with pytest.raises(NotImplementedError, match="delay_wgrad_compute=True with single grouped parameters"):
+        te.GroupedLinear(2, 32, 16, single_grouped_weight=True, delay_wgrad_compute=True,
+                         params_dtype=torch.float32, device="cpu")

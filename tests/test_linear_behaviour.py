@@ -479,3 +479,16 @@ def test_modules_registry_does_not_keep_modules_alive():
     del m
     gc.collect()
     assert len(FP8GlobalState.modules) == n - 1
+
+
+def test_module_whose_constructor_raises_is_not_registered():
+    """A constructor that raises after the base class ran (an unsupported keyword) leaves nothing
+    registered: the next autocast entry prepares only built modules (a half-built Linear has no
+    GEMM, and entry would fail on it while the failed call's traceback keeps it alive)."""
+    with pytest.raises(TypeError, match="ub_overlap_rs") as excinfo:
+        Linear(64, 32, ub_overlap_rs=True)
+    assert not any(isinstance(m, Linear) and "gemm" not in m._modules for m in list(FP8GlobalState.modules))
+    m = Linear(64, 32)
+    with autocast(recipe=R.Float8CurrentScaling()):
+        y = m(torch.randn(16, 64))
+    assert y.shape == (16, 32) and excinfo.value is not None

@@ -84,7 +84,22 @@ def test_refusals_name_the_argument():
     for kw in (dict(scale_bias=True), dict(rng_state_tracker_function=lambda: 0)):
         with pytest.raises(NotImplementedError, match=f"te.ops.GroupedLinear: {next(iter(kw))}"):
             ops.GroupedLinear(2, 8, 8, device="cpu", **kw)
-    with pytest.raises(NotImplementedError, match="delay_wgrad_compute"):
-        ops.GroupedLinear(2, 8, 8, device="cpu", delay_wgrad_compute=True)
     with pytest.raises(ValueError, match="m_splits"):
         _op()(torch.randn(sum(SPLITS) + 1, 32), SPLITS)
+
+
+def test_delay_wgrad_compute_leaves_the_weight_gradients_for_backward_dw():
+    """As TE's op: backward gives the input's gradient, `backward_dw()` the parameters' (those of
+    the op without delay, bit for bit)."""
+    x = torch.randn(sum(SPLITS), 32)
+    grads = []
+    for delay in (True, False):
+        op = _op(delay_wgrad_compute=delay)
+        xi = x.clone().requires_grad_()
+        op(xi, SPLITS).pow(2).sum().backward()
+        if delay:
+            assert all(p.grad is None for p in op.parameters()) and xi.grad is not None
+            op.backward_dw()
+        grads.append([xi.grad] + [p.grad for p in op.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

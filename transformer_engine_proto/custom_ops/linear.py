@@ -206,10 +206,12 @@ class LinearPlan:
 
     @_memo
     def grad_quantizer(self):
-        """None when neither backward GEMM reads a quantized grad_output."""
-        if not (self.dgrad_q or self.wgrad_q):
+        """None when neither backward GEMM this call runs (`computes_dgrad` / `computes_wgrad`)
+        reads a quantized grad_output."""
+        rowwise, columnwise = self.dgrad_q and self.call.computes_dgrad, self.wgrad_q and self.call.computes_wgrad
+        if not (rowwise or columnwise):
             return None
-        return self.quantizers.grad_output.with_usage(rowwise=self.dgrad_q, columnwise=self.wgrad_q)
+        return self.quantizers.grad_output.with_usage(rowwise=rowwise, columnwise=columnwise)
 
     def forward_amax_roles(self) -> tuple:
         """Delayed scaling: the roles ("input", "weight") that backward quantizes but forward does
@@ -396,11 +398,11 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
                fp8_scale: Optional[torch.Tensor], grad_fp8_scale: Optional[torch.Tensor],
                main_grad: Optional[torch.Tensor], key: str, in_shape: List[int], weight_shape: List[int],
                weight_dtype: torch.dtype, flags: int) -> List[torch.Tensor]:
-    """[dgrad] [wgrad (fp32 when it is accumulated into main_grad)] [dbias] [grad amax (delayed)]."""
+    """[dgrad] [wgrad (fp32 when it is accumulated into main_grad)] [dbias] [grad amax (delayed)]; the
+    GEMMs the call computes (`LinearCall.computes_dgrad` / `computes_wgrad`)."""
     call = LinearCall.of(flags)
     plan = make_plan(key, tuple(in_shape), tuple(weight_shape), grad_out.dtype, weight_dtype, call, False)
-    input_requires_grad, weight_requires_grad, cache_mode = (call.input_requires_grad, call.weight_requires_grad,
-                                                             call.cache_mode)
+    input_requires_grad, weight_requires_grad, cache_mode = call.computes_dgrad, call.computes_wgrad, call.cache_mode
     dy = grad_out.reshape(-1, grad_out.shape[-1])
     saved_q = iter(_split(saved, plan.saved_protos()))
     if plan.saved_input() is not None:
@@ -423,8 +425,8 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
         w = weight
     if plan.dgrad_deq or plan.wgrad_deq:  # high-precision GEMMs on the forward's operands, dequantized
         with recomputed_in_backward():
-            w = w.dequantize(dtype=grad_out.dtype) if plan.dgrad_deq else w
-            x = x.dequantize(dtype=grad_out.dtype) if plan.wgrad_deq else x
+            w = w.dequantize(dtype=grad_out.dtype) if plan.dgrad_deq and input_requires_grad else w
+            x = x.dequantize(dtype=grad_out.dtype) if plan.wgrad_deq and weight_requires_grad else x
     rows = plan.rows  # dy and x zero-padded to the recipe's row block for wgrad
     dy_q = dy
     delayed = plan.quantized and plan.delayed
@@ -434,14 +436,16 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
         if plan.delayed:
             gq = gq.with_scale_state(grad_fp8_scale, grad_amax)
         dy_q = gq.quantize(pad_rows(dy, rows), internal=True)
-    if plan.wgrad_q and call.save_original_input:  # kept in backward, as the weight's quantize
+    elif delayed and call.delay_wgrad and plan.wgrad_q:  # only the deferred wgrad quantizes dy: its amax now
+        grad_amax = dy.abs().amax().float().reshape(1)
+    dgrad_q, wgrad_q = plan.dgrad_q and input_requires_grad, plan.wgrad_q and weight_requires_grad
+    if wgrad_q and call.save_original_input:  # kept in backward, as the weight's quantize
         iq = plan.quantizers.input.with_usage(rowwise=False, columnwise=True)
         with recomputed_in_backward():
             if plan.delayed:  # reuse the forward's scale; the amax was recorded in forward
                 iq = iq.with_scale_state(_scale_slot(fp8_scale, 0), torch.zeros(1, device=dy.device))
             x = iq.quantize(pad_rows(x, rows), internal=True)
-    grads = []
-    dgrad_q, wgrad_q = plan.dgrad_q, plan.wgrad_q  # dy_q holds the usages of these two
+    grads = []  # dy_q holds the usages of dgrad_q and wgrad_q
     if input_requires_grad:  # a GEMM in high precision reads dy: the bf16 path's own GEMM
         a = (dy_q.only_usage(True) if wgrad_q else dy_q) if dgrad_q else dy
         split = RecipeKey.split_accumulator(key, "dgrad")
@@ -477,9 +481,9 @@ def _linear_bwd_fake(grad_out, saved, inp, weight, weight_cache, fp8_scale, grad
 def fake_backward_grads(grad_out, call: LinearCall, in_shape, weight_shape, weight_dtype, delayed: bool):
     """Empty tensors shaped as a Linear backward op's outputs (`backward_tail`'s order)."""
     grads = []
-    if call.input_requires_grad:
+    if call.computes_dgrad:
         grads.append(grad_out.new_empty(tuple(in_shape)))
-    if call.weight_requires_grad:
+    if call.computes_wgrad:
         dtype = torch.float32 if call.fuse_wgrad_accumulation else weight_dtype
         grads.append(grad_out.new_empty(tuple(weight_shape), dtype=dtype))
     if call.bias_requires_grad:
@@ -495,8 +499,8 @@ def finish_backward(call: LinearCall, grads: Sequence[torch.Tensor], grad_amax_s
     amax], by the call's flags): records the gradient amax (delayed scaling) and accumulates wgrad into
     `main_grad` (then returned as None), the two side effects both Linear paths share."""
     grads = iter(grads)
-    dgrad = next(grads) if call.input_requires_grad else None
-    wgrad = next(grads) if call.weight_requires_grad else None
+    dgrad = next(grads) if call.computes_dgrad else None
+    wgrad = next(grads) if call.computes_wgrad else None
     dbias = next(grads) if call.bias_requires_grad else None
     if grad_amax_state:
         record_grad_amax(grad_amax_state, next(grads))
@@ -548,15 +552,47 @@ def _backward(ctx, grad_out, _grad_amaxes, _grad_saved, _grad_cache):
     it = iter(tensors)
     raw_inp, raw_w, scales, grad_fp8_scale = (next(it) if h else None for h in ctx.has)
     main_grad = ctx.main_grad
-    args = ctx.args
     backward_op = getattr(ctx, "backward_op", linear_bwd)
-    grads = backward_op(grad_out.contiguous(), saved=saved, inp=raw_inp, weight=raw_w, weight_cache=cache,
-                        fp8_scale=scales, grad_fp8_scale=grad_fp8_scale, main_grad=main_grad, **args)
-    dgrad, wgrad, dbias = finish_backward(ctx.call, grads, ctx.grad_amax_state, main_grad)
+    dy = grad_out.contiguous()
+    op_args = dict(saved=saved, inp=raw_inp, weight=raw_w, weight_cache=cache, fp8_scale=scales,
+                   grad_fp8_scale=grad_fp8_scale, main_grad=main_grad, **ctx.args)
+    call, deferred = ctx.call, None
+    if call.delay_wgrad and call.weight_requires_grad:
+        call, deferred = _split_backward(ctx, dy)
+    grads = backward_op(dy, **{**op_args, "flags": call.flags})
+    dgrad, wgrad, dbias = finish_backward(call, grads, ctx.grad_amax_state, main_grad)
+    if deferred is not None:  # the weight's inputs only: dgrad's weight and cache are not kept
+        ctx.wgrad_store.append(functools.partial(_deferred_wgrad, backward_op, deferred, dy,
+                                                 {**op_args, "weight": None, "weight_cache": []}))
     # one grad per linear_fwd argument, by name: None for the others (a list of Nones for a list)
     grads_by_name = dict(inp=dgrad, weight=wgrad, bias=dbias, grad_amax_state=[None] * len(ctx.grad_amax_state),
                          weight_cache=[None] * ctx.n_cache_in, inp_quantized=[None] * ctx.n_prequantized)
     return tuple(grads_by_name.get(name) for name in _FWD_ARGS)
+
+
+def _split_backward(ctx, dy):
+    """(the call backward runs now, the call queued for `backward_dw`) of a delay_wgrad call. The
+    bias gradient goes with the wgrad where the gradient is not quantized, as in TE (which fuses
+    it into the wgrad GEMM there, and into the gradient's quantize otherwise)."""
+    if getattr(ctx, "wgrad_store", None) is None:
+        raise RuntimeError("linear: delay_wgrad is set but the call has no wgrad queue (a linear() called "
+                           "without wgrad_store, or an autograd node other than the op's own)")
+    call, args = ctx.call, ctx.args
+    plan = make_plan(args["key"], tuple(args["in_shape"]), tuple(args["weight_shape"]), dy.dtype,
+                     args["weight_dtype"], call, False)
+    bias_later = call.bias_requires_grad and not (plan.dgrad_q or plan.wgrad_q)
+    now = dataclasses.replace(call, bias_requires_grad=call.bias_requires_grad and not bias_later)
+    later = dataclasses.replace(call, delay_wgrad=False, wgrad_only=True, bias_requires_grad=bias_later)
+    return now, later
+
+
+def _deferred_wgrad(backward_op, call: LinearCall, dy, op_args):
+    """(wgrad, dbias) of a delayed call, each None where not computed here; wgrad is None too when
+    it was added into main_grad. The gradient amax was recorded by the backward that queued it."""
+    with torch.no_grad():  # as autograd runs a backward (the saved raw input may require grad)
+        grads = backward_op(dy, **{**op_args, "flags": call.flags})
+        _, wgrad, dbias = finish_backward(call, grads, (), op_args["main_grad"])
+    return wgrad, dbias
 
 
 linear_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -570,13 +606,17 @@ _linear_fwd_call = eager_function(linear_fwd, _setup_context, _backward, linear_
 def linear(inp, weight, bias=None, *, key: str, fp8_scale=None, grad_fp8_scale=None, grad_amax_state=(),
            weight_cache=(),
            main_grad=None, cache_mode: int = CACHE_OFF, save_original_input: bool = False,
-           fuse_wgrad_accumulation: bool = False, inp_quantized=()):
-    """y = inp @ weight.T + bias through the custom ops. Returns (y, amaxes, new_weight_cache)."""
+           fuse_wgrad_accumulation: bool = False, inp_quantized=(), wgrad_store=None):
+    """y = inp @ weight.T + bias through the custom ops. Returns (y, amaxes, new_weight_cache).
+    `wgrad_store`: a list (eager only) that backward appends the weight-gradient computation to
+    instead of running it (TE's delay_wgrad_compute): a callable giving (wgrad, dbias)."""
     # eager keeps the weight dgrad reads from forward, as TE (one quantize of each weight per step: an
     # eager step is host-bound); compiled graphs quantize it again in backward (no copy kept)
     flags = call_flags(inp, weight, bias, cache_mode, save_original_input, fuse_wgrad_accumulation,
-                       keep_quantized_weight=not torch.compiler.is_compiling())
+                       keep_quantized_weight=not torch.compiler.is_compiling(), delay_wgrad=wgrad_store is not None)
     args = (inp, weight, bias, fp8_scale, grad_fp8_scale, list(grad_amax_state), list(weight_cache), main_grad, key,
             flags, list(inp_quantized))
     out, amaxes, _, cache = _linear_fwd_call(*args)
+    if wgrad_store is not None and out.grad_fn is not None:
+        out.grad_fn.wgrad_store = wgrad_store  # the op's autograd node is its backward's ctx
     return out, amaxes, cache

@@ -18,7 +18,7 @@ __all__ = ["LinearCall", "call_flags", "CACHE_OFF", "CACHE_FILL", "CACHE_USE"]
 CACHE_OFF, CACHE_FILL, CACHE_USE = 0, 1, 2  # weight quantization cache modes (is_first_microbatch)
 _CACHE_MODES = (CACHE_OFF, CACHE_FILL, CACHE_USE)
 _BOOLS = ("input_requires_grad", "weight_requires_grad", "bias_requires_grad", "save_original_input",
-          "fuse_wgrad_accumulation", "keep_quantized_weight")
+          "fuse_wgrad_accumulation", "keep_quantized_weight", "delay_wgrad", "wgrad_only")
 _CACHE_SHIFT = len(_BOOLS)
 
 
@@ -36,9 +36,22 @@ class LinearCall:
     # forward saves its quantized weight in the usage dgrad reads (quantizing both usages where that
     # is the columnwise one); else backward quantizes it again from the weight (no copy kept)
     keep_quantized_weight: bool = False
+    # TE's delay_wgrad_compute: backward computes no wgrad, and the autograd wrapper queues the call
+    # that does (`wgrad_only`: the wgrad and the deferred bias gradient, nothing else) for the
+    # module's `backward_dw()`. Neither changes what forward saves.
+    delay_wgrad: bool = False
+    wgrad_only: bool = False
 
     def __post_init__(self):
         _check_cache_mode(self.cache_mode)
+
+    @property
+    def computes_dgrad(self) -> bool:
+        return self.input_requires_grad and not self.wgrad_only
+
+    @property
+    def computes_wgrad(self) -> bool:
+        return self.weight_requires_grad and not self.delay_wgrad
 
     @functools.cached_property
     def flags(self) -> int:
@@ -48,14 +61,15 @@ class LinearCall:
 
 def call_flags(inp: torch.Tensor, weight: torch.Tensor, bias, cache_mode: int = CACHE_OFF,
                save_original_input: bool = False, fuse_wgrad_accumulation: bool = False,
-               keep_quantized_weight: bool = False) -> int:
+               keep_quantized_weight: bool = False, delay_wgrad: bool = False) -> int:
     """The `flags` of a call on these tensors under the current grad mode: integer arithmetic
     only, which dynamo folds to a constant (`LinearCall(...).flags` gives the same)."""
     _check_cache_mode(cache_mode)
     grad_on = torch.is_grad_enabled()
     weight_rg = grad_on and weight.requires_grad
     return _pack((grad_on and inp.requires_grad, weight_rg, grad_on and bias is not None and bias.requires_grad,
-                  save_original_input, fuse_wgrad_accumulation and weight_rg, keep_quantized_weight), cache_mode)
+                  save_original_input, fuse_wgrad_accumulation and weight_rg, keep_quantized_weight,
+                  delay_wgrad and weight_rg, False), cache_mode)
 
 
 def _pack(bools, cache_mode: int) -> int:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import warnings
 from typing import Optional
@@ -15,6 +16,7 @@ from ..distributed import tp as _tp
 from ..distributed.gemm_owner import GemmOwner
 from ..errors import raise_error, shape_str
 from ..tensor.quantizer import HIGH_PRECISION_DTYPES
+from .delayed_wgrad import DelayedWgrad
 
 __all__ = ["TransformerEngineBaseModule", "rename_state_dict_keys"]
 
@@ -27,14 +29,31 @@ _DEFAULT_NAMES = {"LayerNormLinear": "layernorm_linear", "LayerNormMLP": "layern
 # ---- end debug
 
 
-class TransformerEngineBaseModule(GemmOwner, nn.Module):
-    """Registers itself so `autocast` can prepare recipe state before any compiled graph runs."""
+class _RegisteredWhenBuilt(type):
+    """Registers a module with `autocast` once its constructor has returned: a constructor that
+    raises (an unsupported argument) leaves no half-built module for the next autocast entry to
+    prepare."""
+
+    def __call__(cls, *args, **kwargs):
+        module = super().__call__(*args, **kwargs)
+        FP8GlobalState.register_module(module)
+        return module
+
+    @property
+    def __signature__(cls):
+        """The constructor's (`inspect.signature(te.Linear)` would show `__call__`'s otherwise)."""
+        sig = inspect.signature(cls.__init__)
+        return sig.replace(parameters=list(sig.parameters.values())[1:])
+
+
+class TransformerEngineBaseModule(DelayedWgrad, GemmOwner, nn.Module, metaclass=_RegisteredWhenBuilt):
+    """Registered (when built) so `autocast` can prepare recipe state before any compiled graph runs."""
 
     def __init__(self, name: Optional[str] = None):
         super().__init__()
         prefix = _DEFAULT_NAMES.get(type(self).__name__, type(self).__name__.lower())
         self.name = name if name is not None else f"{prefix}_{next(_counter)}"
-        FP8GlobalState.register_module(self)
+        self.wgrad_accumulation_and_reduce_hooks = []  # run by backward_dw (delay_wgrad_compute)
 
     _tp_group_name = None  # tensor-parallel modules set it (the group is kept by name)
 
@@ -89,6 +108,7 @@ class TransformerEngineBaseModule(GemmOwner, nn.Module):
         if inp.dim() < 1 or inp.shape[-1] != features:
             raise_error(ValueError, f"{self.name}: {what} last dim must be {features}, "
                                     f"got shape {shape_str(inp)}")
+        self.check_delay_wgrad_traceable()
         recipe = get_fp8_recipe()
         if recipe is not None:
             self._check_recipe_shapes()

@@ -34,6 +34,8 @@ The FP8 grouped GEMM (`torch._scaled_grouped_mm`, rowwise scales, Hopper) is not
 """
 from __future__ import annotations
 
+import collections
+import functools
 import os
 import warnings
 from typing import List, Optional, Sequence, Union
@@ -48,6 +50,7 @@ from ..errors import raise_error, shape_str
 from ..quantization import param_init_state
 from ..tensor import QuantizedTensor
 from .base import TransformerEngineBaseModule
+from .delayed_wgrad import defer_param_grads
 from .fp8_state import FP8StateCheckpoint
 from .linear import _init_weight
 from .quantized_gemm import QuantizedGemm, mark_grad_added_to_main_grad
@@ -149,6 +152,20 @@ def _single_param_flags(name: str, weight: bool, bias: bool):
     return weight, bias
 
 
+def _grouped_gemm(offsets, inp, weights, biases, stacked=None) -> torch.Tensor:
+    """inp's rows times their expert's weight (`stacked`: the weights stacked, [n, out, in]), plus
+    their expert's bias where `biases` are given."""
+    stacked = torch.stack(weights) if stacked is None else stacked
+    out = torch._grouped_mm(inp, stacked.transpose(-2, -1), offs=offsets)
+    if not biases:
+        return out
+    # each row's expert: the first offset past the row
+    rows = torch.arange(inp.shape[0], device=inp.device, dtype=torch.int32)
+    expert = torch.searchsorted(offsets, rows, right=True).clamp_(max=len(biases) - 1)
+    # added in fp32, so the bias grad (a per-expert sum over its rows) accumulates in fp32 as in Linear
+    return (out.float() + torch.stack(biases).float()[expert]).to(out.dtype)
+
+
 class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
     """Drop-in for `transformer_engine.pytorch.GroupedLinear`: `num_gemms` experts, each
     y_i = x_i W_i^T + b_i on its own rows. Parameters `weight0..weight{n-1}` ([out, in]) and
@@ -203,7 +220,8 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
     rng_tracker_name : str, default = None
         Only None (`NotImplementedError` otherwise).
     delay_wgrad_compute : bool, default = False
-        Only False (`NotImplementedError` otherwise).
+        Each expert's weight (and, unquantized, bias) gradient waits for `backward_dw()`, as
+        `Linear`'s, on both paths (the grouped GEMM's from its own autograd graph).
     use_grouped_tensor : bool, default = None
         High precision only: None or True run all experts in one `torch._grouped_mm` where it
         applies (bf16 input and weights, CPU or CUDA compute capability 9.0+, feature rows that are
@@ -239,14 +257,16 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
                                       "(TE leaves the MoE communication to the dispatcher; use tp_size=1)")
         if get_rng_state_tracker is not None or rng_tracker_name is not None:
             raise NotImplementedError(f"{self.name}: get_rng_state_tracker / rng_tracker_name are not supported")
-        if delay_wgrad_compute:
-            raise NotImplementedError(f"{self.name}: delay_wgrad_compute=True is not supported")
         single_grouped_weight, single_grouped_bias = _single_param_flags(self.name, single_grouped_weight,
                                                                          single_grouped_bias)
         if single_grouped_weight and param_init_state().enabled:
             raise NotImplementedError(f"{self.name}: GroupedLinear(single_grouped_weight=True) inside "
                                       "quantized_model_init is not supported (each expert's weight is stored "
                                       "quantized on its own): use single_grouped_weight=False")
+        if delay_wgrad_compute and (single_grouped_weight or single_grouped_bias):
+            raise NotImplementedError(f"{self.name}: delay_wgrad_compute=True with single grouped parameters is "
+                                      "not supported (backward_dw adds each expert's gradient into its own "
+                                      "parameter): use per-expert parameters")
         self.single_grouped_weight, self.single_grouped_bias = single_grouped_weight, single_grouped_bias and bias
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.return_bias, self.use_bias = return_bias, bias
@@ -266,6 +286,8 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
             self._pack_parameters("bias")
         self.gemms = nn.ModuleList(QuantizedGemm(device) for _ in range(num_gemms))
         quantize_new_weights(self)  # inside quantized_model_init: each expert's weight is stored quantized
+        self._grouped_wgrads = collections.deque()  # the grouped GEMM's queued parameter gradients
+        self._init_delay_wgrad(delay_wgrad_compute)
 
     def _pack_parameters(self, kind: str) -> None:
         """TE's packing into a single grouped parameter: the experts' initialized `<kind>{i}`
@@ -297,6 +319,10 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
 
     def gemm_weights(self):
         return list(zip(self.gemms, self.weights))
+
+    def _wgrad_queues(self):
+        names = [f"weight{i}" for i in range(self.num_gemms)], [f"bias{i}" for i in range(self.num_gemms)]
+        return [(g.pending_wgrads, [w], [b]) for g, w, b in zip(self.gemms, *names)] + [(self._grouped_wgrads, *names)]
 
     # ---- the splits ---------------------------------------------------------------------------
     def _check_splits(self, m_splits, tokens, grouped: bool, refusal):
@@ -426,18 +452,15 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
                 total += s
                 ends.append(total)
             offsets = torch.tensor(ends, dtype=torch.int32, device=inp.device)
+        weights, biases = self.weights, self.biases if with_bias else []
+        if self.delay_wgrad_compute and torch.is_grad_enabled():  # backward_dw adds into main_grad with fuse
+            return defer_param_grads(self._grouped_wgrads, functools.partial(_grouped_gemm, offsets), inp, weights,
+                                     biases)
         stacked = self._stacked_weight()  # [n, out, in]
         if self.fuse_wgrad_accumulation and stacked.requires_grad:
             stacked = _IntoMainGrad.apply(stacked, *self._main_grads())
             mark_grad_added_to_main_grad(self._weight_params(), stacked)
-        out = torch._grouped_mm(inp, stacked.transpose(-2, -1), offs=offsets)
-        if with_bias:
-            # each row's expert: the first offset past the row
-            rows = torch.arange(tokens, device=inp.device, dtype=torch.int32)
-            expert = torch.searchsorted(offsets, rows, right=True).clamp_(max=self.num_gemms - 1)
-            # added in fp32, so the bias grad (a per-expert sum over its rows) accumulates in fp32 as in Linear
-            out = (out.float() + torch.stack(self.biases).float()[expert]).to(out.dtype)
-        return out
+        return _grouped_gemm(offsets, inp, weights, biases, stacked)
 
     def _weight_params(self) -> List[torch.Tensor]:
         """The weight parameters: `weight`, or `weight0..`."""

@@ -81,6 +81,9 @@ class LayerNormLinear(ParallelLinearMixin, NormFusedModule):
         Shard dim 0 of the input / output too (above).
     parameters_split : dict or tuple of str, default = None
         Separate parameters for parts of the output rows (`query_weight`, ...), as `Linear`'s.
+    delay_wgrad_compute : bool, default = False
+        The GEMM's weight (and, unquantized, bias) gradient waits for `backward_dw()`, as
+        `Linear`'s; the norm's gradients are computed in backward.
 
     TE's other keywords (`return_layernorm_output_gathered`, `ub_*`, ...) are a `TypeError`.
     """
@@ -91,7 +94,7 @@ class LayerNormLinear(ParallelLinearMixin, NormFusedModule):
                  device=None, init_method=None, fuse_wgrad_accumulation: bool = False,
                  return_bias: bool = False, name: Optional[str] = None,
                  tp_group=None, tp_size: Optional[int] = None, parallel_mode: Optional[str] = None,
-                 sequence_parallel: bool = False, parameters_split=None):
+                 sequence_parallel: bool = False, parameters_split=None, delay_wgrad_compute: bool = False):
         super().__init__(name)
         dtype = params_dtype or torch.get_default_dtype()
         self.in_features, self.out_features = in_features, out_features
@@ -111,6 +114,7 @@ class LayerNormLinear(ParallelLinearMixin, NormFusedModule):
                 p.sequence_parallel = True
         self.gemm = QuantizedGemm(device)
         quantize_new_weights(self)  # inside quantized_model_init: weights stored quantized
+        self._init_delay_wgrad(delay_wgrad_compute)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         """norm(x) W^T + b; `out`, then the bias with `return_bias`, then the norm output with

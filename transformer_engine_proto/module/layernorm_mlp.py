@@ -165,8 +165,11 @@ class LayerNormMLP(NormFusedModule):
         Keep no activations for backward, only the input: backward recomputes the block first
         (with the forward's scales, as `te.checkpoint`), trading compute for memory; outputs and
         gradients equal those without it. TE's recompute skips fc2's forward, this one does not.
+    delay_wgrad_compute : bool, default = False
+        fc1's and fc2's weight (and, unquantized, bias) gradients wait for `backward_dw()`, as
+        `Linear`'s; the norm's gradients are computed in backward.
 
-    TE's other keywords (`delay_wgrad_compute`, `ub_*`, ...) are a `TypeError`."""
+    TE's other keywords (`ub_*`, ...) are a `TypeError`."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5, bias: bool = True, *,
                  normalization: str = "LayerNorm", activation: str = "gelu", activation_params: Optional[dict] = None,
@@ -175,7 +178,7 @@ class LayerNormMLP(NormFusedModule):
                  output_layer_init_method=None, fuse_wgrad_accumulation: bool = False,
                  return_bias: bool = False, name: Optional[str] = None,
                  tp_group=None, tp_size: Optional[int] = None, set_parallel_mode: Optional[bool] = None,
-                 sequence_parallel: bool = False, checkpoint: bool = False):
+                 sequence_parallel: bool = False, checkpoint: bool = False, delay_wgrad_compute: bool = False):
         super().__init__(name)
         if activation not in ACTIVATIONS:
             raise ValueError(f"LayerNormMLP {self.name}: activation must be one of {sorted(ACTIVATIONS)}, "
@@ -218,6 +221,7 @@ class LayerNormMLP(NormFusedModule):
         self.fc1 = QuantizedGemm(device)
         self.fc2 = QuantizedGemm(device)
         quantize_new_weights(self)  # inside quantized_model_init: weights stored quantized
+        self._init_delay_wgrad(delay_wgrad_compute)
 
 
     @staticmethod
@@ -228,6 +232,10 @@ class LayerNormMLP(NormFusedModule):
 
     def gemm_weights(self):
         return [(self.fc1, self.fc1_weight), (self.fc2, self.fc2_weight)]
+
+    def _wgrad_queues(self):
+        return [(self.fc1.pending_wgrads, ["fc1_weight"], ["fc1_bias"]),
+                (self.fc2.pending_wgrads, ["fc2_weight"], ["fc2_bias"])]
 
     def tp_sharded_gemms(self):
         if self._tp_group_name is None or self.tp_size < 2:

@@ -103,6 +103,9 @@ class ParallelLinearMixin:
     def gemm_weights(self):
         return [(self.gemm, self.gemm_weight())]
 
+    def _wgrad_queues(self):
+        return [(self.gemm.pending_wgrads, self.weight_names, self.bias_names)]
+
     def gemm_weight(self) -> torch.Tensor:
         """The GEMM's weight: the parameter, or the split parameters concatenated."""
         if len(self.weight_names) == 1:
@@ -170,6 +173,12 @@ class Linear(FP8StateCheckpoint, ParallelLinearMixin, TransformerEngineBaseModul
     save_original_input : bool, default = False
         Save the high-precision input for backward instead of its quantized copy; backward
         quantizes it again for wgrad.
+    delay_wgrad_compute : bool, default = False
+        Backward computes no weight gradient: `backward_dw()` computes it later (once per
+        backward, oldest first), bit for bit the one backward would have given, then runs the
+        hooks of `register_wgrad_accumulation_and_reduce_hooks`. Where the gradient is not
+        quantized the bias gradient waits for it too, as in TE. Eager only: under torch.compile
+        a `RuntimeError`; not with the precision debug features (as in TE) or FSDP2.
     return_bias : bool, default = False
         Leave the bias out of the output and return `(out, bias)`, so the caller can fuse the add.
     name : str, default = None
@@ -195,7 +204,7 @@ class Linear(FP8StateCheckpoint, ParallelLinearMixin, TransformerEngineBaseModul
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  params_dtype: Optional[torch.dtype] = None, device=None, init_method=None,
                  fuse_wgrad_accumulation: bool = False, save_original_input: bool = False,
-                 return_bias: bool = False, name: Optional[str] = None,
+                 delay_wgrad_compute: bool = False, return_bias: bool = False, name: Optional[str] = None,
                  tp_group=None, tp_size: Optional[int] = None, parallel_mode: Optional[str] = None,
                  sequence_parallel: bool = False, parameters_split=None, **unsupported):
         super().__init__(name)
@@ -213,6 +222,7 @@ class Linear(FP8StateCheckpoint, ParallelLinearMixin, TransformerEngineBaseModul
                              parameters_split=parameters_split)
         self.gemm = QuantizedGemm(device)
         quantize_new_weights(self)  # inside quantized_model_init: weights stored quantized
+        self._init_delay_wgrad(delay_wgrad_compute)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         """y = x W^T + b; `out`, or `(out, bias)` with `return_bias`.

@@ -7,6 +7,7 @@ delayed-scaling state (`custom_ops/delayed_scaling.py`) and the quantized weight
 """
 from __future__ import annotations
 
+import collections
 from typing import Optional
 
 import torch
@@ -31,7 +32,6 @@ from ..distributed import amax_reduction as _amax_reduction
 from ..distributed import fsdp as _fsdp
 from ..distributed import sp_gather as _sp_gather
 from ..distributed import tp as _tp
-from ..errors import raise_error
 from ..precision import policy as _policy
 from ..tensor import QuantizedTensor, TensorProto
 from .quantized_params import dequantized_weight
@@ -59,6 +59,9 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         # delayed scaling's update runs at training-autocast exit and entry, except where FSDP2's
         # pre-all-gather must reduce the amaxes first (distributed/fsdp.py updates there)
         self.scales_updated_by_autocast = True
+        # delay_wgrad_compute: backward queues the weight gradient here for the module's backward_dw
+        self.delay_wgrad = False
+        self.pending_wgrads = collections.deque()
 
     def _apply(self, fn, recurse=True):
         """`model.to(torch.bfloat16)` / `.half()` move these buffers but keep their dtypes: the
@@ -90,7 +93,9 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         if not (policy or self.pinned_precision) or key == RecipeKey.HIGH_PRECISION:
             return key
         pins = self.pinned_precision
-        if isinstance(weight, QuantizedTensor):  # stored quantized: fprop and dgrad read it as it is
+        if isinstance(weight, QuantizedTensor):
+            # stored quantized: the policy keeps fprop / dgrad on its bytes (in high precision they
+            # read it dequantized, a cost its table does not price); explicit pins still apply
             pins = _policy.with_default_pins(pins, fprop=_policy.RECIPE, dgrad=_policy.RECIPE)
         return _policy.key_with_policy_precision(key, policy, pins, self._debug_uid, str(inp.device),
                                                  inp.numel() // inp.shape[-1], weight.shape[0], weight.shape[1],
@@ -176,13 +181,19 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         debugging = debug_linear is not None
         if debugging and isinstance(weight, QuantizedTensor):
             raise NotImplementedError("precision debug features do not support FSDP2 quantized all-gather weights")
+        wgrad_store = None
+        if self.delay_wgrad and torch.is_grad_enabled() and weight.requires_grad:
+            if debugging:
+                raise NotImplementedError("delay_wgrad_compute is not supported with the precision debug features "
+                                          "(as in TE)")
+            wgrad_store = self.pending_wgrads
         sp_amax = None
         if sequence_gather is not None:
             inp, inp_quantized, sp_amax = self._gather_input(
                 inp, weight, key, delayed, sequence_gather, not debugging and not save_original_input)
         op_key = self.op_key(key, inp, weight)
-        if isinstance(weight, QuantizedTensor):
-            _check_stored_weight_precision(op_key)
+        if isinstance(weight, QuantizedTensor) and RecipeKey.high_precision_gemms(op_key) & {"fprop", "dgrad"}:
+            weight = dequantized_weight(weight)  # what a high-precision fprop / dgrad reads, as in TE
         out, amaxes, new_cache = (debug_linear or linear_ops.linear)(
             inp, weight, bias, key=op_key,
             fp8_scale=self._forward_scale() if delayed else None,
@@ -191,6 +202,7 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
             weight_cache=cache, main_grad=main_grad, cache_mode=cache_mode,
             save_original_input=save_original_input, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
             **({"inp_quantized": inp_quantized} if inp_quantized and not debugging else {}),
+            **({"wgrad_store": wgrad_store} if wgrad_store is not None else {}),
         )
         if record:
             self.record_amax(amaxes.detach())
@@ -298,13 +310,3 @@ def _main_grad(weight):
     if main_grad is None:
         raise RuntimeError("fuse_wgrad_accumulation=True needs weight.main_grad (an fp32 buffer) to be set")
     return main_grad
-
-
-def _check_stored_weight_precision(op_key: str) -> None:
-    """A weight stored quantized has no high-precision copy for fprop / dgrad to read."""
-    if RecipeKey.high_precision_gemms(op_key) & {"fprop", "dgrad"}:
-        raise_error(NotImplementedError,
-                    "fprop / dgrad pinned to bf16 (pin_gemm_precision, or dgrad by the recipe's "
-                    "backward_override='high_precision') on a weight stored quantized "
-                    "(quantized_model_init or an FSDP2 quantized all-gather): the weight exists only "
-                    "quantized; unpin them for this layer")

@@ -47,7 +47,8 @@ class GroupedLinear(_GroupedLinearModule, BasicOperation):
         [num_groups, out], as the module's (honoured with NVTE_GROUPED_LINEAR_SINGLE_PARAM=1,
         as in TE); `accumulate_into_main_grad` then reads `weight.main_grad`.
     delay_wgrad_compute : bool, default = False
-        Only False (`NotImplementedError`).
+        The weight (and, unquantized, bias) gradients wait for `backward_dw()`, as in
+        `te.GroupedLinear`; eager only.
     scale_bias : bool, default = False
         TE's bias times per-row probabilities (a second extra input): only False
         (`NotImplementedError`).
