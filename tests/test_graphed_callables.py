@@ -70,6 +70,15 @@ def test_graphed_function_and_tuple_of_modules():
         want = a(x) * 2
     assert torch.equal(g_fn(x), want)
     assert g_b(x).shape == (64, 128)
+    # TE's reset(): the graphs are dropped, the module runs its own forward, the function refuses
+    assert "forward" in b.__dict__
+    g_b.reset()
+    g_fn.reset()
+    assert "forward" not in b.__dict__ and g_b is b
+    with te.autocast(recipe=recipe):
+        assert torch.equal(b(x), _model()(x))
+    with pytest.raises(RuntimeError, match="graphed callable was reset"):
+        g_fn(x)
 
 
 def test_needs_cuda(monkeypatch):

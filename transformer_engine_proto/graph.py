@@ -49,7 +49,9 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3, allo
                            cache_quantized_params: Optional[bool] = None, pool=None, **unsupported: Any):
     """TE's signature (both the `fp8_*` names and the newer ones). Returns the graphed callable(s)
     as `torch.cuda.make_graphed_callables` does: modules get a graphed `forward`, functions are
-    wrapped. Needs CUDA. Not supported (an error names them): `sample_kwargs`, calibration,
+    wrapped. Each has TE's `reset()`, which drops its CUDA graphs (their memory is freed once
+    nothing else holds them): a module runs its own forward again, a function refuses further
+    calls. Needs CUDA. Not supported (an error names them): `sample_kwargs`, calibration,
     weight caching (`fp8_weight_caching` / `cache_quantized_params`, i.e. `is_first_microbatch`
     inside the graph), and TE's pipeline-schedule arguments (`_order`, ...)."""
     given = sorted(k for k, v in unsupported.items() if v not in (None, False))
@@ -73,6 +75,8 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3, allo
     callables = (modules,) if single else modules
     args = (sample_args,) if single else sample_args
     ctx = functools.partial(autocast, enabled=enabled, recipe=recipe, amax_reduction_group=group)
+    # each module's own instance `forward` (usually none) before torch replaces it: what reset() restores
+    own_forwards = [c.__dict__.get("forward") if isinstance(c, torch.nn.Module) else None for c in callables]
 
     with ctx():  # allocates the recipe's state buffers before they are captured
         state = _state_buffers(callables)
@@ -85,7 +89,7 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3, allo
             b.copy_(s)  # undo the warm-up iterations' updates (the graphs hold these same buffers)
 
     wrapped = []
-    for original, g in zip(callables, graphed):
+    for original, g, own_forward in zip(callables, graphed, own_forwards):
         if isinstance(original, torch.nn.Module):
             inner = g.forward
 
@@ -94,11 +98,26 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3, allo
                     return _inner(*a, **k)
 
             g.forward = forward
+            g.reset = functools.partial(_restore_forward, g, own_forward)
             wrapped.append(g)
         else:
-            def call(*a, _g=g, **k):
-                with ctx():
-                    return _g(*a, **k)
+            held = [g]
 
+            def call(*a, _held=held, **k):
+                if _held[0] is None:
+                    raise RuntimeError("make_graphed_callables: this graphed callable was reset (its CUDA graphs "
+                                       "were dropped); make it again to replay")
+                with ctx():
+                    return _held[0](*a, **k)
+
+            call.reset = functools.partial(held.__setitem__, 0, None)
             wrapped.append(call)
     return wrapped[0] if single else tuple(wrapped)
+
+
+def _restore_forward(module: torch.nn.Module, own_forward) -> None:
+    """A graphed module's `reset()`: its forward as before graphing, so nothing holds the graphs."""
+    if own_forward is not None:
+        module.forward = own_forward
+    else:
+        module.__dict__.pop("forward", None)
