@@ -281,5 +281,5 @@ def test_mha_errors_name_the_layer_and_problem():
         m(torch.randn(S, B, H))
     with pytest.raises(ValueError, match="'thd' needs cu_seqlens_q"):
         m(torch.randn(S, H))
-    with pytest.raises(NotImplementedError, match="layer_type='decoder'"):
-        te.TransformerLayer(H, 128, HEADS, layer_type="decoder")
+    with pytest.raises(NotImplementedError, match="layer_type='decoder' with parallel_attention_mlp=True"):
+        te.TransformerLayer(H, 128, HEADS, layer_type="decoder", parallel_attention_mlp=True)

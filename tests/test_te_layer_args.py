@@ -393,3 +393,66 @@ def test_drop_path_compiled_matches_eager():
 def test_drop_path_rate_out_of_range_is_named():
     with pytest.raises(ValueError, match="TransformerLayer tl: drop_path_rate must be in"):
         te.TransformerLayer(H, 2 * H, HEADS, drop_path_rate=1.5, name="tl")
+
+
+# ---- layer_type="decoder" and torch.autocast ----------------------------------------------------------
+
+def test_decoder_layer_is_self_attention_cross_attention_mlp():
+    """TE's decoder: x + attn(x), then + inter_attention(that, encoder_output), then + MLP."""
+    layer = _layer(layer_type="decoder")
+    x, enc = torch.randn(S, B, H), torch.randn(2 * S, B, H)
+    x1 = x + layer.self_attention(x)
+    x2 = x1 + layer.inter_attention(x1, encoder_output=enc)
+    want = x2 + layer.layernorm_mlp(x2)
+    torch.testing.assert_close(layer(x, encoder_output=enc), want)
+    names = {n for n, _ in layer.named_parameters()}
+    assert {"inter_attention.layernorm_query.layer_norm_weight", "inter_attention.proj.weight"} <= names
+    assert any(n.startswith("inter_attention.key_value.") for n in names)
+    # TE's test passes a padding mask with the default "no_mask" cross attention
+    mask = torch.zeros(B, 1, 1, 2 * S, dtype=torch.bool)
+    layer(x, encoder_output=enc, enc_dec_attn_mask=mask)
+    with pytest.raises(ValueError, match="encoder_output / enc_dec_attn_mask need layer_type='decoder'"):
+        _layer()(x, encoder_output=enc)
+    with pytest.raises(ValueError, match="layer_type must be 'encoder' or 'decoder'"):
+        te.TransformerLayer(H, 2 * H, HEADS, layer_type="t5")
+
+
+@pytest.mark.parametrize("backend,rid", backend_params(["current"]))
+def test_decoder_layer_compiled_matches_eager(backend, rid):
+    fresh_dynamo()
+    eager_m, comp_m = _layer(layer_type="decoder"), _layer(layer_type="decoder")
+    compiled = compile_for(comp_m, backend)
+    x, enc, g = torch.randn(S, B, H), torch.randn(S, B, H), torch.randn(S, B, H)
+    outs = []
+    for m in (compiled, eager_m):
+        xi = x.clone().requires_grad_()
+        with recipe_ctx(RECIPES[rid]):
+            out = m(xi, encoder_output=enc)
+        out.backward(g)
+        outs.append((out.detach(), xi.grad))
+    for what, a, b in zip(("output", "input grad"), *outs):
+        assert_matches_eager(a, b, backend, what)
+    for (name, pc), pe in zip(comp_m.named_parameters(), eager_m.parameters()):
+        assert_matches_eager(pc.grad, pe.grad, backend, f"{name} grad")
+    assert graph_breaks() == 0
+
+
+@pytest.mark.parametrize("rid", ["high_precision", "current"])
+def test_layer_under_torch_autocast_runs_in_its_dtype(rid):
+    """As TE's: under torch.autocast the layer (its GEMMs and norms) computes in the autocast dtype,
+    so the output has it, and every gradient comes back in its own tensor's dtype (fp32 here)."""
+    layer = _layer()
+    x = torch.randn(S, B, H, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with recipe_ctx(RECIPES[rid]):
+            out = layer(x)
+    out.float().sum().backward()
+    assert out.dtype == torch.bfloat16 and x.grad.dtype == torch.float32
+    assert all(p.grad.dtype == torch.float32 for p in layer.parameters())
+    lin = te.Linear(H, H, params_dtype=torch.float32, device="cpu")
+    xs = torch.randn(4, H)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lin(xs)
+    assert y.dtype == torch.bfloat16
+    want = F.linear(xs.bfloat16().float(), lin.weight.bfloat16().float(), lin.bias.bfloat16().float())
+    torch.testing.assert_close(y.float(), want, rtol=1e-2, atol=1e-2)

@@ -29,6 +29,17 @@ _DEFAULT_NAMES = {"LayerNormLinear": "layernorm_linear", "LayerNormMLP": "layern
 # ---- end debug
 
 
+def autocast_operands(inp: torch.Tensor, *params: Optional[torch.Tensor]) -> tuple:
+    """`(inp, *params)` cast to torch.autocast's dtype where it is on for the input's device, else
+    as given: TE's activation dtype. TE's modules (GEMMs and norms) compute in it, so under AMP
+    their output has it; autograd returns each gradient in its own tensor's dtype."""
+    device = inp.device.type
+    if not torch.is_autocast_enabled(device):
+        return (inp, *params)
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(None if t is None else t.to(dtype) for t in (inp, *params))
+
+
 class _RegisteredWhenBuilt(type):
     """Registers a module with `autocast` once its constructor has returned: a constructor that
     raises (an unsupported argument) leaves no half-built module for the next autocast entry to

@@ -10,21 +10,10 @@ from ..autocast import get_fp8_recipe_key
 from ..capabilities import default_device
 from ..custom_ops.norm import NORMALIZATIONS, norm, norm_quantize
 from ..distributed import tp as _tp
-from .base import TransformerEngineBaseModule, rename_state_dict_keys
+from .base import TransformerEngineBaseModule, autocast_operands, rename_state_dict_keys
 from .fp8_state import FP8StateCheckpoint
 
 __all__ = ["LayerNorm", "RMSNorm", "NormFusedModule", "init_norm_parameters", "autocast_operands"]
-
-
-def autocast_operands(inp: torch.Tensor, *params: Optional[torch.Tensor]) -> tuple:
-    """`(inp, *params)` cast to torch.autocast's dtype where it is on for the input's device, else
-    as given. TE's LayerNorm / RMSNorm compute in that dtype (its ops' `maybe_autocast_dtype`), so
-    under AMP their output has it; autograd returns each gradient in its own tensor's dtype."""
-    device = inp.device.type
-    if not torch.is_autocast_enabled(device):
-        return (inp, *params)
-    dtype = torch.get_autocast_dtype(device)
-    return tuple(None if t is None else t.to(dtype) for t in (inp, *params))
 
 
 def init_norm_parameters(module: nn.Module, hidden_size: int, normalization: str, eps: float,

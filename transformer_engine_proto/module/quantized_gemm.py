@@ -34,6 +34,7 @@ from ..distributed import sp_gather as _sp_gather
 from ..distributed import tp as _tp
 from ..precision import policy as _policy
 from ..tensor import QuantizedTensor, TensorProto
+from .base import autocast_operands
 from .quantized_params import dequantized_weight
 
 __all__ = ["QuantizedGemm", "DEFAULT_HISTORY_LEN"]
@@ -176,6 +177,12 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
             self._check_history_len(recipe, weight)
         fused_wgrad = fuse_wgrad_accumulation and weight.requires_grad
         main_grad = (_main_grad(weight) if main_grad is None else main_grad) if fused_wgrad else None
+        # under torch.autocast the GEMM computes in its dtype, as TE's activation dtype (a weight
+        # stored quantized keeps its format)
+        if isinstance(weight, QuantizedTensor):
+            inp, bias = autocast_operands(inp, bias)
+        else:
+            inp, weight, bias = autocast_operands(inp, weight, bias)
         # precision debug tools: a layer with an active debug feature takes the debug GEMM path
         debug_linear = _debug_gemm.linear_for(self, recipe is not None)
         debugging = debug_linear is not None

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from ..errors import raise_error, shape_str
 from .attention import canonical_mask_type
-from .base import TransformerEngineBaseModule, rename_state_dict_keys
+from .base import TransformerEngineBaseModule, autocast_operands, rename_state_dict_keys
 from .layernorm_mlp import LayerNormMLP
 from .multihead_attention import MultiheadAttention
 from .normalization import LayerNorm, RMSNorm
@@ -111,8 +111,11 @@ class TransformerLayer(TransformerEngineBaseModule):
         The tensor-parallel size; None is the size of `tp_group`, or 1 without one.
     sequence_parallel : bool, default = False
         Shard dim 0 of the input and output across the TP ranks too.
-    layer_type : {"encoder"}, default = "encoder"
-        Only "encoder": "decoder" (a cross-attention block) is a `NotImplementedError`.
+    layer_type : {"encoder", "decoder"}, default = "encoder"
+        "decoder" adds TE's `inter_attention` between attention and MLP: cross attention of the
+        normalized hidden states to forward's `encoder_output` (not with `parallel_attention_mlp`).
+    enc_dec_attn_mask_type, enc_dec_window_size, enc_dec_bottom_right_diagonal : default = "no_mask", None, None
+        The decoder's cross-attention mask type and window, as `self_attn_mask_type` / `window_size`.
     apply_residual_connection_post_layernorm : bool, default = False
         The residual of each block is its norm's output instead of its input:
         norm(x) + drop(attn(norm(x))) and likewise around the MLP (with `output_layernorm`, the
@@ -153,7 +156,9 @@ class TransformerLayer(TransformerEngineBaseModule):
                  sequence_parallel: bool = False, layer_type: str = "encoder",
                  apply_residual_connection_post_layernorm: bool = False, output_layernorm: bool = False,
                  parallel_attention_mlp: bool = False, fuse_qkv_params: bool = False,
-                 qkv_weight_interleaved: bool = True, drop_path_rate: float = 0.0):
+                 qkv_weight_interleaved: bool = True, drop_path_rate: float = 0.0,
+                 enc_dec_attn_mask_type: str = "no_mask", enc_dec_window_size: Optional[Tuple[int, int]] = None,
+                 enc_dec_bottom_right_diagonal: Optional[bool] = None):
         super().__init__(name)
         who = f"TransformerLayer {self.name}"
         flags = dict(apply_residual_connection_post_layernorm=apply_residual_connection_post_layernorm,
@@ -168,9 +173,11 @@ class TransformerLayer(TransformerEngineBaseModule):
         if fuse_wgrad_accumulation and not fuse_qkv_params:
             raise ValueError(f"{who}: fuse_wgrad_accumulation=True needs fuse_qkv_params=True (one QKV weight "
                              "parameter), as in TE")
-        if layer_type != "encoder":
-            raise NotImplementedError(f"{self.name}: layer_type={layer_type!r} is not supported (only 'encoder': "
-                                      "no cross-attention block; build one from te.MultiheadAttention)")
+        if layer_type not in ("encoder", "decoder"):
+            raise ValueError(f"{who}: layer_type must be 'encoder' or 'decoder', got {layer_type!r}")
+        if layer_type == "decoder" and parallel_attention_mlp:
+            raise NotImplementedError(f"{who}: layer_type='decoder' with parallel_attention_mlp=True is not "
+                                      "supported (the cross-attention block runs between attention and MLP)")
         if kv_channels is None and hidden_size % num_attention_heads:
             raise ValueError(f"{who}: hidden_size {hidden_size} is not divisible by num_attention_heads "
                              f"{num_attention_heads}")
@@ -201,6 +208,17 @@ class TransformerLayer(TransformerEngineBaseModule):
             input_layernorm=not output_layernorm, set_parallel_mode=True, fuse_qkv_params=fuse_qkv_params,
             qkv_weight_interleaved=qkv_weight_interleaved, rotary_pos_interleaved=rotary_pos_interleaved,
             bias=bias, qkv_format=attn_input_format, name=f"{self.name}.self_attention", **common)
+        self.layer_type = layer_type
+        if layer_type == "decoder":  # TE's inter_attention: the query normalized, keys / values from the encoder
+            self.inter_attention = MultiheadAttention(
+                hidden_size, num_attention_heads, kv_channels, attention_dropout, layernorm_epsilon,
+                layer_number=layer_number,
+                attn_mask_type=canonical_mask_type(f"TransformerLayer {self.name}", enc_dec_attn_mask_type),
+                window_size=enc_dec_window_size, bottom_right_diagonal=enc_dec_bottom_right_diagonal,
+                num_gqa_groups=num_gqa_groups, input_layernorm=True, attention_type="cross", set_parallel_mode=True,
+                fuse_qkv_params=fuse_qkv_params, qkv_weight_interleaved=qkv_weight_interleaved,
+                rotary_pos_interleaved=rotary_pos_interleaved, bias=bias, qkv_format=attn_input_format,
+                name=f"{self.name}.inter_attention", **common)
         self.layernorm_mlp = LayerNormMLP(hidden_size, ffn_hidden_size, layernorm_epsilon, bias,
                                           activation=activation, activation_params=activation_params,
                                           name=f"{self.name}.layernorm_mlp", **common)
@@ -236,7 +254,9 @@ class TransformerLayer(TransformerEngineBaseModule):
                 cu_seqlens_kv: Optional[torch.Tensor] = None, cu_seqlens_q_padded: Optional[torch.Tensor] = None,
                 cu_seqlens_kv_padded: Optional[torch.Tensor] = None, max_seqlen_q: Optional[int] = None,
                 max_seqlen_kv: Optional[int] = None, bottom_right_diagonal: Optional[bool] = None,
-                fast_zero_fill: bool = True, pad_between_seqs: Optional[bool] = None) -> torch.Tensor:
+                fast_zero_fill: bool = True, pad_between_seqs: Optional[bool] = None,
+                enc_dec_attn_mask_type: Optional[str] = None, enc_dec_window_size: Optional[Tuple[int, int]] = None,
+                enc_dec_bottom_right_diagonal: Optional[bool] = None) -> torch.Tensor:
         """The layer's output, shaped as `hidden_states`.
 
         Parameters
@@ -248,7 +268,10 @@ class TransformerLayer(TransformerEngineBaseModule):
         self_attn_mask_type, window_size, bottom_right_diagonal : default = None
             Override the constructor's for this call.
         encoder_output, enc_dec_attn_mask : default = None
-            Only None: they need `layer_type="decoder"` (a `ValueError` otherwise).
+            The decoder's cross attention: keys / values and their mask (`layer_type="decoder"`; a
+            `ValueError` for an encoder).
+        enc_dec_attn_mask_type, enc_dec_window_size, enc_dec_bottom_right_diagonal : default = None
+            Override the constructor's for the cross attention of this call.
         is_first_microbatch : {None, True, False}, default = None
             Weight caching over gradient-accumulation micro-batches, as in `Linear.forward`.
         checkpoint_core_attention : bool, default = False
@@ -273,9 +296,9 @@ class TransformerLayer(TransformerEngineBaseModule):
         if hidden_states.dim() != rank:
             raise_error(ValueError, f"{self.name}: hidden_states must be {rank}D ({self.attn_input_format}), "
                                     f"got {shape_str(hidden_states)}")
-        if encoder_output is not None or enc_dec_attn_mask is not None:
-            raise_error(ValueError, f"{self.name}: encoder_output / enc_dec_attn_mask need layer_type='decoder' "
-                                    "(not supported)")
+        (hidden_states,) = autocast_operands(hidden_states)  # TE: under AMP the layer runs in its dtype
+        if self.layer_type == "encoder" and (encoder_output is not None or enc_dec_attn_mask is not None):
+            raise_error(ValueError, f"{self.name}: encoder_output / enc_dec_attn_mask need layer_type='decoder'")
         mb = dict(is_first_microbatch=is_first_microbatch)
         attn = self.self_attention(
             hidden_states, attention_mask=attention_mask, attn_mask_type=self_attn_mask_type, window_size=window_size,
@@ -292,6 +315,20 @@ class TransformerLayer(TransformerEngineBaseModule):
         if self.parallel_attention_mlp:
             return hidden_states + self._dropout(attn + self.layernorm_mlp(hidden_states, **mb))
         x = residual + self._dropout(attn)
+        if self.layer_type == "decoder":
+            inter = self.inter_attention(
+                x, attention_mask=enc_dec_attn_mask, encoder_output=encoder_output,
+                attn_mask_type=enc_dec_attn_mask_type, window_size=enc_dec_window_size,
+                bottom_right_diagonal=enc_dec_bottom_right_diagonal,
+                is_first_microbatch=is_first_microbatch, checkpoint_core_attention=checkpoint_core_attention,
+                rotary_pos_emb=rotary_pos_emb, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+                cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
+                max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, fast_zero_fill=fast_zero_fill,
+                pad_between_seqs=pad_between_seqs)
+            residual = x
+            if isinstance(inter, tuple):  # apply_residual_connection_post_layernorm: the normalized query
+                inter, residual = inter
+            x = residual + self._dropout(inter)
         mlp, residual = self.layernorm_mlp(x, **mb), x
         if isinstance(mlp, tuple):
             mlp, residual = mlp
