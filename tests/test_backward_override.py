@@ -70,10 +70,15 @@ def test_refused_values_name_the_reason(monkeypatch):
     assert R.CustomRecipe(qfactory=lambda role: None).backward_override == "high_precision"
 
 
-def test_a_weight_stored_quantized_has_no_high_precision_copy_for_dgrad():
+def test_a_weight_stored_quantized_is_read_dequantized_for_a_high_precision_dgrad():
+    """No high-precision copy exists: as in TE, dgrad runs in high precision on the stored weight
+    dequantized (the forward stays in FP8)."""
     recipe = R.Float8CurrentScaling(backward_override="high_precision")
     with te.quantized_model_init(recipe=recipe):
-        lin = te.Linear(128, 128, device="cpu")
-    with pytest.raises(NotImplementedError, match="backward_override='high_precision'"):
-        with te.autocast(recipe=recipe):
-            lin(torch.randn(16, 128))
+        lin = te.Linear(128, 128, device="cpu", params_dtype=torch.float32)
+    x = torch.randn(16, 128, requires_grad=True)
+    with te.autocast(recipe=recipe):
+        y = lin(x)
+    g = torch.randn_like(y)
+    y.backward(g)
+    torch.testing.assert_close(x.grad, g @ lin.weight.dequantize(dtype=torch.float32), rtol=1e-6, atol=1e-6)
