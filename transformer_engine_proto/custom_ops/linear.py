@@ -21,13 +21,12 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 from ..gemm import gemm
 from ..tensor import TensorProto
 from ..tensor.storage import QuantizedTensorStorage
 from . import shared_input
-from .delayed_scaling import record_grad_amax
+from .delayed_scaling import bind_delayed, forward_amax_slots, record_grad_amax, scale_slot
 from .eager_path import eager_function
 from .inductor_lowering import inline_in_inductor
 from .linear_call import CACHE_FILL, CACHE_OFF, CACHE_USE, LinearCall, call_flags
@@ -248,30 +247,6 @@ def rebuild(proto: TensorProto, buffers: Sequence[torch.Tensor]) -> QuantizedTen
                                        internal=True)
 
 
-def _scale_slot(scales: torch.Tensor, slot: int) -> torch.Tensor:
-    """scales[slot] as a (1,) tensor for a quantize kernel. While inductor traces the op a fresh
-    copy: inductor cannot pass a slice of a buffer computed in the graph (the in-graph scale
-    update) to a user Triton kernel."""
-    scale = scales[slot:slot + 1]
-    return scale.clone() if type(scales) is not torch.Tensor and is_fake(scales) else scale
-
-
-def _forward_amax_slots(inp: torch.Tensor) -> Optional[torch.Tensor]:
-    """Eager delayed scaling: one zeroed (2,) buffer whose halves the input's and the weight's
-    quantizes record their amaxes into (one launch, and it is the op's amax output as it is).
-    None while tracing: inductor passes no slice of an in-graph tensor to a user Triton kernel, so
-    each quantize gets its own (1,) and they are concatenated after."""
-    return None if is_fake(inp) else torch.zeros(2, dtype=torch.float32, device=inp.device)
-
-
-def _bind_delayed(q, scales, slot: int, amaxes: list):
-    """q bound to scales[slot] and to amaxes[slot] (a fresh (1,) where the slot has none yet),
-    which the quantize records its amax into."""
-    if amaxes[slot] is None:
-        amaxes[slot] = torch.zeros(1, dtype=torch.float32, device=scales.device)
-    return q.with_scale_state(_scale_slot(scales, slot), amaxes[slot])
-
-
 def _plan(key, inp, weight, call: LinearCall, prequantized=False):
     return make_plan(key, tuple(inp.shape), tuple(weight.shape), inp.dtype, weight.dtype, call, bool(prequantized))
 
@@ -318,7 +293,7 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         out = gemm(x2d, weight, trans_b=True, bias=bias, out_dtype=inp.dtype)
         return out.view(out_shape), inp.new_empty(0, dtype=torch.float32), [], []
     amaxes = [None, None] if plan.delayed else []  # (input, weight): bound to the quantizes below, else zero
-    slots = _forward_amax_slots(inp) if plan.delayed else None
+    slots = forward_amax_slots(inp) if plan.delayed else None
     if slots is not None:
         amaxes = [slots[0:1], slots[1:2]]
     xq = None
@@ -329,7 +304,7 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         # its columnwise copy is saved for wgrad, or rebuilt in backward (recompute_tags.py)
         with recomputed_in_backward(plan.saved_input() is not None and recompute_saved_input()):
             if plan.delayed:
-                iq = _bind_delayed(iq, fp8_scale, 0, amaxes)
+                iq = bind_delayed(iq, fp8_scale, 0, amaxes)
                 xq = iq.quantize(pad_rows(x2d, plan.input_rows), internal=True)
             else:
                 xq = _quantize_shared(plan, inp, x2d)
@@ -339,7 +314,7 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         wq = plan.weight_quantizer()  # None: forward reads the bf16 weight only
         if wq is not None:
             if plan.delayed:
-                wq = _bind_delayed(wq, fp8_scale, 1, amaxes)
+                wq = bind_delayed(wq, fp8_scale, 1, amaxes)
             wq = wq.quantize(weight, internal=True)
     if plan.delayed:  # a tensor only backward quantizes: record its amax here (forward_amax_roles)
         for role in plan.forward_amax_roles():
@@ -419,7 +394,7 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
         wq = plan.dgrad_weight().quantizer
         with recomputed_in_backward():
             if plan.delayed:  # the forward's scale (snapshot); this amax was recorded in forward
-                wq = wq.with_scale_state(_scale_slot(fp8_scale, 1), torch.zeros(1, device=dy.device))
+                wq = wq.with_scale_state(scale_slot(fp8_scale, 1), torch.zeros(1, device=dy.device))
             w = wq.quantize(weight, internal=True)
     else:
         w = weight
@@ -443,7 +418,7 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
         iq = plan.quantizers.input.with_usage(rowwise=False, columnwise=True)
         with recomputed_in_backward():
             if plan.delayed:  # reuse the forward's scale; the amax was recorded in forward
-                iq = iq.with_scale_state(_scale_slot(fp8_scale, 0), torch.zeros(1, device=dy.device))
+                iq = iq.with_scale_state(scale_slot(fp8_scale, 0), torch.zeros(1, device=dy.device))
             x = iq.quantize(pad_rows(x, rows), internal=True)
     grads = []  # dy_q holds the usages of dgrad_q and wgrad_q
     if input_requires_grad:  # a GEMM in high precision reads dy: the bf16 path's own GEMM
