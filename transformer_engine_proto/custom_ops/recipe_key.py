@@ -30,7 +30,7 @@ import dataclasses
 import functools
 from typing import Dict, FrozenSet, Iterable, Optional
 
-from ..recipe import Recipe, uses_split_accumulator
+from ..recipe import CustomRecipe, Recipe, uses_split_accumulator
 from ..tensor.recipe_quantizers import GEMMS, RoleQuantizers, quantizers_for_recipe
 
 __all__ = ["RecipeKey"]
@@ -57,7 +57,7 @@ class RecipeKey:
             _RECIPES[key] = copy.copy(recipe)  # QParams are frozen: a shallow copy is the values
         # TE's backward_override, and the GEMMs a CustomRecipe's identity quantizers keep in high
         # precision, spelled out for string readers
-        implied = RecipeKey.quantizers(key) if recipe.custom() else None
+        implied = RecipeKey.quantizers(key) if isinstance(recipe, CustomRecipe) else None
         dequantized = recipe.dequantized_gemms() | (implied.dequantized_gemms if implied else frozenset())
         if dequantized:
             recipe_key, key = key, key + _DQ_MARK + "+".join(g for g in GEMMS if g in dequantized)
