@@ -167,16 +167,16 @@ def test_cache_quantized_input_saves_fp8_and_differentiates_there(name):
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_cache_quantized_input_compiles_fullgraph(backend):
-    """cache_quantized_input=True under torch.compile(fullgraph=True): the forward bitwise eager's,
-    the FP8-saved backward eager's (bitwise under aot_eager; inductor fuses the float32 math, so
-    there to rounding, as for the op without the cache)."""
+    """cache_quantized_input=True under torch.compile(fullgraph=True): the forward and the
+    FP8-saved backward are eager's, bitwise under aot_eager; inductor fuses the float32 math (its
+    CPU sigmoid differs from ATen's in the last bit even without the cache), so there to rounding."""
     torch.manual_seed(0)
     op = ops.SwiGLU(cache_quantized_input=True)
     x = _x(8, 32)
     y, (dx,) = _fwd_bwd(op, x)
     y_c, (dx_c,) = _fwd_bwd(torch.compile(op, backend=backend, fullgraph=True), x)
-    assert torch.equal(y_c, y)
     if backend == "aot_eager":
-        assert torch.equal(dx_c, dx)
+        assert torch.equal(y_c, y) and torch.equal(dx_c, dx)
     else:
+        _close(y_c, y)
         _close(dx_c, dx)
