@@ -300,15 +300,16 @@ class TransformerLayer(TransformerEngineBaseModule):
         if self.layer_type == "encoder" and (encoder_output is not None or enc_dec_attn_mask is not None):
             raise_error(ValueError, f"{self.name}: encoder_output / enc_dec_attn_mask need layer_type='decoder'")
         mb = dict(is_first_microbatch=is_first_microbatch)
-        attn = self.self_attention(
-            hidden_states, attention_mask=attention_mask, attn_mask_type=self_attn_mask_type, window_size=window_size,
-            bottom_right_diagonal=bottom_right_diagonal, is_first_microbatch=is_first_microbatch,
-            checkpoint_core_attention=checkpoint_core_attention, inference_params=inference_params,
-            rotary_pos_emb=rotary_pos_emb, core_attention_bias_type=core_attention_bias_type,
-            core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
-            cu_seqlens_kv_padded=cu_seqlens_kv_padded, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
-            fast_zero_fill=fast_zero_fill, pad_between_seqs=pad_between_seqs)
+        # the per-call attention arguments both attention blocks take, as TE passes them
+        call = dict(is_first_microbatch=is_first_microbatch, checkpoint_core_attention=checkpoint_core_attention,
+                    inference_params=inference_params, rotary_pos_emb=rotary_pos_emb,
+                    core_attention_bias_type=core_attention_bias_type, core_attention_bias=core_attention_bias,
+                    alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+                    cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
+                    max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, fast_zero_fill=fast_zero_fill,
+                    pad_between_seqs=pad_between_seqs)
+        attn = self.self_attention(hidden_states, attention_mask=attention_mask, attn_mask_type=self_attn_mask_type,
+                                   window_size=window_size, bottom_right_diagonal=bottom_right_diagonal, **call)
         residual = hidden_states
         if isinstance(attn, tuple):  # apply_residual_connection_post_layernorm with the input norm
             attn, residual = attn
@@ -316,15 +317,9 @@ class TransformerLayer(TransformerEngineBaseModule):
             return hidden_states + self._dropout(attn + self.layernorm_mlp(hidden_states, **mb))
         x = residual + self._dropout(attn)
         if self.layer_type == "decoder":
-            inter = self.inter_attention(
-                x, attention_mask=enc_dec_attn_mask, encoder_output=encoder_output,
-                attn_mask_type=enc_dec_attn_mask_type, window_size=enc_dec_window_size,
-                bottom_right_diagonal=enc_dec_bottom_right_diagonal,
-                is_first_microbatch=is_first_microbatch, checkpoint_core_attention=checkpoint_core_attention,
-                rotary_pos_emb=rotary_pos_emb, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
-                cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
-                max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, fast_zero_fill=fast_zero_fill,
-                pad_between_seqs=pad_between_seqs)
+            inter = self.inter_attention(x, attention_mask=enc_dec_attn_mask, encoder_output=encoder_output,
+                                         attn_mask_type=enc_dec_attn_mask_type, window_size=enc_dec_window_size,
+                                         bottom_right_diagonal=enc_dec_bottom_right_diagonal, **call)
             residual = x
             if isinstance(inter, tuple):  # apply_residual_connection_post_layernorm: the normalized query
                 inter, residual = inter
