@@ -12,9 +12,10 @@ import transformer_engine_proto as te
 STEPS = 6
 
 
-def _model():
+def _model(first=te.LayerNormLinear):
+    """`first=te.Linear`: the graph's static input is quantized directly (no norm before it)."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(te.LayerNormLinear(128, 256), torch.nn.GELU(), te.Linear(256, 128)).to(
+    return torch.nn.Sequential(first(128, 256), torch.nn.GELU(), te.Linear(256, 128)).to(
         device="cuda", dtype=torch.bfloat16)
 
 
@@ -34,10 +35,11 @@ def _train(model, step_fn, recipe):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("first", [te.LayerNormLinear, te.Linear], ids=["norm_first", "linear_first"])
 @pytest.mark.parametrize("rid", RECIPE_IDS)
-def test_graphed_training_matches_eager(rid):
+def test_graphed_training_matches_eager(rid, first):
     recipe = RECIPES[rid]
-    ref = _model()
+    ref = _model(first)
     graphed_model = copy.deepcopy(ref)
     sample = (torch.randn(64, 128, device="cuda", dtype=torch.bfloat16),)
     graphed = te.make_graphed_callables(graphed_model, sample, fp8_enabled=recipe is not None, fp8_recipe=recipe)
@@ -56,6 +58,34 @@ def test_graphed_training_matches_eager(rid):
     if rid == "delayed":  # replays did advance the state in place
         h = graphed_model[2].gemm.amax_history
         assert h[-STEPS:].gt(0).all() and not h[0].any()  # rolled at each exit: the steps at the end
+
+
+class _SyncsInForward(torch.nn.Module):
+    """A forward that reads a device value on the host: illegal while a CUDA graph captures."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = te.Linear(32, 32, device="cuda")
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y * 2 if y.sum().item() > 0 else y
+
+
+@pytest.mark.cuda
+def test_failed_capture_leaves_the_cuda_rng_usable():
+    """torch leaves the CUDA generator in capture mode when a capture fails (every later CUDA
+    random op then raises); make_graphed_callables puts it back before re-raising."""
+    sample = (torch.randn(16, 32, device="cuda", requires_grad=True),)
+    with pytest.raises(Exception, match="captur"):
+        te.make_graphed_callables(_SyncsInForward(), sample, recipe=RECIPES["current"], enabled=True)
+    torch.manual_seed(3)
+    a = torch.randn(8, device="cuda")
+    torch.manual_seed(3)
+    assert torch.equal(a, torch.randn(8, device="cuda"))
+    model = _model(te.Linear)  # a later capture in the same process works
+    graphed = te.make_graphed_callables(model, (torch.randn(64, 128, device="cuda", dtype=torch.bfloat16),))
+    assert graphed(torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)).shape == (64, 128)
 
 
 @pytest.mark.cuda
@@ -79,6 +109,100 @@ def test_graphed_function_and_tuple_of_modules():
         assert torch.equal(b(x), _model()(x))
     with pytest.raises(RuntimeError, match="graphed callable was reset"):
         g_fn(x)
+
+
+class _MicrobatchStack(torch.nn.Module):
+    """Two GEMM modules that pass `is_first_microbatch` on, as TE's tests' `_Sequential`."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = te.LayerNormLinear(128, 128, device="cuda", params_dtype=torch.bfloat16)
+        self.b = te.Linear(128, 128, device="cuda", params_dtype=torch.bfloat16)
+
+    def forward(self, x, is_first_microbatch=None):
+        return self.b(self.a(x, is_first_microbatch=is_first_microbatch), is_first_microbatch=is_first_microbatch)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rid", [r for r in RECIPE_IDS if RECIPES[r] is not None])
+def test_graphed_weight_caching_matches_eager(rid):
+    """cache_quantized_params=True: each step's two micro-batches, the first quantizing the weights
+    and the second reading the cache, give the eager run's outputs, gradients and weights."""
+    recipe = RECIPES[rid]
+    ref = _MicrobatchStack()
+    graphed_model = copy.deepcopy(ref)
+    sample = (torch.ones(64, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True),)
+    te.make_graphed_callables(graphed_model, sample, enabled=True, recipe=recipe, cache_quantized_params=True)
+
+    def run(model, graphed):
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        torch.manual_seed(1)
+        outs = []
+        for _ in range(3):
+            for mb in range(2):
+                x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                if graphed:
+                    y = model(x, is_first_microbatch=mb == 0)
+                else:
+                    with te.autocast(recipe=recipe):
+                        y = model(x, is_first_microbatch=mb == 0)
+                y.float().square().mean().backward()
+                outs += [y.detach().clone(), x.grad]
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        fold_last_grad_amaxes(recipe)
+        return outs
+
+    want, got = run(ref, False), run(graphed_model, True)
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert torch.equal(a, b), i
+    for (name, a), b in zip(ref.state_dict().items(), graphed_model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+class _WithKeywords(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = te.Linear(128, 128, device="cuda", params_dtype=torch.bfloat16)
+
+    def forward(self, x, gate=None, mode="scale"):
+        y = self.lin(x)
+        return y * gate if mode == "scale" else y + gate
+
+
+@pytest.mark.cuda
+def test_graphed_sample_kwargs():
+    """TE's sample_kwargs: keyword tensors are graph inputs, other keyword values are fixed."""
+    recipe = RECIPES["current"]
+    ref = _WithKeywords()
+    model = copy.deepcopy(ref)
+    x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gate = torch.rand(64, 128, device="cuda", dtype=torch.bfloat16)
+    te.make_graphed_callables(model, (x,), sample_kwargs={"gate": gate, "mode": "add"}, recipe=recipe,
+                              enabled=True)
+    x2, gate2 = torch.randn_like(x).requires_grad_(), torch.rand_like(gate)
+    got = model(x2, gate=gate2, mode="add")
+    got.float().sum().backward()
+    x3 = x2.detach().clone().requires_grad_()
+    with te.autocast(recipe=recipe):
+        want = ref(x3, gate=gate2, mode="add")
+    want.float().sum().backward()
+    assert torch.equal(got, want) and torch.equal(x2.grad, x3.grad)
+    assert torch.equal(model.lin.weight.grad, ref.lin.weight.grad)
+    with pytest.raises(ValueError, match=r"other value than captured: \['mode'\]"):
+        model(x2, gate=gate2, mode="scale")
+    with pytest.raises(ValueError, match=r"missing: \['gate'\]"):
+        model(x2, mode="add")
+
+
+def test_weight_caching_needs_modules_and_kwargs_per_callable():
+    with pytest.raises(NotImplementedError, match="weight caching .* needs modules"):
+        te.make_graphed_callables(lambda x: x, (torch.randn(4, 16),), cache_quantized_params=True)
+    with pytest.raises(ValueError, match="sample_kwargs must be a dict"):
+        te.make_graphed_callables((te.Linear(16, 16), te.Linear(16, 16)), ((torch.randn(4, 16),),) * 2,
+                                  sample_kwargs=({},))
 
 
 def test_needs_cuda(monkeypatch):

@@ -314,6 +314,22 @@ def test_quantized_weights_without_a_recipe_run_in_high_precision(rid):
     assert graph_breaks() == 0
 
 
+@pytest.mark.parametrize("rid", ["delayed", "current", "mxfp8"])
+def test_is_first_microbatch_is_a_no_op_for_quantized_weights(rid):
+    """A weight stored quantized is its own cache: `is_first_microbatch` True / False gives the
+    call without it, bit for bit (TE ignores it there too)."""
+    torch.manual_seed(0)
+    with te.quantized_model_init(enabled=True, recipe=RECIPES[rid]):
+        lin = te.Linear(128, 64, params_dtype=torch.bfloat16)
+    x = torch.randn(32, 128, dtype=torch.bfloat16)
+    outs = []
+    for first in (None, None, True, False):
+        with te.autocast(recipe=RECIPES[rid]), torch.no_grad():
+            outs.append(lin(x, is_first_microbatch=first))
+    for o in outs[2:]:  # from the second call on (delayed scaling's first call sets its scale)
+        assert torch.equal(outs[1], o)
+
+
 def test_quantized_model_init_names_the_layer_a_recipe_cannot_store():
     with pytest.raises(ValueError, match="linear_bad.*MXFP8BlockScaling"):
         with te.quantized_model_init(enabled=True, recipe=recipe.MXFP8BlockScaling()):

@@ -61,6 +61,10 @@ class _ThreadState(threading.local):
         # GEMM's forward scales, its recompute takes them back in the same order (autocast's exit
         # rewrites the scale buffers in between). None otherwise, and always under torch.compile.
         self.checkpoint_scales = None
+        # `is_first_microbatch` for GEMM modules called without one (None: no weight cache):
+        # make_graphed_callables's weight caching captures whole models this way (an nn.Sequential
+        # passes no keywords); `te.checkpoint`'s recompute runs in its first forward's value
+        self.first_microbatch = None
 
     @classmethod
     def register_module(cls, module) -> None:
@@ -84,6 +88,19 @@ def in_activation_recompute_phase() -> bool:
     """Whether the running forward is `te.checkpoint`'s recompute (TE's
     `FP8GlobalStateManager.in_fp8_activation_recompute_phase`)."""
     return FP8GlobalState.recompute_phase
+
+
+class first_microbatch_default:
+    """Within the block, GEMM modules called without `is_first_microbatch` use `first`."""
+
+    def __init__(self, first):
+        self.first = first
+
+    def __enter__(self):
+        self.prev, FP8GlobalState.first_microbatch = FP8GlobalState.first_microbatch, self.first
+
+    def __exit__(self, *exc):
+        FP8GlobalState.first_microbatch = self.prev
 
 
 def checkpoint_scales():

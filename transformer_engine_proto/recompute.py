@@ -41,14 +41,16 @@ def _first_forward(scales):
 
 
 @contextlib.contextmanager
-def _recompute_phase(state, scales):
-    """The first forward's autocast state, with the recompute flag set and its scales to take back."""
-    saved = FP8GlobalState.state, FP8GlobalState.recompute_phase, FP8GlobalState.checkpoint_scales
-    FP8GlobalState.state, FP8GlobalState.recompute_phase, FP8GlobalState.checkpoint_scales = state, True, scales
+def _recompute_phase(state, scales, first_microbatch):
+    """The first forward's autocast state (and default `is_first_microbatch`), with the recompute
+    flag set and its scales to take back."""
+    g = FP8GlobalState
+    saved = g.state, g.recompute_phase, g.checkpoint_scales, g.first_microbatch
+    g.state, g.recompute_phase, g.checkpoint_scales, g.first_microbatch = state, True, scales, first_microbatch
     try:
         yield
     finally:
-        FP8GlobalState.state, FP8GlobalState.recompute_phase, FP8GlobalState.checkpoint_scales = saved
+        g.state, g.recompute_phase, g.checkpoint_scales, g.first_microbatch = saved
 
 
 # Ops whose tensor inputs are all at most this many elements are saved, not recomputed, under compile
@@ -101,11 +103,11 @@ def checkpoint(function: Callable, *args: Any, distribute_saved_activations: boo
         # traced once; AOT autograd replays the graph's ops for the recompute (see the module docstring)
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=_compiled_context,
                                                  preserve_rng_state=preserve_rng_state, **kwargs)
-    state = FP8GlobalState.state
+    state, first_microbatch = FP8GlobalState.state, FP8GlobalState.first_microbatch
     scales = collections.deque()
     if not use_reentrant:
         def context_fn():
-            return _first_forward(scales), _recompute_phase(state, scales)
+            return _first_forward(scales), _recompute_phase(state, scales, first_microbatch)
 
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=context_fn,
                                                  preserve_rng_state=preserve_rng_state, **kwargs)
@@ -113,7 +115,7 @@ def checkpoint(function: Callable, *args: Any, distribute_saved_activations: boo
     calls = []
 
     def run(*a):
-        ctx = _recompute_phase(state, scales) if calls else _first_forward(scales)
+        ctx = _recompute_phase(state, scales, first_microbatch) if calls else _first_forward(scales)
         calls.append(None)
         with ctx:
             return function(*a, **kwargs)

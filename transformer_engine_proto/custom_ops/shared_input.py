@@ -22,6 +22,10 @@ the source's version counter (an in-place write invalidates it), and `clear()` (
 drops them all, so the quantized rowwise copy never outlives the forward that made it.
 Inference tensors (made under `torch.inference_mode`) have no version counter, so an in-place
 write to one could not be detected: they are never shared.
+
+Nothing is shared while a CUDA graph is being captured (`make_graphed_callables`, a user's
+`torch.cuda.graph`): a hit would leave the quantize out of the graph, so every replay would read
+the buffers of the call before the capture (and memory outside the graph's pool).
 """
 from __future__ import annotations
 
@@ -101,10 +105,15 @@ def _put(src, owner, key, buffers) -> None:
     entries[k] = (ref, src._version, buffers)
 
 
+def _capturing() -> bool:
+    """Whether this thread's current CUDA stream is capturing a graph."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 def lookup(inp: torch.Tensor, key) -> Optional[list]:
     """The buffers stored for `inp` (as the body sees it) under `key`, or None."""
     scopes = _local.scopes
-    if not scopes:
+    if not scopes or _capturing():
         return None
     s = scopes[-1]
     src = s.source(inp)
@@ -120,7 +129,7 @@ def lookup(inp: torch.Tensor, key) -> Optional[list]:
 def store(inp: torch.Tensor, key, buffers) -> None:
     """Offer `buffers` (the quantized `inp` under `key`) to later calls in this scope's owner."""
     scopes = _local.scopes
-    if not scopes:
+    if not scopes or _capturing():
         return
     s = scopes[-1]
     src = s.source(inp)

@@ -44,7 +44,8 @@ A backward re-gather (reshard_after_forward) reuses the forward's recipe and sca
 hooks are `torch._dynamo.disable`d: compile each FSDP unit's inner `forward`. Limits: the gather
 format is fixed at the first all-gather (FSDP2 reuses the unsharded parameter object); a second
 forward without a new gather (reshard_after_forward=False) skips the delayed-scaling update, like
-TE's later micro-batches; `is_first_microbatch` / `fuse_wgrad_accumulation` are not supported.
+TE's later micro-batches; `is_first_microbatch` has no effect (the gathered weight is quantized
+already), `fuse_wgrad_accumulation` is not supported.
 """
 from __future__ import annotations
 
@@ -302,7 +303,7 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 # ---- the gathered weight inside the module -------------------------------------------------------------
-def gathered_weight_cache(owner: str, weight: QuantizedTensor, key: str, is_first_microbatch,
+def gathered_weight_cache(owner: str, weight: QuantizedTensor, key: str,
                           columnwise_read: bool = True) -> List[torch.Tensor]:
     """The buffers of a quantized weight (an FSDP2 quantized all-gather, or a parameter made by
     `quantized_model_init`) in the order the Linear op's weight cache takes them (both usages;
@@ -311,10 +312,8 @@ def gathered_weight_cache(owner: str, weight: QuantizedTensor, key: str, is_firs
     weight for a high-precision GEMM. `columnwise_read` False (no dgrad will run): a columnwise
     usage the weight lacks is not built; zero-stride stand-ins of its shapes fill its slots,
     which is what lets a weight stored for inference (rowwise only, as TE stores one built
-    without grad) run where its format cannot derive the other usage (MXFP8)."""
-    if is_first_microbatch is not None:
-        raise ValueError(f"{owner}: is_first_microbatch is not supported with a quantized weight (FSDP2 "
-                         "quantized all-gather or quantized_model_init): it is quantized already")
+    without grad) run where its format cannot derive the other usage (MXFP8). The weight is the
+    cache: `is_first_microbatch` changes nothing for it, as in TE."""
     names = _weight_cache_names(key, tuple(weight.shape))
     if type(weight).__qualname__ != names[0]:
         raise RuntimeError(f"{owner}: Recipe mismatch for the weight: it is stored quantized as a "

@@ -15,6 +15,7 @@ from torch import nn
 
 from .. import recipe as R
 from ..autocast import (
+    FP8GlobalState,
     checkpoint_scales,
     entered_recipe,
     get_fp8_recipe,
@@ -164,6 +165,8 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         accumulates when `weight` is a view of the parameter holding it (None: `weight.main_grad`)."""
         recipe = entered_recipe()  # the settings this autocast block entered with
         key = self.recipe_key()
+        if is_first_microbatch is None:
+            is_first_microbatch = FP8GlobalState.first_microbatch  # make_graphed_callables's weight caching
         delayed = isinstance(recipe, R.DelayedScaling)
         cache_mode, cache = linear_ops.CACHE_OFF, []
         if recipe is None and isinstance(weight, QuantizedTensor):  # no recipe: a high-precision GEMM
@@ -243,8 +246,7 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         (distributed/fsdp.py) enters as the cache: its delayed-scaling update and weight amax were
         done in the pre-all-gather hook. `dgrad`: whether backward may read the weight's columnwise usage."""
         if isinstance(weight, QuantizedTensor):
-            return linear_ops.CACHE_USE, _fsdp.gathered_weight_cache(type(self).__name__, weight, key,
-                                                                     is_first_microbatch, dgrad)
+            return linear_ops.CACHE_USE, _fsdp.gathered_weight_cache(type(self).__name__, weight, key, dgrad)
         if recipe is None:
             return linear_ops.CACHE_OFF, []
         if self._cache_for != (key, tuple(weight.shape), weight.dtype):
