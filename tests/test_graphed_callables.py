@@ -148,7 +148,7 @@ def test_graphed_weight_caching_matches_eager(rid):
                     with te.autocast(recipe=recipe):
                         y = model(x, is_first_microbatch=mb == 0)
                 y.float().square().mean().backward()
-                outs += [y.detach().clone(), x.grad]
+                outs += [y.detach().clone(), x.grad.clone()]  # a graph's static buffers: the next replay rewrites them
             opt.step()
             opt.zero_grad(set_to_none=True)
         fold_last_grad_amaxes(recipe)
@@ -195,6 +195,24 @@ def test_graphed_sample_kwargs():
         model(x2, gate=gate2, mode="scale")
     with pytest.raises(ValueError, match=r"missing: \['gate'\]"):
         model(x2, mode="add")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("clone", [True, False])
+def test_graphed_parameter_grads_are_owned(clone):
+    """clone_param_grads_on_return (default): a replay's parameter gradient kept by the user is
+    not rewritten by the next replay; False keeps torch's behaviour (the graph's buffer)."""
+    lin = te.Linear(64, 64, bias=False, device="cuda")
+    te.make_graphed_callables(lin, (torch.randn(16, 64, device="cuda"),), clone_param_grads_on_return=clone)
+    first = None
+    for _ in range(2):
+        lin(torch.randn(16, 64, device="cuda")).sum().backward()
+        if first is None:
+            first, snapshot = lin.weight.grad, lin.weight.grad.clone()
+        lin.zero_grad(set_to_none=True)
+    assert torch.equal(first, snapshot) is clone
+    lin.reset()
+    assert not lin.weight._backward_hooks
 
 
 def test_weight_caching_needs_modules_and_kwargs_per_callable():

@@ -51,7 +51,8 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3, allo
                            fp8_calibrating: Optional[bool] = None, fp8_recipe=None, fp8_group=None,
                            fp8_weight_caching: Optional[bool] = None, enabled: Optional[bool] = None,
                            calibrating: Optional[bool] = None, recipe=None, amax_reduction_group=None,
-                           cache_quantized_params: Optional[bool] = None, pool=None, **unsupported: Any):
+                           cache_quantized_params: Optional[bool] = None, pool=None,
+                           clone_param_grads_on_return: bool = True, **unsupported: Any):
     """TE's signature (both the `fp8_*` names and the newer ones). Returns the graphed callable(s)
     as `torch.cuda.make_graphed_callables` does: modules get a graphed `forward`, functions are
     wrapped. Each has TE's `reset()`, which drops its CUDA graphs (their memory is freed once
@@ -67,6 +68,11 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3, allo
     quantized-weight cache) and `False` (read the cache); a call picks the graph by its
     `is_first_microbatch` keyword (None: the first). The cache is the module's own buffers, so
     both graphs see the same memory, as eager calls do.
+
+    `clone_param_grads_on_return` (TE's, default True): a parameter's gradient from a replay is
+    a copy, not the graph's static buffer, which the next replay rewrites (autograd would keep
+    that buffer as `.grad`). Parameters marked `skip_backward_post_hook` when graphed keep the
+    buffer, as in TE.
 
     Not supported (an error names them): calibration, weight caching for plain functions, and
     TE's pipeline-schedule arguments (`_order`, ...)."""
@@ -94,21 +100,25 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3, allo
     # each module's own instance `forward` (usually none) before torch replaces it: what reset() restores
     own_forwards = [c.__dict__.get("forward") if isinstance(c, torch.nn.Module) else None for c in callables]
 
-    # what torch captures: the callables themselves, or their `_Captured` stand-ins (one per
-    # callable; two per module under weight caching: first and later micro-batch)
+    # what torch captures: the callables themselves, or their `_Captured` stand-ins; under weight
+    # caching two sets, first and later micro-batch, each in its own memory pool (torch's graphs of
+    # one pool must replay in capture order; a step replays one set, then the other)
     wrapping = weight_caching or any(kwargs)
     flags = (True, False) if weight_caching else (None,)
-    captured, captured_args = callables, args
+    sets = [(callables, args)]
     if wrapping:
-        captured = tuple(_Captured(c, own, a, kw, first) for c, own, a, kw in zip(callables, own_forwards, args, kwargs)
-                         for first in flags)
-        captured_args = tuple(w.sample_args(fresh=i % len(flags) > 0) for i, w in enumerate(captured))
+        sets = []
+        for n, first in enumerate(flags):
+            ws = tuple(_Captured(c, own, a, kw, first) for c, own, a, kw in zip(callables, own_forwards, args, kwargs))
+            sets.append((ws, tuple(w.sample_args(fresh=n > 0) for w in ws)))
     with ctx():  # allocates the recipe's state buffers before they are captured
         state = _state_buffers(callables)
         saved = [b.clone() for b in state]
         try:
-            graphed = torch.cuda.make_graphed_callables(captured, captured_args, num_warmup_iters=num_warmup_iters,
-                                                        allow_unused_input=allow_unused_input, pool=pool)
+            graphed = [torch.cuda.make_graphed_callables(cs, cargs, num_warmup_iters=num_warmup_iters,
+                                                         allow_unused_input=allow_unused_input,
+                                                         pool=pool if n == 0 else None)
+                       for n, (cs, cargs) in enumerate(sets)]
         except BaseException:
             _release_generator_capture()
             raise
@@ -116,14 +126,15 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3, allo
     with torch.no_grad():
         for b, s in zip(state, saved):
             b.copy_(s)  # undo the warm-up iterations' updates (the graphs hold these same buffers)
+    grad_hooks = _clone_grads_hooks(callables) if clone_param_grads_on_return else []
 
     wrapped = []
     for i, (original, own_forward) in enumerate(zip(callables, own_forwards)):
         if wrapping:
-            graphs = graphed[len(flags) * i:len(flags) * (i + 1)]
-            wrapped.append(_graphed_with_kwargs(original, graphs, own_forward, ctx))
+            wrapped.append(_graphed_with_kwargs(original, [per_set[i] for per_set in graphed], own_forward, ctx,
+                                                grad_hooks))
         elif isinstance(original, torch.nn.Module):
-            g = graphed[i]
+            g = graphed[0][i]
             inner = g.forward
 
             def forward(*a, _inner=inner, **k):
@@ -131,10 +142,10 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3, allo
                     return _inner(*a, **k)
 
             g.forward = forward
-            g.reset = functools.partial(_restore_forward, g, own_forward)
+            g.reset = functools.partial(_restore_forward, g, own_forward, grad_hooks)
             wrapped.append(g)
         else:
-            wrapped.append(_resettable(lambda *a, _g=graphed[i], **k: _g(*a, **k), ctx))
+            wrapped.append(_resettable(lambda *a, _g=graphed[0][i], **k: _g(*a, **k), ctx))
     return wrapped[0] if single else tuple(wrapped)
 
 
@@ -192,7 +203,7 @@ class _Captured(torch.nn.Module):
             return self._call(*flat[:n], **dict(zip(self.tensor_names, flat[n:])), **self.fixed)
 
 
-def _graphed_with_kwargs(original, graphs, own_forward, ctx):
+def _graphed_with_kwargs(original, graphs, own_forward, ctx, grad_hooks):
     """The callable a user gets back when torch captured `_Captured` stand-ins (`graphs`: one,
     or first and later micro-batch)."""
 
@@ -207,7 +218,7 @@ def _graphed_with_kwargs(original, graphs, own_forward, ctx):
 
     if isinstance(original, torch.nn.Module):
         original.forward = call
-        original.reset = functools.partial(_restore_forward, original, own_forward)
+        original.reset = functools.partial(_restore_forward, original, own_forward, grad_hooks)
         return original
     return _resettable(call, ctx=None)
 
@@ -240,8 +251,17 @@ def _release_generator_capture() -> None:
         pass
 
 
-def _restore_forward(module: torch.nn.Module, own_forward) -> None:
+def _clone_grads_hooks(callables) -> list:
+    """Gradient hooks that copy each graphed parameter's gradient (`clone_param_grads_on_return`)."""
+    params = {id(p): p for c in callables if isinstance(c, torch.nn.Module) for p in c.parameters()
+              if p.requires_grad and not getattr(p, "skip_backward_post_hook", False)}
+    return [p.register_hook(torch.clone) for p in params.values()]
+
+
+def _restore_forward(module: torch.nn.Module, own_forward, grad_hooks=()) -> None:
     """A graphed module's `reset()`: its forward as before graphing, so nothing holds the graphs."""
+    for h in grad_hooks:
+        h.remove()
     if own_forward is not None:
         module.forward = own_forward
     else:
