@@ -3,6 +3,8 @@
 `quantized_model_init` parameters that are stored quantized and train."""
 import io
 
+import warnings
+
 import pytest
 import torch
 from linear_cases import QUANTIZED_IDS, RECIPES, backend_params, fresh_dynamo, graph_breaks
@@ -48,6 +50,27 @@ def test_dtype_maps_to_torch_dtypes():
     assert te.DType is DType
     with pytest.raises(TypeError, match="no Transformer Engine data type"):
         DType.cast(torch.complex64)
+
+
+def test_fused_amax_and_scale_update_after_reduction():
+    """tex's multi-tensor delayed-scaling update: two TE-layout states in one call, the reduced
+    amaxes back to back in one buffer; TE's scale rule at 0 / tiny / inf / NaN amaxes."""
+    from transformer_engine_proto.constants import fused_amax_and_scale_update_after_reduction as update
+
+    h1, s1 = torch.tensor([[0.0, 0.0], [2.0, 1.0], [5.0, 1.0]]), torch.tensor([1.0, 2.0])
+    h2, s2 = torch.tensor([[4.0], [1.0], [1.0]]), torch.tensor([3.0])
+    update(torch.tensor([3.0, 0.0, 0.0]), [h1, h2], [s1, s2], "max", DType.kFloat8E4M3, 1)
+    # h1 column 0: newest 3 rolls in; column 1: the buffer's 0 takes row 0 (0): no roll, scale kept
+    assert torch.equal(h1, torch.tensor([[0.0, 0.0], [5.0, 1.0], [3.0, 1.0]]))
+    assert torch.equal(s1, torch.tensor([224.0 / 5.0, 2.0]))
+    assert torch.equal(h2, torch.tensor([[0.0], [1.0], [4.0]])) and torch.equal(s2, torch.tensor([224.0 / 4.0]))
+    fp32_max = torch.finfo(torch.float32).max
+    for amax, want in [(0.0, 7.0), (57344.0 / fp32_max / 2, fp32_max), (float("inf"), 7.0), (float("nan"), 7.0)]:
+        h, s = torch.tensor([[amax]]), torch.tensor([7.0])
+        update(h.clone().view(-1), [h], [s], "most_recent", DType.kFloat8E5M2, 0)
+        assert s.item() == want, amax
+    with pytest.raises(ValueError, match="amax_compute_algo must be"):
+        update(None, [h], [s], "mean", DType.kFloat8E4M3, 0)
 
 
 @pytest.mark.parametrize("make_te, make_ours", [
@@ -328,6 +351,25 @@ def test_is_first_microbatch_is_a_no_op_for_quantized_weights(rid):
             outs.append(lin(x, is_first_microbatch=first))
     for o in outs[2:]:  # from the second call on (delayed scaling's first call sets its scale)
         assert torch.equal(outs[1], o)
+
+
+def test_autocast_with_another_recipe_than_the_quantized_weights_warns_once():
+    """TE's "Quantizer is being updated" warning: weights stored quantized under one recipe, run
+    under another (here another history length); once per change, not with the same recipe."""
+    with te.quantized_model_init(recipe=recipe.DelayedScaling(amax_history_len=1024)):
+        lin = te.Linear(32, 32)
+    x = torch.randn(32, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with te.autocast(recipe=recipe.DelayedScaling(amax_history_len=1024)):
+            lin(x)
+    with pytest.warns(UserWarning, match="Quantizer is being updated"):
+        with te.autocast(recipe=recipe.DelayedScaling(amax_history_len=1)):
+            lin(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with te.autocast(recipe=recipe.DelayedScaling(amax_history_len=1)):
+            lin(x)
 
 
 def test_quantized_model_init_names_the_layer_a_recipe_cannot_store():

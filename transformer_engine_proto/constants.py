@@ -9,7 +9,7 @@ import enum
 
 import torch
 
-__all__ = ["DType", "TE_DType", "as_torch_dtype", "FP8TensorMeta"]
+__all__ = ["DType", "TE_DType", "as_torch_dtype", "FP8TensorMeta", "fused_amax_and_scale_update_after_reduction"]
 
 
 class DType(enum.IntEnum):
@@ -76,3 +76,31 @@ class FP8TensorMeta:
 
     def __repr__(self) -> str:
         return f"FP8TensorMeta(scale={self.scale}, scale_inv={self.scale_inv}, amax_history={self.amax_history})"
+
+
+def fused_amax_and_scale_update_after_reduction(amax_reduction_buffer, amax_histories, scales,
+                                                amax_compute_algo: str, fp8_dtype, margin: float) -> None:
+    """TE's multi-tensor delayed-scaling update (`tex`), in place, for TE-layout state (each
+    history `(length, n)`, each scale `(n,)`). The buffer holds every history's reduced newest
+    amaxes back to back; a 0 there means "take the history's row 0". A nonzero newest amax
+    rolls its history (row i takes row i + 1, the last row takes the newest, row 0 is zeroed);
+    the scale becomes `fp8_max * 2**-margin / amax` (amax: the newest, or the max over the
+    rolled history), kept where amax is 0, inf or NaN, and float32's max where it overflows."""
+    if amax_compute_algo not in ("max", "most_recent"):
+        raise ValueError(f"fused_amax_and_scale_update_after_reduction: amax_compute_algo must be 'max' or "
+                         f"'most_recent', got {amax_compute_algo!r}")
+    scaled_max = torch.finfo(as_torch_dtype(DType(fp8_dtype))).max * 2.0 ** -margin
+    offset = 0
+    for history, scale in zip(amax_histories, scales):
+        h = history.view(history.shape[0], -1)
+        n = h.shape[1]
+        reduced = amax_reduction_buffer[offset:offset + n] if amax_reduction_buffer is not None else h[0]
+        offset += n
+        newest = torch.where(reduced != 0, reduced, h[0])
+        shifted = torch.cat([h[1:], newest[None]])  # row i: what row i holds after the roll (row 0 aside)
+        rolls = newest != 0
+        amax = torch.where(rolls, shifted.amax(0), 0.0) if amax_compute_algo == "max" else newest
+        h.copy_(torch.where(rolls, torch.cat([torch.zeros_like(h[:1]), shifted[1:]]), h))
+        s = scale.view(-1)
+        new = torch.where(torch.isfinite(amax) & (amax > 0), scaled_max / amax, s)
+        s.copy_(torch.where(torch.isinf(new), torch.finfo(torch.float32).max, new))

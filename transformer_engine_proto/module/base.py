@@ -99,6 +99,12 @@ class TransformerEngineBaseModule(DelayedWgrad, GemmOwner, nn.Module, metaclass=
         prepare for `entered`, its fields at entry (`RecipeKey.recipe(key)`). Returns them (the
         non-finite poll reads their counters)."""
         self._last_recipe = recipe
+        made = getattr(self, "quantized_weights_key", None)
+        if made is not None and made != key:  # weights stored quantized under another recipe
+            self.quantized_weights_key = key
+            warnings.warn(f"{self.name}: Quantizer is being updated, this may affect model behavior (its weights "
+                          "were stored quantized by quantized_model_init under another recipe than this autocast's; "
+                          "they keep their format)", UserWarning, stacklevel=4)
         gemms = []
         for gemm, weight in self.gemm_weights():
             gemm.prepare_for_recipe(entered, weight, key)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .. import recipe as R
+from ..custom_ops.recipe_key import RecipeKey
 from ..quantization import param_init_state
 from ..tensor import Float8CurrentScalingQuantizer, Quantizer
 from ..tensor.recipe_quantizers import quantizers_for_recipe
@@ -75,6 +76,7 @@ def quantize_new_weights(module: nn.Module) -> None:
                                "parameters_split=None (fuse_qkv_params=True for attention)")
         setattr(module, name, _quantized_parameter(weight, state.recipe, state.preserve_high_precision_init_val,
                                                    module.name))
+    module.quantized_weights_key = RecipeKey.of(state.recipe)  # what autocast's entry compares (base.py)
 
 
 class _Dequantized(torch.autograd.Function):
