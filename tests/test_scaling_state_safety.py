@@ -28,7 +28,9 @@ def _rel_err(model, x, y):
 
 @pytest.fixture
 def fresh_warning(monkeypatch):
+    """The warning not shown yet, and no counter copy in flight from an earlier test's modules."""
     monkeypatch.setattr(delayed_scaling, "_nonfinite_warned", False)
+    monkeypatch.setattr(delayed_scaling, "_polls", {})
 
 
 def test_nan_input_step_is_skipped_and_scales_follow_finite_amaxes(fresh_warning):

@@ -16,7 +16,9 @@ the rest.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 from typing import Any, Optional
 
 import torch
@@ -111,7 +113,7 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3, allo
         for n, first in enumerate(flags):
             ws = tuple(_Captured(c, own, a, kw, first) for c, own, a, kw in zip(callables, own_forwards, args, kwargs))
             sets.append((ws, tuple(w.sample_args(fresh=n > 0) for w in ws)))
-    with ctx():  # allocates the recipe's state buffers before they are captured
+    with ctx(), _no_garbage_collection():  # ctx allocates the recipe's state buffers before the capture
         state = _state_buffers(callables)
         saved = [b.clone() for b in state]
         try:
@@ -238,6 +240,23 @@ def _resettable(fn, ctx):
 
     call.reset = functools.partial(held.__setitem__, 0, None)
     return call
+
+
+@contextlib.contextmanager
+def _no_garbage_collection():
+    """Python's cyclic GC paused while torch warms up and captures. A collection during a
+    capture can free CUDA objects of earlier graphs (their graphs and pools are held in
+    reference cycles: torch's graphed autograd Functions are classes), and freeing them is not
+    permitted while a stream captures: the capture is invalidated. Garbage from before is
+    collected first."""
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _release_generator_capture() -> None:
