@@ -99,12 +99,6 @@ class TransformerEngineBaseModule(DelayedWgrad, GemmOwner, nn.Module, metaclass=
         prepare for `entered`, its fields at entry (`RecipeKey.recipe(key)`). Returns them (the
         non-finite poll reads their counters)."""
         self._last_recipe = recipe
-        made = getattr(self, "quantized_weights_key", None)
-        if made is not None and made != key:  # weights stored quantized under another recipe
-            self.quantized_weights_key = key
-            warnings.warn(f"{self.name}: Quantizer is being updated, this may affect model behavior (its weights "
-                          "were stored quantized by quantized_model_init under another recipe than this autocast's; "
-                          "they keep their format)", UserWarning, stacklevel=4)
         gemms = []
         for gemm, weight in self.gemm_weights():
             gemm.prepare_for_recipe(entered, weight, key)
@@ -131,6 +125,7 @@ class TransformerEngineBaseModule(DelayedWgrad, GemmOwner, nn.Module, metaclass=
             self._check_recipe_shapes()
             if not torch.compiler.is_compiling():
                 self._note_recipe_type(type(recipe))
+                self._note_quantized_weights_recipe(get_fp8_recipe_key())
         # ---- precision debug tools: name this module's GEMMs for TE's debug API calls
         if _debug_state.SESSION.active:
             _debug_state.begin_forward(self)
@@ -144,6 +139,16 @@ class TransformerEngineBaseModule(DelayedWgrad, GemmOwner, nn.Module, metaclass=
             warnings.warn(f"{self.name}: Recipe type changed from {previous.__name__} to {recipe_type.__name__}. "
                           "This may affect model behavior.", UserWarning, stacklevel=4)
         self.__dict__["_forward_recipe_type"] = recipe_type
+
+    def _note_quantized_weights_recipe(self, key: str) -> None:
+        """TE's "Quantizer is being updated" warning: weights stored quantized (quantized_model_init)
+        under one recipe, run under another; once per change, eager forwards."""
+        made = self.__dict__.get("quantized_weights_key")
+        if made is not None and made != key:
+            self.__dict__["quantized_weights_key"] = key
+            warnings.warn(f"{self.name}: Quantizer is being updated, this may affect model behavior (its weights "
+                          "were stored quantized by quantized_model_init under another recipe than this forward's; "
+                          "they keep their format)", UserWarning, stacklevel=4)
 
     def _check_recipe_shapes(self) -> None:
         """Fail early, naming the module, when a recipe's blocks do not divide a weight."""

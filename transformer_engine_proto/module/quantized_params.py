@@ -76,7 +76,7 @@ def quantize_new_weights(module: nn.Module) -> None:
                                "parameters_split=None (fuse_qkv_params=True for attention)")
         setattr(module, name, _quantized_parameter(weight, state.recipe, state.preserve_high_precision_init_val,
                                                    module.name))
-    module.quantized_weights_key = RecipeKey.of(state.recipe)  # what autocast's entry compares (base.py)
+    module.quantized_weights_key = RecipeKey.of(state.recipe)  # what a forward compares (base.py)
 
 
 class _Dequantized(torch.autograd.Function):
