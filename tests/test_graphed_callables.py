@@ -215,6 +215,26 @@ def test_graphed_parameter_grads_are_owned(clone):
     assert not lin.weight._backward_hooks
 
 
+def test_clone_grad_hooks_per_callable():
+    """One hook per graphed parameter, owned by the first callable holding it (a reset removes
+    that callable's hooks only); parameters marked skip_backward_post_hook get none."""
+    from transformer_engine_proto.graph import _clone_grads_hooks, _restore_forward
+
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    b.weight = a.weight  # shared
+    b.bias.skip_backward_post_hook = True
+    hooks = _clone_grads_hooks((a, b, lambda x: x))
+    assert [len(h) for h in hooks] == [2, 0, 0]
+    w = a.weight
+    w.grad = None
+    (torch.randn(2, 4) @ w.t()).sum().backward()
+    assert w.grad is not None
+    _restore_forward(b, None, hooks[1])
+    assert len(w._backward_hooks) == 1
+    _restore_forward(a, None, hooks[0])
+    assert not w._backward_hooks and not a.bias._backward_hooks
+
+
 def test_weight_caching_needs_modules_and_kwargs_per_callable():
     with pytest.raises(NotImplementedError, match="weight caching .* needs modules"):
         te.make_graphed_callables(lambda x: x, (torch.randn(4, 16),), cache_quantized_params=True)

@@ -128,13 +128,13 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3, allo
     with torch.no_grad():
         for b, s in zip(state, saved):
             b.copy_(s)  # undo the warm-up iterations' updates (the graphs hold these same buffers)
-    grad_hooks = _clone_grads_hooks(callables) if clone_param_grads_on_return else []
+    grad_hooks = _clone_grads_hooks(callables) if clone_param_grads_on_return else [[] for _ in callables]
 
     wrapped = []
     for i, (original, own_forward) in enumerate(zip(callables, own_forwards)):
         if wrapping:
             wrapped.append(_graphed_with_kwargs(original, [per_set[i] for per_set in graphed], own_forward, ctx,
-                                                grad_hooks))
+                                                grad_hooks[i]))
         elif isinstance(original, torch.nn.Module):
             g = graphed[0][i]
             inner = g.forward
@@ -144,7 +144,7 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3, allo
                     return _inner(*a, **k)
 
             g.forward = forward
-            g.reset = functools.partial(_restore_forward, g, own_forward, grad_hooks)
+            g.reset = functools.partial(_restore_forward, g, own_forward, grad_hooks[i])
             wrapped.append(g)
         else:
             wrapped.append(_resettable(lambda *a, _g=graphed[0][i], **k: _g(*a, **k), ctx))
@@ -271,10 +271,15 @@ def _release_generator_capture() -> None:
 
 
 def _clone_grads_hooks(callables) -> list:
-    """Gradient hooks that copy each graphed parameter's gradient (`clone_param_grads_on_return`)."""
-    params = {id(p): p for c in callables if isinstance(c, torch.nn.Module) for p in c.parameters()
-              if p.requires_grad and not getattr(p, "skip_backward_post_hook", False)}
-    return [p.register_hook(torch.clone) for p in params.values()]
+    """Per callable, gradient hooks that copy each of its graphed parameters' gradients
+    (`clone_param_grads_on_return`; a parameter shared by two callables is hooked once)."""
+    seen, out = set(), []
+    for c in callables:
+        params = [p for p in (c.parameters() if isinstance(c, torch.nn.Module) else ())
+                  if p.requires_grad and not getattr(p, "skip_backward_post_hook", False) and id(p) not in seen]
+        seen.update(id(p) for p in params)
+        out.append([p.register_hook(torch.clone) for p in params])
+    return out
 
 
 def _restore_forward(module: torch.nn.Module, own_forward, grad_hooks=()) -> None:
