@@ -239,3 +239,16 @@ def test_compiled_equals_eager(qfactory):
     compiled = _fwd_bwd(te.Linear, copy.copy(recipe), bias=True, compile_backend="aot_eager")
     assert graph_breaks() == 0
     _assert_bitwise(compiled, eager)
+
+
+@pytest.mark.parametrize("noop", [0.0, 1.0])
+def test_update_quantized_noop_flag_covers_both_halves_of_a_hybrid(noop):
+    """One noop flag for the rowwise (FP8) and the columnwise (identity) half, as in TE."""
+    q = te.HybridQuantizer(rowwise_quantizer=_fp8(), columnwise_quantizer=te.IdentityQuantizer())
+    old = torch.full((32, 32), 3.0, dtype=torch.bfloat16)
+    dst = q(old)
+    row_before = dst.rowwise_sub_storage.dequantize().clone()
+    q.update_quantized(torch.full_like(old, 7.0), dst, noop_flag=torch.ones(1) * noop)
+    want_row, want_col = (row_before, old) if noop else (torch.full_like(old, 7.0), torch.full_like(old, 7.0))
+    assert torch.equal(dst.rowwise_sub_storage.dequantize(), want_row)
+    assert torch.equal(dst.columnwise_sub_storage.dequantize(), want_col)

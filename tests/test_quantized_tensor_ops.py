@@ -132,3 +132,23 @@ def test_storage_registry_resolves_every_tensor_class():
         assert storage_class_by_qualname(ctx[0]) is type(t)
     with pytest.raises(KeyError, match="no quantized storage class"):
         storage_class_by_qualname("nope.Nope")
+
+
+@pytest.mark.parametrize("noop", [0.0, 1.0])
+@pytest.mark.parametrize("case", FORMAT_CASES, ids=repr)
+def test_update_quantized_honors_noop_flag(case, noop):
+    """TE's `update_quantized(src, dst, noop_flag=)`: a nonzero flag leaves every buffer of `dst`
+    bit for bit; zero writes the new quantize, as without a flag."""
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+    t, _ = _q(case)
+    before = {n: b.clone() for n, b in t.get_buffers().items()}
+    old_values = t.dequantize()
+    src = torch.randn(128, 256)
+    t._quantizer.update_quantized(src, t, noop_flag=torch.tensor([noop]))
+    if not noop and "_sr" in repr(case):  # stochastic rounding: no two quantizes agree; dst now holds src
+        assert (t.dequantize() - src).abs().mean() < 0.5 * (old_values - src).abs().mean()
+        return
+    want = before if noop else case.make(True, True).quantize(src).get_buffers()
+    for name, buf in t.get_buffers().items():
+        as_int = bits[buf.element_size()]
+        assert torch.equal(buf.view(as_int), want[name].view(as_int)), name

@@ -19,7 +19,7 @@ from ..kernels import kernel
 from ..kernels.reference.common import FP8_MAX, fp8_max, scale_from_amax, transpose_2d
 from .format_api import GatherRule, GemmOperand, UsageView
 from .quantized_tensor import QuantizedTensor
-from .quantizer import BufferSpec, Quantizer, flat_2d, te_constructor
+from .quantizer import BufferSpec, Quantizer, flat_2d, te_constructor, write_unless
 from .storage import QuantizedTensorStorage
 
 __all__ = [
@@ -230,13 +230,18 @@ class Float8Quantizer(_Float8QuantizerBase):
         kwargs["quantizer"] = self.stateless()
         return cls, kwargs
 
-    def update_quantized(self, src, dst) -> None:
-        """Re-quantize into `dst`; a stateless quantizer reuses the scale `dst` was made with."""
+    def update_quantized(self, src, dst, *, noop_flag=None) -> None:
+        """Re-quantize into `dst`; a stateless quantizer reuses the scale `dst` was made with.
+        With a nonzero `noop_flag` the quantizer's amax is left as it was too, as in TE."""
         if self.scale is None:
             scale = dst._scale_inv.reciprocal()
             stateful = dataclasses.replace(self, scale=scale, amax=torch.zeros_like(scale))
-            return super(Float8Quantizer, stateful).update_quantized(src, dst)
-        return super().update_quantized(src, dst)
+            return super(Float8Quantizer, stateful).update_quantized(src, dst, noop_flag=noop_flag)
+        amax = self.amax.clone() if noop_flag is not None and self.amax is not None else None
+        super().update_quantized(src, dst, noop_flag=noop_flag)
+        if amax is not None:
+            write_unless(noop_flag, amax, self.amax)
+            self.amax.copy_(amax)
 
     # ---- format capabilities (tensor/format_api.py) ------------------------------------------
     def has_scale_state(self):

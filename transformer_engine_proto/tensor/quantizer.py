@@ -348,10 +348,26 @@ class Quantizer:
     def __call__(self, x: torch.Tensor):
         return self.quantize(x)
 
-    def update_quantized(self, src: torch.Tensor, dst) -> None:
-        """Re-quantize `src` into the existing buffers of `dst` (used by `copy_`)."""
+    def update_quantized(self, src: torch.Tensor, dst, *, noop_flag: Optional[torch.Tensor] = None) -> None:
+        """Re-quantize `src` into the existing buffers of `dst` (used by `copy_`). `noop_flag`
+        (TE's: a one-element tensor): where it is nonzero `dst` keeps its bytes; chosen on the
+        device, no host sync (CUDA-graph safe)."""
         new = self.quantize(src)
         for attr, _ in dst._FLATTEN_TENSOR_BUFFERS:
             old_buf, new_buf = getattr(dst, attr), getattr(new, attr)
             if old_buf is not None and new_buf is not None:
-                old_buf.copy_(new_buf)
+                write_unless(noop_flag, old_buf, new_buf)
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def write_unless(noop_flag: Optional[torch.Tensor], dst: torch.Tensor, new: torch.Tensor) -> None:
+    """dst <- new, or (noop_flag nonzero) dst unchanged, bit for bit: selected on integer views,
+    which every buffer dtype has (fp8 / e8m0 / packed fp4 have no `where` of their own)."""
+    if noop_flag is None:
+        dst.copy_(new)
+        return
+    bits = _SAME_SIZE_INT[dst.element_size()]
+    keep = noop_flag.reshape(()).to(dst.device) != 0
+    dst.view(bits).copy_(torch.where(keep, dst.view(bits), new.to(dst.dtype).view(bits)))
