@@ -1,6 +1,7 @@
 """IdentityQuantizer and HybridQuantizer: the tensors themselves, and CustomRecipe factories that
 pick each Linear GEMM's precision with them (tensor/gemm_formats.py)."""
 import copy
+import importlib
 import io
 
 import pytest
@@ -8,6 +9,9 @@ import torch
 from linear_cases import forget_modules, fresh_dynamo, graph_breaks
 
 import transformer_engine_proto as te
+from transformer_engine_proto import recipe as R
+from transformer_engine_proto.custom_recipes import quantizer_factories as qf
+from transformer_engine_proto.custom_recipes import quantizer_factory_zoo as zoo
 from transformer_engine_proto.recipe import CustomRecipe
 from transformer_engine_proto.tensor import MXFP8TensorStorage
 
@@ -148,10 +152,13 @@ def test_hybrid_rejects_bad_arguments():
 def test_te_module_paths():
     from transformer_engine_proto import as_te
 
+    zoo_path = "custom_recipes.quantizer_factory_zoo"
     for te_name, ours in (("transformer_engine.pytorch.tensor.identity_tensor", "tensor.identity"),
                           ("transformer_engine.pytorch.tensor.storage.identity_tensor_storage", "tensor.identity"),
-                          ("transformer_engine.pytorch.tensor.hybrid_tensor", "tensor.hybrid")):
+                          ("transformer_engine.pytorch.tensor.hybrid_tensor", "tensor.hybrid"),
+                          (f"transformer_engine.pytorch.{zoo_path}", zoo_path)):
         assert as_te.ALIASES[te_name] == f"transformer_engine_proto.{ours}"
+        importlib.import_module(as_te.ALIASES[te_name])
 
 
 # ---- CustomRecipe: each GEMM's precision ---------------------------------------------------------
@@ -252,3 +259,38 @@ def test_update_quantized_noop_flag_covers_both_halves_of_a_hybrid(noop):
     want_row, want_col = (row_before, old) if noop else (torch.full_like(old, 7.0), torch.full_like(old, 7.0))
     assert torch.equal(dst.rowwise_sub_storage.dequantize(), want_row)
     assert torch.equal(dst.columnwise_sub_storage.dequantize(), want_col)
+
+
+# ---- TE's custom_recipes: base factories and the zoo ---------------------------------------------
+_ROW_SCALED_DEQUANTIZED = dict(disable_rht=True, disable_stochastic_rounding=True, disable_2d_quantization=True,
+                               row_scaled_activation=True, backward_override="dequantized")
+
+
+@pytest.mark.parametrize("factory, builtin", [
+    (qf.current_scaling_factory, R.Float8CurrentScaling()),
+    (qf.float8_block_scaling_factory, R.Float8BlockScaling()),
+    (qf.mxfp8_factory, R.MXFP8BlockScaling()),
+    (qf.high_precision_factory, None),
+    (zoo.mxfp8_fwd_high_precision_bwd_factory, R.MXFP8BlockScaling(backward_override="dequantized")),
+    (zoo.nvfp4_row_scaled_fwd_high_precision_bwd_factory, R.NVFP4BlockScaling(**_ROW_SCALED_DEQUANTIZED)),
+], ids=lambda v: getattr(v, "__name__", type(v).__name__))
+@pytest.mark.parametrize("module_cls", [te.Linear, te.LayerNormMLP], ids=lambda c: c.__name__)
+def test_factories_match_their_builtin_recipe_bitwise(module_cls, factory, builtin):
+    _assert_bitwise(_fwd_bwd(module_cls, CustomRecipe(qfactory=factory)), _fwd_bwd(module_cls, builtin))
+
+
+def test_nvfp4_factory_roles_are_the_recipe_defaults():
+    role = lambda t: R.QuantizerRole(module_type="linear", tensor_type=t)  # noqa: E731
+    w, x, g = qf.nvfp4_factory(role("weight")), qf.nvfp4_factory(role("input")), qf.nvfp4_factory(role("grad_output"))
+    assert w.with_2d_quantization and not w.with_rht and not w.stochastic_rounding
+    assert x.with_rht and not x.with_2d_quantization and not x.stochastic_rounding
+    assert g.with_rht and g.stochastic_rounding
+
+
+def test_high_precision_forward_mxfp8_backward_factory():
+    """fprop in high precision (equal to no recipe), dgrad / wgrad in MXFP8 (near it)."""
+    ref = _fwd_bwd(te.Linear, None)
+    got = _fwd_bwd(te.Linear, CustomRecipe(qfactory=zoo.high_precision_fwd_mxfp8_bwd_factory))
+    assert torch.equal(got[0], ref[0])
+    for a, b in zip(got[1:], ref[1:]):
+        assert not torch.equal(a, b) and ((a.float() - b.float()).norm() / b.float().norm()) < 0.1

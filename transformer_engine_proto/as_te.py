@@ -76,6 +76,9 @@ ALIASES = {
     "transformer_engine.pytorch.tensor.storage.hybrid_tensor_storage": f"{_PKG}.tensor.hybrid",
     "transformer_engine.pytorch.quantized_tensor": f"{_PKG}.tensor",  # Quantizer, QuantizedTensor(Storage)
     "transformer_engine.pytorch.float8_tensor": f"{_PKG}.tensor.float8",  # TE's older path for Float8Tensor
+    "transformer_engine.pytorch.custom_recipes": f"{_PKG}.custom_recipes",
+    "transformer_engine.pytorch.custom_recipes.quantizer_factories": f"{_PKG}.custom_recipes.quantizer_factories",
+    "transformer_engine.pytorch.custom_recipes.quantizer_factory_zoo": f"{_PKG}.custom_recipes.quantizer_factory_zoo",
     "transformer_engine.debug": f"{_PKG}.debug",
     "transformer_engine.debug.features": f"{_PKG}.debug.features",
     **{f"transformer_engine.debug.features.{f}": f"{_PKG}.debug.features.{f}" for f in _FEATURES},
