@@ -3,5 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"
-# --durations: the slowest tests in the log, where the suite's time goes
-python -m pytest tests -q -p no:cacheprovider --durations=25 "$@"
+# -n: pytest-xdist workers (TE_PROTO_TEST_WORKERS, default 2: the CI machine's cores; 0 runs in
+# this process). --durations: the slowest tests in the log, where the suite's time goes
+python -m pytest tests -q -p no:cacheprovider -n "${TE_PROTO_TEST_WORKERS:-2}" --durations=25 "$@"
