@@ -294,3 +294,15 @@ def test_high_precision_forward_mxfp8_backward_factory():
     assert torch.equal(got[0], ref[0])
     for a, b in zip(got[1:], ref[1:]):
         assert not torch.equal(a, b) and ((a.float() - b.float()).norm() / b.float().norm()) < 0.1
+
+
+def test_hybrid_prepare_for_saving_round_trip():
+    """TE's save protocol over both sub-storages: the identity half comes back exact."""
+    x = torch.randn(32, 32, dtype=BF16)
+    h = te.HybridQuantizer(rowwise_quantizer=_mxfp8(), columnwise_quantizer=te.IdentityQuantizer()).quantize(x)
+    row = h.rowwise_sub_storage.dequantize().clone()
+    tensors, obj = h.prepare_for_saving()
+    assert obj is h and h.columnwise_sub_storage._hp_data is None
+    assert obj.restore_from_saved(tensors) == []
+    assert torch.equal(h.columnwise_sub_storage.dequantize(), x)
+    assert torch.equal(h.rowwise_sub_storage.dequantize(), row)

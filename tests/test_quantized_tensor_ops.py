@@ -9,6 +9,12 @@ from transformer_engine_proto.tensor import QuantizedTensor
 from transformer_engine_proto.tensor import quantized_tensor as qt_module
 
 
+def _same_bits(a, b) -> bool:
+    """Bitwise equality of two buffers of any dtype (fp8 / e8m0 / packed fp4 included)."""
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    return a.dtype == b.dtype and torch.equal(a.view(as_int), b.view(as_int))
+
+
 def _q(case, x=None, rowwise=True, columnwise=True):
     x = torch.randn(128, 256) if x is None else x
     return case.make(rowwise, columnwise).quantize(x), x
@@ -139,7 +145,6 @@ def test_storage_registry_resolves_every_tensor_class():
 def test_update_quantized_honors_noop_flag(case, noop):
     """TE's `update_quantized(src, dst, noop_flag=)`: a nonzero flag leaves every buffer of `dst`
     bit for bit; zero writes the new quantize, as without a flag."""
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
     t, _ = _q(case)
     before = {n: b.clone() for n, b in t.get_buffers().items()}
     old_values = t.dequantize()
@@ -150,5 +155,17 @@ def test_update_quantized_honors_noop_flag(case, noop):
         return
     want = before if noop else case.make(True, True).quantize(src).get_buffers()
     for name, buf in t.get_buffers().items():
-        as_int = bits[buf.element_size()]
-        assert torch.equal(buf.view(as_int), want[name].view(as_int)), name
+        assert _same_bits(buf, want[name]), name
+
+
+@pytest.mark.parametrize("case", FORMAT_CASES, ids=repr)
+def test_prepare_for_saving_and_restore_round_trip(case):
+    """TE's save protocol: the buffers out (the object emptied), back in bit for bit, nothing left."""
+    for t in (_q(case)[0], case.make(True, True).quantize(torch.randn(128, 256), internal=True)):
+        want = {n: b.clone() for n, b in t.get_buffers().items()}
+        tensors, obj = t.prepare_for_saving()
+        assert obj is t and not t.get_buffers() and len(tensors) == len(type(t)._FLATTEN_TENSOR_BUFFERS)
+        assert obj.restore_from_saved(tensors + ["next"]) == ["next"]
+        assert t.get_buffers().keys() == want.keys()
+        for name, buf in t.get_buffers().items():
+            assert _same_bits(buf, want[name]), name

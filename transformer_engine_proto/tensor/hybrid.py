@@ -82,6 +82,20 @@ class HybridQuantizedTensorStorage(QuantizedTensorStorage):
                 out.update(_prefixed(usage, sub.get_buffers()))
         return out
 
+    def prepare_for_saving(self):
+        """Each sub-storage's slots, rowwise then columnwise (TE's save protocol)."""
+        tensors = []
+        for sub in (self._rowwise_storage, self._columnwise_storage):
+            if sub is not None:
+                tensors += sub.prepare_for_saving()[0]
+        return tensors, self
+
+    def restore_from_saved(self, tensors):
+        for sub in (self._rowwise_storage, self._columnwise_storage):
+            if sub is not None:
+                tensors = sub.restore_from_saved(tensors)
+        return list(tensors)
+
     @classmethod
     def _from_buffers(cls, buffers, *, shape, dtype, quantizer, requires_grad=False):
         row, col = _split(buffers)

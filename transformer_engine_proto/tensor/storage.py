@@ -116,6 +116,23 @@ class QuantizedTensorStorage:
                 out[attr] = t
         return out
 
+    # ---- TE's save protocol: an autograd ctx saves the buffers, not the object ---------------
+    def prepare_for_saving(self):
+        """TE's `prepare_for_saving`: (this object's buffer slots in `_FLATTEN_TENSOR_BUFFERS`
+        order, each a tensor or None, for `ctx.save_for_backward`; this object, emptied of them)."""
+        tensors = [getattr(self, attr) for attr, _ in self._FLATTEN_TENSOR_BUFFERS]
+        for attr, _ in self._FLATTEN_TENSOR_BUFFERS:
+            setattr(self, attr, None)
+        return tensors, self
+
+    def restore_from_saved(self, tensors):
+        """TE's `restore_from_saved`: this object's slots back from the front of `tensors`; returns
+        the rest (for the next object saved with it)."""
+        n = len(self._FLATTEN_TENSOR_BUFFERS)
+        for (attr, _), t in zip(self._FLATTEN_TENSOR_BUFFERS, tensors[:n]):
+            setattr(self, attr, t)
+        return list(tensors[n:])
+
     def _rebuild(self, buffers: Dict[str, torch.Tensor], shape=None, requires_grad=False):
         """A new object of this class over `buffers`, with this one's metadata."""
         meta = self.get_metadata()
