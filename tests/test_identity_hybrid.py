@@ -306,3 +306,29 @@ def test_hybrid_prepare_for_saving_round_trip():
     assert obj.restore_from_saved(tensors) == []
     assert torch.equal(h.columnwise_sub_storage.dequantize(), x)
     assert torch.equal(h.rowwise_sub_storage.dequantize(), row)
+
+
+@pytest.mark.parametrize("qfactory, stored", [(identity_all, te.IdentityTensor),
+                                               (hybrid_identity_all, te.HybridQuantizedTensor)])
+@pytest.mark.parametrize("backend", [None, "aot_eager"])
+def test_quantized_model_init_under_an_all_identity_recipe_trains_like_bf16(qfactory, stored, backend):
+    """As TE: the weight is stored with the factory's own (identity) quantizer, and every GEMM
+    reads it in high precision: outputs and gradients equal the plain bf16 Linear bit for bit."""
+    recipe = CustomRecipe(qfactory=qfactory)
+    torch.manual_seed(0)
+    ref = te.Linear(32, 32, bias=False, params_dtype=BF16)
+    with te.quantized_model_init(enabled=True, recipe=recipe):
+        test = te.Linear(32, 32, bias=False, params_dtype=BF16)
+    assert isinstance(test.weight, stored)
+    with torch.no_grad():
+        test.weight.copy_(ref.weight)
+    run = torch.compile(test, fullgraph=True, backend=backend) if backend else test
+    x = torch.randn(16, 32, dtype=BF16)
+    xr, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
+    g = torch.randn(16, 32, dtype=BF16)
+    ref(xr).backward(g)
+    with forget_modules(test), te.autocast(recipe=recipe):
+        y = run(xt)
+    y.backward(g)
+    assert torch.equal(y, ref(xr.detach())) and torch.equal(xt.grad, xr.grad)
+    assert torch.equal(test.weight.grad, ref.weight.grad)

@@ -169,8 +169,8 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
             is_first_microbatch = FP8GlobalState.first_microbatch  # make_graphed_callables's weight caching
         delayed = isinstance(recipe, R.DelayedScaling)
         cache_mode, cache = linear_ops.CACHE_OFF, []
-        if recipe is None and isinstance(weight, QuantizedTensor):  # no recipe: a high-precision GEMM
-            weight = dequantized_weight(weight)
+        if isinstance(weight, QuantizedTensor) and (recipe is None or RecipeKey.quantizers(key).weight is None):
+            weight = dequantized_weight(weight)  # a high-precision GEMM (no recipe, or one quantizing no weight)
         if is_first_microbatch is not None or isinstance(weight, QuantizedTensor):
             dgrad = torch.is_grad_enabled() and inp.requires_grad
             cache_mode, cache = self._weight_cache(recipe, key, weight, is_first_microbatch, dgrad)

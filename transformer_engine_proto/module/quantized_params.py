@@ -31,7 +31,10 @@ def weight_param_quantizer(recipe: R.Recipe) -> Quantizer:
     each time it is written; the GEMM reads the same Float8Tensor layout either way."""
     if isinstance(recipe, R.DelayedScaling):
         return Float8CurrentScalingQuantizer(recipe.fp8_format.fwd_dtype)
-    return quantizers_for_recipe(recipe).weight.with_usage(rowwise=True, columnwise=True)
+    q = quantizers_for_recipe(recipe).weight
+    if q is None and isinstance(recipe, R.CustomRecipe):  # every weight GEMM in high precision: as TE,
+        q = recipe.qfactory(R.QuantizerRole(module_type="linear", tensor_type="weight"))  # the factory's own
+    return q.with_usage(rowwise=True, columnwise=True)
 
 
 def _quantized_parameter(weight: torch.Tensor, recipe: R.Recipe, keep_init_val: bool, owner: str) -> nn.Parameter:
