@@ -19,7 +19,7 @@ import torch
 
 from .format_api import GatherRule
 from .quantized_tensor import QuantizedTensor
-from .quantizer import Quantizer, write_unless
+from .quantizer import Quantizer
 from .storage import QuantizedTensorStorage
 
 __all__ = ["HybridQuantizedTensorStorage", "HybridQuantizedTensor", "HybridQuantizer"]
@@ -219,12 +219,6 @@ class HybridQuantizer(Quantizer):
             src = row.dequantize(dtype=x.dtype) if self.columnwise_source == "rowwise_dequantized" else x
             out.update(_prefixed("columnwise", self.columnwise_quantizer.quantize(src, internal=True).get_buffers()))
         return out
-
-    def update_quantized(self, src: torch.Tensor, dst, *, noop_flag=None) -> None:
-        new = self.quantize(src).get_buffers()
-        for name, buf in dst.get_buffers().items():
-            if name in new:
-                write_unless(noop_flag, buf, new[name])
 
     def row_block(self) -> int:
         return math.lcm(*(q.row_block() for _, q in self._used())) if self._used() else 1

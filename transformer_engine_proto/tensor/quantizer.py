@@ -352,11 +352,10 @@ class Quantizer:
         """Re-quantize `src` into the existing buffers of `dst` (used by `copy_`). `noop_flag`
         (TE's: a one-element tensor): where it is nonzero `dst` keeps its bytes; chosen on the
         device, no host sync (CUDA-graph safe)."""
-        new = self.quantize(src)
-        for attr, _ in dst._FLATTEN_TENSOR_BUFFERS:
-            old_buf, new_buf = getattr(dst, attr), getattr(new, attr)
-            if old_buf is not None and new_buf is not None:
-                write_unless(noop_flag, old_buf, new_buf)
+        new = self.quantize(src).get_buffers()
+        for name, buf in dst.get_buffers().items():
+            if name in new:
+                write_unless(noop_flag, buf, new[name])
 
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
