@@ -235,6 +235,17 @@ def test_clone_grad_hooks_per_callable():
     assert not w._backward_hooks and not a.bias._backward_hooks
 
 
+def test_keyword_capture_refuses_modules_with_hooks():
+    """As torch does for a module it captures itself: through the keyword stand-in the hooks would
+    not run."""
+    from transformer_engine_proto.graph import _Captured
+
+    lin = te.Linear(16, 16)
+    lin.register_forward_hook(lambda *a: None)
+    with pytest.raises(ValueError, match="must not have hooks"):
+        _Captured(lin, None, (torch.randn(4, 16),), {}, True)
+
+
 def test_weight_caching_needs_modules_and_kwargs_per_callable():
     with pytest.raises(NotImplementedError, match="weight caching .* needs modules"):
         te.make_graphed_callables(lambda x: x, (torch.randn(4, 16),), cache_quantized_params=True)

@@ -137,17 +137,11 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3, allo
                                                 grad_hooks[i]))
         elif isinstance(original, torch.nn.Module):
             g = graphed[0][i]
-            inner = g.forward
-
-            def forward(*a, _inner=inner, **k):
-                with ctx():
-                    return _inner(*a, **k)
-
-            g.forward = forward
+            g.forward = _within(ctx, g.forward)
             g.reset = functools.partial(_restore_forward, g, own_forward, grad_hooks[i])
             wrapped.append(g)
         else:
-            wrapped.append(_resettable(lambda *a, _g=graphed[0][i], **k: _g(*a, **k), ctx))
+            wrapped.append(_resettable(graphed[0][i], ctx))
     return wrapped[0] if single else tuple(wrapped)
 
 
@@ -170,6 +164,11 @@ class _Captured(torch.nn.Module):
 
     def __init__(self, target, own_forward, sample_args, sample_kwargs: dict, first: Optional[bool]):
         super().__init__()
+        if isinstance(target, torch.nn.Module) and (target._forward_hooks or target._forward_pre_hooks
+                                                    or target._backward_hooks):
+            # torch refuses them on a module it captures itself; called through here they would not run
+            raise ValueError("make_graphed_callables: modules must not have hooks registered when they are "
+                             f"graphed ({type(target).__name__} has some); register them afterwards")
         self.target = target if isinstance(target, torch.nn.Module) else None  # a child: its parameters
         self._call = own_forward or (type(target).forward.__get__(target) if self.target is not None else target)
         self.training = target.training if self.target is not None else True
@@ -209,34 +208,41 @@ def _graphed_with_kwargs(original, graphs, own_forward, ctx, grad_hooks):
     """The callable a user gets back when torch captured `_Captured` stand-ins (`graphs`: one,
     or first and later micro-batch)."""
 
-    def call(*a, is_first_microbatch=None, **k):
+    def replay(*a, is_first_microbatch=None, **k):
         g = graphs[-1] if len(graphs) == 2 and is_first_microbatch is False else graphs[0]
         if isinstance(original, torch.nn.Module):
             g.training = original.training  # torch replays only in the mode it captured, else runs forward
         if len(graphs) == 1 and is_first_microbatch is not None:
             k["is_first_microbatch"] = is_first_microbatch  # not captured: positional() refuses it
-        with ctx():
-            return g(*g.positional(a, k))
+        return g(*g.positional(a, k))
 
     if isinstance(original, torch.nn.Module):
-        original.forward = call
+        original.forward = _within(ctx, replay)
         original.reset = functools.partial(_restore_forward, original, own_forward, grad_hooks)
         return original
-    return _resettable(call, ctx=None)
+    return _resettable(replay, ctx)
+
+
+def _within(ctx, fn):
+    """`fn`, each call inside a fresh `ctx()` (the recipe's autocast)."""
+
+    def call(*a, **k):
+        with ctx():
+            return fn(*a, **k)
+
+    return call
 
 
 def _resettable(fn, ctx):
-    """A graphed function with TE's `reset()`: afterwards it refuses calls (nothing holds its graphs)."""
-    held = [fn]
+    """A graphed function (run inside `ctx()`) with TE's `reset()`: afterwards it refuses calls
+    (nothing holds its graphs)."""
+    held = [_within(ctx, fn)]
 
     def call(*a, **k):
         if held[0] is None:
             raise RuntimeError("make_graphed_callables: this graphed callable was reset (its CUDA graphs "
                                "were dropped); make it again to replay")
-        if ctx is None:
-            return held[0](*a, **k)
-        with ctx():
-            return held[0](*a, **k)
+        return held[0](*a, **k)
 
     call.reset = functools.partial(held.__setitem__, 0, None)
     return call

@@ -13,7 +13,7 @@ from ..distributed import tp as _tp
 from .base import TransformerEngineBaseModule, autocast_operands, rename_state_dict_keys
 from .fp8_state import FP8StateCheckpoint
 
-__all__ = ["LayerNorm", "RMSNorm", "NormFusedModule", "init_norm_parameters", "autocast_operands"]
+__all__ = ["LayerNorm", "RMSNorm", "NormFusedModule", "init_norm_parameters"]
 
 
 def init_norm_parameters(module: nn.Module, hidden_size: int, normalization: str, eps: float,

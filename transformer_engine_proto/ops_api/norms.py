@@ -16,7 +16,7 @@ from torch import nn
 from ..capabilities import default_device
 from ..custom_ops.norm import norm
 from ..errors import raise_error
-from ..module.normalization import autocast_operands
+from ..module.base import autocast_operands
 from .linear import param_dtype
 from .op import BasicOperation
 
