@@ -144,7 +144,8 @@ def _high_precision(a, b, trans_a, trans_b, out_dtype, bias):
 
 def _empty(t) -> bool:
     shape = t._shape if isinstance(t, QuantizedTensorStorage) else t.shape
-    return statically_known_true(math.prod(shape) == 0)
+    n = math.prod(shape)
+    return n == 0 if type(n) is int else statically_known_true(n == 0)  # eager: no symbolic machinery
 
 
 def _same_format(a, b) -> bool:

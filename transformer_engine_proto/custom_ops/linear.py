@@ -173,6 +173,11 @@ class LinearPlan:
         return [p for p in (self.saved_input(), self.saved_weight()) if p is not None]
 
     @_memo
+    def saved_layout(self) -> List[tuple]:
+        """(proto, its inner buffer names) of each of `saved_protos`: what backward rebuilds."""
+        return [(p, p.inner_names()) for p in self.saved_protos()]
+
+    @_memo
     def output_saved_protos(self) -> List[TensorProto]:
         """The part of `saved_protos` the forward op returns (a prequantized input is saved from
         the op's inputs instead: returning an input would alias it)."""
@@ -232,19 +237,21 @@ class LinearPlan:
             self.dgrad_weight() is None or (self.call.cache_mode != CACHE_USE and self.saved_weight() is None))
 
 
-def _split(buffers: Sequence[torch.Tensor], protos: Sequence[TensorProto]):
+def _split(buffers: Sequence[torch.Tensor], named_protos):
+    """Bare storages from the flattened `buffers` of `named_protos` ((proto, its inner names) pairs)."""
     out, i = [], 0
-    for p in protos:
-        n = len(p.inner_names())
-        out.append(rebuild(p, buffers[i:i + n]))
+    for p, names in named_protos:
+        n = len(names)
+        out.append(rebuild(p, buffers[i:i + n], names))
         i += n
     return out
 
 
-def rebuild(proto: TensorProto, buffers: Sequence[torch.Tensor]) -> QuantizedTensorStorage:
-    """A bare quantized storage from its flattened buffers (the inverse of `get_buffers`)."""
-    return proto.quantizer.make_tensor(dict(zip(proto.inner_names(), buffers)), proto.shape, proto.dtype,
-                                       internal=True)
+def rebuild(proto: TensorProto, buffers: Sequence[torch.Tensor], names=None) -> QuantizedTensorStorage:
+    """A bare quantized storage from its flattened buffers (the inverse of `get_buffers`);
+    `names`: the proto's inner names, where the caller has them already."""
+    names = proto.inner_names() if names is None else names
+    return proto.quantizer.make_tensor(dict(zip(names, buffers)), proto.shape, proto.dtype, internal=True)
 
 
 def _plan(key, inp, weight, call: LinearCall, prequantized=False):
@@ -252,16 +259,18 @@ def _plan(key, inp, weight, call: LinearCall, prequantized=False):
 
 
 @functools.lru_cache(maxsize=1024)
-def _cached_plan(*args) -> LinearPlan:
-    return LinearPlan(*args)
+def _cached_plan(key, in_shape, weight_shape, act_dtype, weight_dtype, flags: int, prequantized) -> LinearPlan:
+    return LinearPlan(key, in_shape, weight_shape, act_dtype, weight_dtype, LinearCall.of(flags), prequantized)
 
 
-def make_plan(key, in_shape, weight_shape, *rest) -> LinearPlan:
-    """One plan per call signature when the shapes are plain ints (eager calls); a fresh one when
-    they are symbolic (tracing), since SymInts cannot be cache keys."""
-    if all(type(d) is int for d in in_shape + weight_shape):
-        return _cached_plan(key, in_shape, weight_shape, *rest)
-    return LinearPlan(key, in_shape, weight_shape, *rest)
+def make_plan(key, in_shape, weight_shape, act_dtype, weight_dtype, call: LinearCall, prequantized) -> LinearPlan:
+    """One plan per call signature when the shapes are plain ints (eager calls: keyed by the call's
+    flags, an int, which hashes faster than the LinearCall); a fresh one when they are symbolic
+    (tracing), since SymInts cannot be cache keys."""
+    for d in in_shape + weight_shape:
+        if type(d) is not int:
+            return LinearPlan(key, in_shape, weight_shape, act_dtype, weight_dtype, call, prequantized)
+    return _cached_plan(key, in_shape, weight_shape, act_dtype, weight_dtype, call.flags, prequantized)
 
 
 def _quantize_shared(plan: LinearPlan, inp: torch.Tensor, x2d: torch.Tensor) -> QuantizedTensorStorage:
@@ -379,7 +388,7 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
     plan = make_plan(key, tuple(in_shape), tuple(weight_shape), grad_out.dtype, weight_dtype, call, False)
     input_requires_grad, weight_requires_grad, cache_mode = call.computes_dgrad, call.computes_wgrad, call.cache_mode
     dy = grad_out.reshape(-1, grad_out.shape[-1])
-    saved_q = iter(_split(saved, plan.saved_protos()))
+    saved_q = iter(_split(saved, plan.saved_layout()))
     if plan.saved_input() is not None:
         x = next(saved_q)
     else:

@@ -337,11 +337,21 @@ class Quantizer:
     def quantize(self, x: torch.Tensor, *, internal: bool = False):
         """Quantize a high-precision tensor into a new QuantizedTensor (a bare storage with
         `internal=True`, see `make_tensor`)."""
-        from .quantized_tensor import QuantizedTensor
+        if type(x) is torch.Tensor and not torch.compiler.is_dynamo_compiling():
+            # an eager plain tensor: its checks once per (shape, dtype) on this quantizer
+            checked = self.__dict__.get("_checked_inputs")
+            if checked is None:  # frozen dataclass: write the dict directly; copies by `with_scale_state` share it
+                checked = self.__dict__["_checked_inputs"] = set()
+            signature = (x.shape, x.dtype)
+            if signature not in checked:
+                self._check_quantize_input(x)
+                checked.add(signature)
+        else:
+            from .quantized_tensor import QuantizedTensor
 
-        if isinstance(x, QuantizedTensor):
-            x = x.dequantize()
-        self._check_quantize_input(x)
+            if isinstance(x, QuantizedTensor):
+                x = x.dequantize()
+            self._check_quantize_input(x)
         buffers = self._quantize_buffers(x.contiguous())
         return self.make_tensor(buffers, tuple(x.shape), x.dtype, internal)
 

@@ -86,25 +86,20 @@ class QuantizedTensorStorage:
         (no tensor subclass: nothing to allocate), setting the attributes directly instead of
         going through keyword dicts; what quantizers build with `internal=True` on the ops' hot
         path. `meta`: the `_META_FIELDS` values."""
+        layout = cls.__dict__.get("_BARE_LAYOUT")
+        if layout is None:  # per class: ({buffer attribute: None}, the metadata names)
+            layout = (dict.fromkeys(attr for attr, _ in cls._FLATTEN_TENSOR_BUFFERS), frozenset(cls._META_FIELDS))
+            cls._BARE_LAYOUT = layout
+        attrs, meta_names = layout
+        state = dict(attrs)
+        state.update(buffers)
+        if len(state) != len(attrs):
+            raise KeyError(f"{cls.__name__}: unknown buffers {sorted(set(buffers) - set(attrs))}")
+        if meta.keys() != meta_names:
+            raise TypeError(f"{cls.__name__}: constructor arguments {sorted(meta)}, expected "
+                            f"{sorted(cls._META_FIELDS)}")
         self = object.__new__(cls)
-        self._shape = torch.Size(shape)
-        self._hp_dtype = dtype
-        self._quantizer = quantizer
-        found = 0
-        for attr, _ in cls._FLATTEN_TENSOR_BUFFERS:
-            if attr in buffers:
-                found += 1
-                setattr(self, attr, buffers[attr])
-            else:
-                setattr(self, attr, None)
-        if found != len(buffers):
-            known = {attr for attr, _ in cls._FLATTEN_TENSOR_BUFFERS}
-            raise KeyError(f"{cls.__name__}: unknown buffers {sorted(set(buffers) - known)}")
-        for name in cls._META_FIELDS:
-            setattr(self, name, meta[name])
-        if len(meta) != len(cls._META_FIELDS):
-            raise TypeError(f"{cls.__name__}: unexpected constructor arguments "
-                            f"{sorted(set(meta) - set(cls._META_FIELDS))}")
+        self.__dict__.update(state, _shape=torch.Size(shape), _hp_dtype=dtype, _quantizer=quantizer, **meta)
         return self
 
     def get_buffers(self) -> Dict[str, torch.Tensor]:
