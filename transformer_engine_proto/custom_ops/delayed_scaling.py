@@ -15,11 +15,10 @@ import warnings
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 from .. import recipe as R
 from ..kernels import kernel
-from ..kernels.reference.common import FP8_MAX
+from ..kernels.reference.common import FP8_MAX, traced
 from ..kernels.reference.delayed_scaling import fold_pending_grad_amax as _fold
 from ..kernels.reference.delayed_scaling import only_where, update_from_history
 from .saved_state import saved_state
@@ -235,7 +234,7 @@ def scale_slot(scales: torch.Tensor, slot: int) -> torch.Tensor:
     copy: inductor cannot pass a slice of a buffer computed in the graph (the in-graph scale
     update) to a user Triton kernel."""
     scale = scales[slot:slot + 1]
-    return scale.clone() if type(scales) is not torch.Tensor and is_fake(scales) else scale
+    return scale.clone() if traced(scales) else scale
 
 
 def forward_amax_slots(inp: torch.Tensor) -> Optional[torch.Tensor]:
@@ -243,7 +242,7 @@ def forward_amax_slots(inp: torch.Tensor) -> Optional[torch.Tensor]:
     quantizes record their amaxes into (one launch, and it is the op's amax output as it is).
     None while tracing: inductor passes no slice of an in-graph tensor to a user Triton kernel, so
     each quantize gets its own (1,) and they are concatenated after."""
-    return None if is_fake(inp) else torch.zeros(2, dtype=torch.float32, device=inp.device)
+    return None if traced(inp) else torch.zeros(2, dtype=torch.float32, device=inp.device)
 
 
 def bind_delayed(q, scales, slot: int, amaxes: list):
@@ -276,7 +275,7 @@ def _eager_device(t: torch.Tensor):
     """`t`'s device when this runs eagerly on real tensors (a one-launch kernel may serve), else
     None: the rules as graph ops for torch.compile to trace (AOT traces a compiled backward
     outside dynamo, where `is_compiling()` can be False, so the tensor itself is asked too)."""
-    return None if torch.compiler.is_compiling() or is_fake(t) else t.device
+    return None if torch.compiler.is_compiling() or traced(t) else t.device
 
 
 def _longer(history: torch.Tensor, rows: int) -> torch.Tensor:

@@ -24,10 +24,9 @@ import struct
 import torch
 import triton
 import triton.language as tl
-from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..reference.common import fp8_max
+from ..reference.common import fp8_max, traced
 
 FLOAT32_MAX = 3.4028234663852886e38
 INT32_LIMIT = 2**31
@@ -65,15 +64,6 @@ def next_power_of_2(n):
     if type(n) is int:
         return 1 if n <= 1 else 1 << (n - 1).bit_length()
     return triton.next_power_of_2(n)
-
-
-def traced(x: torch.Tensor) -> bool:
-    """Whether `x` is a tracing (fake) tensor. A plain real tensor, the eager case, answers with
-    two C calls instead of `is_fake`'s unwrapping (host time per launch)."""
-    if (type(x) is torch.Tensor and not torch._is_functional_tensor(x)
-            and not torch._C._functorch.is_functorch_wrapped_tensor(x)):
-        return False
-    return is_fake(x)
 
 
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

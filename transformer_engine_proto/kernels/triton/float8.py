@@ -245,9 +245,9 @@ def _fits(x: torch.Tensor) -> bool:
     m, k = flat_2d(x)
     if m == 0 or k == 0:
         return False
-    casts = (CONFIG["cast"], CONFIG["cast_rowwise"], CONFIG["cast_packed"])
-    bm = max(c["BM"] for c in casts)
-    bk = max(c["BK"] for c in casts)
+    cast, rowwise, packed = CONFIG["cast"], CONFIG["cast_rowwise"], CONFIG["cast_packed"]
+    bm = max(cast["BM"], rowwise["BM"], packed["BM"])
+    bk = max(cast["BK"], rowwise["BK"], packed["BK"])
     return bm * k < INT32_LIMIT and bk * m < INT32_LIMIT
 
 

@@ -32,7 +32,8 @@ import os
 import torch
 import triton
 
-from ._common import _INTERPRETING, traced
+from ..reference.common import traced
+from ._common import _INTERPRETING
 
 try:
     from triton import knobs
