@@ -82,17 +82,8 @@ def quantize_new_weights(module: nn.Module) -> None:
     module.quantized_weights_key = RecipeKey.of(state.recipe)  # what a forward compares (base.py)
 
 
-class _Dequantized(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, weight):
-        return weight.dequantize()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
 def dequantized_weight(weight: torch.Tensor) -> torch.Tensor:
     """A weight stored quantized, in high precision for a GEMM run without a recipe (TE's
-    behaviour outside autocast); its gradient reaches the parameter unchanged."""
-    return _Dequantized.apply(weight)
+    behaviour outside autocast); its gradient reaches the parameter unchanged (dequantize is
+    straight-through: tensor/straight_through.py)."""
+    return weight.dequantize()

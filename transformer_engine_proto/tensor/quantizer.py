@@ -18,6 +18,7 @@ import torch
 from ..constants import DType, as_torch_dtype
 from ..errors import raise_error
 from .format_api import GatherRule, missing_capability
+from .straight_through import QuantizeStraightThrough, tracks_grad
 
 __all__ = ["Quantizer", "BufferSpec", "HIGH_PRECISION_DTYPES", "check_input", "te_constructor",
            "debug_recipe_names", "quantizer_class_by_debug_recipe"]
@@ -336,7 +337,13 @@ class Quantizer:
 
     def quantize(self, x: torch.Tensor, *, internal: bool = False):
         """Quantize a high-precision tensor into a new QuantizedTensor (a bare storage with
-        `internal=True`, see `make_tensor`)."""
+        `internal=True`, see `make_tensor`). A tensor that requires grad gives one that does, its
+        gradient passed straight through to x (tensor/straight_through.py)."""
+        if isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled():
+            if not internal and tracks_grad(x):
+                return QuantizeStraightThrough.apply(x, self.quantize)
+            with torch.no_grad():  # the buffers are values, not functions of x for autograd
+                return self.quantize(x, internal=internal)
         if type(x) is torch.Tensor and not torch.compiler.is_dynamo_compiling():
             # an eager plain tensor: its checks once per (shape, dtype) on this quantizer
             checked = self.__dict__.get("_checked_inputs")

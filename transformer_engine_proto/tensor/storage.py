@@ -13,6 +13,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .format_api import GemmOperand, UsageView, missing_capability
+from .straight_through import DequantizeStraightThrough, tracks_grad
 
 __all__ = ["QuantizedTensorStorage", "storage_class_by_qualname", "registered_storage_classes",
            "storage_class_by_format"]
@@ -199,7 +200,12 @@ class QuantizedTensorStorage:
         raise NotImplementedError
 
     def dequantize(self, *, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        return self._dequantize(self._hp_dtype if dtype is None else dtype)
+        """The high-precision values (`dtype`: the nominal one by default). Of a tensor that
+        requires grad, in its graph: the gradient passes straight through (straight_through.py)."""
+        dtype = self._hp_dtype if dtype is None else dtype
+        if isinstance(self, torch.Tensor) and tracks_grad(self):
+            return DequantizeStraightThrough.apply(self, dtype)
+        return self._dequantize(dtype)
 
     def _drop_usage(self, rowwise: bool, columnwise: bool) -> None:
         """Forget buffers of the usages that are not kept (subclasses name them)."""
