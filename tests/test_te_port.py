@@ -413,3 +413,14 @@ def test_shared_recipe_quantizers_refuse_in_place_usage_changes():
     own = te.Float8CurrentScalingQuantizer(DType.kFloat8E4M3)  # TE code's own quantizer: in place, as TE
     own.set_usage(rowwise=True, columnwise=False)
     assert own.columnwise_usage is False
+
+
+def test_set_usage_checks_the_input_again():
+    """A quantizer checks an input's shape once per (shape, dtype); an in-place usage change
+    makes it check again (MXFP8's columnwise copy needs whole 32-row blocks)."""
+    q = te.MXFP8Quantizer(DType.kFloat8E4M3, rowwise=True, columnwise=False)
+    x = torch.randn(16, 64)
+    assert q.quantize(x, internal=True).has_rowwise()
+    q.set_usage(columnwise=True)
+    with pytest.raises(ValueError, match="32"):
+        q.quantize(x, internal=True)

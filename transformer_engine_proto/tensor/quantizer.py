@@ -280,6 +280,7 @@ class Quantizer:
             object.__setattr__(self, "rowwise_usage", bool(rowwise))
         if columnwise is not None:
             object.__setattr__(self, "columnwise_usage", bool(columnwise))
+        self.__dict__.pop("_checked_inputs", None)  # the shape checks depend on the usage: check again
         return self
 
     def with_usage(self, *, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None):
