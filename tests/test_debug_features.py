@@ -420,6 +420,70 @@ def test_custom_user_features(tmp_path):
     assert torch.allclose(y, probe(x) @ (2 * scaled.weight).t())
 
 
+COUNTING_FEATURE = '''
+from nvdlfw_inspect.registry import Registry, api_method
+from transformer_engine_proto.debug.features.api import TEConfigAPIMapper
+
+ASKED = []
+
+
+@Registry.register_feature(namespace="transformer_engine")
+class CountingInspect(TEConfigAPIMapper):
+    @api_method
+    def inspect_tensor_enabled(self, config, layer_name, tensor_name, iteration):
+        ASKED.append((tensor_name, iteration))
+        return (False, None) if config["answer"] == "never" else False
+
+    @api_method
+    def inspect_tensor(self, config, layer_name, **kwargs):
+        raise AssertionError("inspect_tensor runs only where inspect_tensor_enabled said so")
+'''
+
+
+@pytest.mark.parametrize("answer", ["never", "bare_bool"])
+def test_routing_calls_are_not_repeated_before_the_iteration_they_name(tmp_path, answer):
+    """TE's rule: an answer `(False, None)` is never asked again and the layer takes the fast path
+    from then on; a bare `False` names no later iteration, so it is asked again at each one."""
+    d = tmp_path / "counting"
+    d.mkdir()
+    (d / "counting_feature.py").write_text(COUNTING_FEATURE)
+    tensors = ["activation", "weight", "gradient", "output", "wgrad", "dgrad"]
+    cfg = {"count": {"enabled": True, "layers": {"layer_types": ["lin"]},
+                     "transformer_engine": {"CountingInspect": {"enabled": True, "tensors": tensors,
+                                                                "answer": answer}}}}
+    m = te.Linear(32, 32, name="lin")
+    x = torch.randn(8, 32)
+    with debug_session(tmp_path, cfg, feature_dirs=[str(d)], name="count"):
+        from nvdlfw_inspect.registry import Registry
+
+        feature = Registry.data["transformer_engine"].features["CountingInspect"]
+        asked = type(feature).inspect_tensor.__globals__["ASKED"]
+        for _ in range(4):
+            for _microbatch in range(2):
+                m(x).sum().backward()
+            assert state.route(m.gemm, False) is None
+            debug_api.step()
+    per_iteration = sorted(tensors)
+    if answer == "never":
+        assert sorted(t for t, _ in asked) == per_iteration and {it for _, it in asked} == {0}
+    else:
+        # debug_api.step() asks for the new iteration at once (compiled code reads the decision)
+        assert sorted(asked) == sorted((t, it) for t in tensors for it in range(5))
+
+
+def test_a_gemm_kept_in_high_precision_stays_there_every_iteration(tmp_path):
+    m = te.Linear(32, 32, name="fc1_probe")
+    x = torch.randn(8, 32)
+    with debug_session(tmp_path, GETTING_STARTED):
+        for _ in range(3):
+            with te.autocast(recipe=R.Float8CurrentScaling()):
+                y = m(x)
+            y.sum().backward()
+            assert state.route(m.gemm, True) == "fc1_probe"  # the debug path: fprop in high precision
+            assert state.layer_plan("fc1_probe", True).tensor("activation").plan("fprop") == state.HIGH
+            debug_api.step()
+
+
 def test_no_feature_no_session_fast_path(tmp_path):
     m = te.Linear(32, 32, name="untouched")
     x = torch.randn(4, 32)

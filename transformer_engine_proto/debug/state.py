@@ -65,6 +65,9 @@ class LayerPlan:
     iteration: int
     recipe_on: bool
     tensors: Tuple[Tuple[str, TensorPlan], ...]
+    # the first iteration at which a routing call may answer differently (TE's rule: a bare bool
+    # answer asks again next iteration, `(b, n)` at n, `(b, None)` never); None: never again
+    next_ask: Optional[int] = None
 
     def tensor(self, name: str) -> TensorPlan:
         return dict(self.tensors)[name]
@@ -80,12 +83,12 @@ class LayerPlan:
         return False
 
     @staticmethod
-    def default(name: str, recipe_on: bool, iteration: int = 0) -> "LayerPlan":
+    def default(name: str, recipe_on: bool, iteration: int = 0, next_ask: Optional[int] = None) -> "LayerPlan":
         plan = QUANTIZE if recipe_on else HIGH
         tensors = tuple((t, TensorPlan(False, tuple((g, plan if t in INPUT_TENSORS else HIGH)
                                                      for g in TENSOR_GEMMS[t] if g is not None)))
                         for t in INPUT_TENSORS + OUTPUT_TENSORS)
-        return LayerPlan(name, iteration, recipe_on, tensors)
+        return LayerPlan(name, iteration, recipe_on, tensors, next_ask)
 
 
 class _Routes:
@@ -238,16 +241,23 @@ def tp_group_of(layer: str):
 
 
 # ---- routing ----------------------------------------------------------------------------------
-def _enabled(ret, default: bool) -> bool:
+def _answer(ret, default: bool, iteration: int, asks: list) -> bool:
+    """A routing call's bool; appends to `asks` the iteration it wants to be asked again at."""
     if isinstance(ret, tuple):
+        if len(ret) > 1 and ret[1] is not None:
+            asks.append(int(ret[1]))
         return bool(ret[0]) if ret else default
     if isinstance(ret, dict) and not ret:  # nvdlfw's answer when no feature and no default exist
         return default
+    asks.append(iteration + 1)
     return bool(ret)
 
 
 def _compute_plan(name: str, recipe_on: bool, it: int) -> LayerPlan:
-    fp8 = {}
+    fp8, asks = {}, []
+
+    def _enabled(ret, default):
+        return _answer(ret, default, it, asks)
 
     def fp8_gemm(g):
         if g not in fp8:
@@ -271,7 +281,7 @@ def _compute_plan(name: str, recipe_on: bool, it: int) -> LayerPlan:
                 post.append((g, _enabled(te_api().inspect_tensor_postquantize_enabled(
                     layer_name=name, tensor_name=t, gemm=g, iteration=it), False)))
         tensors.append((t, TensorPlan(inspect, tuple(plans), tuple(post))))
-    return LayerPlan(name, it, recipe_on, tuple(tensors))
+    return LayerPlan(name, it, recipe_on, tuple(tensors), min(asks) if asks else None)
 
 
 def _log_plan(plan: LayerPlan) -> None:
@@ -284,10 +294,17 @@ def _log_plan(plan: LayerPlan) -> None:
 
 
 def layer_plan(name: str, recipe_on: bool) -> LayerPlan:
-    """The routing calls' answers for `name` at the current iteration (cached per iteration)."""
+    """The routing calls' answers for `name` at the current iteration (cached per iteration). As
+    in TE, the calls are not repeated before the iteration their answers named (`next_ask`): until
+    then the layer runs as if no feature were configured for it (the fast path), and for good
+    when no answer names one. A feature that changes a GEMM asks again every iteration."""
     it = current_iteration()
     plan = SESSION.plans.get((name, recipe_on))
     if plan is not None and plan.iteration == it:
+        return plan
+    if plan is not None and (plan.next_ask is None or it < plan.next_ask):
+        plan = LayerPlan.default(name, recipe_on, it, plan.next_ask)
+        SESSION.plans[(name, recipe_on)] = plan
         return plan
     if not SESSION.config_checked:
         SESSION.config_checked = True

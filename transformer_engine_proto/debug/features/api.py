@@ -218,7 +218,9 @@ class TransformerEngineAPI(BaseNamespaceAPI):
         if api_name.endswith("_enabled"):
             flags = [o[0] if isinstance(o, tuple) else o for o in outs]
             run = all(flags) if api_name == "fp8_gemm_enabled" else any(flags)
-            nexts = [o[1] for o in outs if isinstance(o, tuple) and len(o) > 1 and o[1] is not None]
+            if not all(isinstance(o, tuple) for o in outs):
+                return bool(run)  # a bare bool names no later iteration: asked again at the next one
+            nexts = [o[1] for o in outs if len(o) > 1 and o[1] is not None]
             return bool(run), (min(nexts) if nexts else None)
         if api_name in ("inspect_tensor", "inspect_tensor_postquantize"):
             return None

@@ -34,7 +34,7 @@ class DisableFp8Gemm(TEConfigAPIMapper):
             if key != "gemm":
                 raise ValueError(f'[transformer_engine_proto debug] {type(self).__name__}: unexpected key "{key}" '
                                  "in config (only `gemms`)")
-        return False, None
+        return False, iteration + 1  # asked again every iteration: the layer stays on the debug path
 
 
 class DisableFP8GEMM(DisableFp8Gemm):

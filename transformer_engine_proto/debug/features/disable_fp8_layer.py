@@ -29,7 +29,7 @@ class DisableFp8Layer:
                 raise ValueError(f'[transformer_engine_proto debug] {type(self).__name__}: unexpected key "{key}" '
                                  "in config (it takes only `enabled`)")
         state.log_message("FP8 Disabled", layer_name)
-        return False, None
+        return False, iteration + 1  # asked again every iteration: the layer stays on the debug path
 
     def parse_config_and_api(self, config, **_kwargs):
         """No gemms/tensors to select: the feature applies to the whole layer."""
