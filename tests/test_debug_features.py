@@ -471,6 +471,35 @@ def test_routing_calls_are_not_repeated_before_the_iteration_they_name(tmp_path,
         assert sorted(asked) == sorted((t, it) for t in tensors for it in range(5))
 
 
+@pytest.mark.parametrize("microbatching", [False, True])
+@pytest.mark.parametrize("only_once", [True, False])
+def test_te_dummy_feature_counts_and_the_layer_leaves_the_debug_path(tmp_path, only_once, microbatching):
+    """TE's TestDummyFeature (shipped in the features directory, as TE ships it): with
+    inspect_only_once each of the six tensors is asked once in 20 iterations and never inspected;
+    without, every tensor is inspected every iteration."""
+    from transformer_engine_proto.debug.features import _test_dummy_feature as dummy
+
+    tensors = ["weight", "activation", "gradient", "output", "wgrad", "dgrad"]
+    cfg = {"dummy": {"enabled": True, "layers": {"layer_name_regex_pattern": ".*"},
+                     "transformer_engine": {"TestDummyFeature": {"enabled": True, "inspect_only_once": only_once,
+                                                                 "tensors": tensors,
+                                                                 "gemms": ["wgrad", "dgrad", "fprop"]}}}}
+    dummy._inspect_tensor_enabled_call_count = dummy._inspect_tensor_call_count = 0
+    m = te.Linear(64, 64, name="test_linear")
+    x = torch.randn(4, 8, 64, requires_grad=True)  # dgrad runs: all six tensors exist
+    with debug_session(tmp_path, cfg, name="dummy"):
+        for i in range(20):
+            y = m(x, is_first_microbatch=(i % 2 == 0)) if microbatching else m(x)
+            y.sum().backward()
+            debug_api.step()
+        route = state.route(m.gemm, False)
+    if only_once:
+        assert (dummy._inspect_tensor_enabled_call_count, dummy._inspect_tensor_call_count) == (6, 0)
+        assert route is None
+    else:
+        assert dummy._inspect_tensor_call_count == 6 * 20 and route == "test_linear"
+
+
 def test_a_gemm_kept_in_high_precision_stays_there_every_iteration(tmp_path):
     m = te.Linear(32, 32, name="fc1_probe")
     x = torch.randn(8, 32)

@@ -38,7 +38,7 @@ _ROOTS = ("transformer_engine", "transformer_engine_torch")
 _NAMESPACES = ("transformer_engine", "transformer_engine.common")
 
 _FEATURES = ("api", "log_tensor_stats", "log_fp8_tensor_stats", "log_nvfp4_tensor_stats", "disable_fp8_gemm",
-             "disable_fp8_layer", "per_tensor_scaling", "fake_quant", "dump_tensors")
+             "disable_fp8_layer", "per_tensor_scaling", "fake_quant", "dump_tensors", "_test_dummy_feature")
 
 # TE module name -> the module of this package that holds TE's names from it
 ALIASES = {
