@@ -24,6 +24,7 @@ __all__ = ["Quantizer", "BufferSpec", "HIGH_PRECISION_DTYPES", "check_input", "t
            "debug_recipe_names", "quantizer_class_by_debug_recipe"]
 
 HIGH_PRECISION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # exact types: a quantized parameter is its tensor subclass
 
 
 @dataclass(frozen=True)
@@ -345,8 +346,8 @@ class Quantizer:
                 return QuantizeStraightThrough.apply(x, self.quantize)
             with torch.no_grad():  # the buffers are values, not functions of x for autograd
                 return self.quantize(x, internal=internal)
-        if type(x) is torch.Tensor and not torch.compiler.is_dynamo_compiling():
-            # an eager plain tensor: its checks once per (shape, dtype) on this quantizer
+        if type(x) in _PLAIN and not torch.compiler.is_dynamo_compiling():
+            # an eager plain tensor or parameter: its checks once per (shape, dtype) on this quantizer
             checked = self.__dict__.get("_checked_inputs")
             if checked is None:  # frozen dataclass: write the dict directly; copies by `with_scale_state` share it
                 checked = self.__dict__["_checked_inputs"] = set()
