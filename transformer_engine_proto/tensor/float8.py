@@ -251,6 +251,7 @@ class Float8Quantizer(_Float8QuantizerBase):
         """A field copy, not `dataclasses.replace` (which re-runs __init__ and the checks: host time
         per GEMM, the linear ops call this); the callers pass the module's own fp32 one-element
         buffers (or slices of them), so the checks hold."""
+        self.__dict__.setdefault("_checked_inputs", set())  # the bound copies share this quantizer's input checks
         bound = object.__new__(type(self))
         bound.__dict__.update(self.__dict__, scale=scale, amax=amax)
         return bound
