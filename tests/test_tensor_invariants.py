@@ -195,6 +195,23 @@ def test_internal_quantize_is_a_bare_storage_with_the_same_buffers(case):
         w.only_usage(False)  # never an empty storage
 
 
+def test_a_bare_storage_refuses_unknown_buffers_and_metadata():
+    """`_bare` (the internal quantize's constructor) names what does not belong, and leaves the
+    buffers it was not given as None."""
+    from transformer_engine_proto.tensor import Float8CurrentScalingQuantizer
+
+    q = Float8CurrentScalingQuantizer(torch.float8_e4m3fn)
+    t = q.quantize(torch.randn(4, 8), internal=True)
+    cls, buffers = type(t), t.get_buffers()
+    with pytest.raises(KeyError, match="_bogus"):
+        cls._bare({**buffers, "_bogus": buffers["_data"]}, (4, 8), torch.float32, q, q.metadata())
+    with pytest.raises(TypeError, match="fp8_dtype"):
+        cls._bare(buffers, (4, 8), torch.float32, q, {})
+    only_rowwise = cls._bare({"_data": buffers["_data"], "_scale_inv": buffers["_scale_inv"]}, (4, 8),
+                             torch.float32, q, q.metadata())
+    assert only_rowwise._transpose is None and only_rowwise.has_rowwise() and not only_rowwise.has_columnwise()
+
+
 @pytest.mark.parametrize("compute_dtype,out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
                                                      (torch.float32, torch.bfloat16), (torch.float32, torch.float32)])
 @pytest.mark.parametrize("case", [c for c in FORMAT_CASES if c.name in ("mxfp8_e4m3", "nvfp4_1d")],
