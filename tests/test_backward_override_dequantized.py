@@ -18,6 +18,7 @@ from test_saved_bytes import saved_storages
 import transformer_engine_proto as te
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.custom_ops import linear as L
+from transformer_engine_proto.custom_ops import linear_plan
 from transformer_engine_proto.custom_ops.recipe_key import RecipeKey
 from transformer_engine_proto.tensor.float8 import Float8CurrentScalingQuantizer
 
@@ -164,7 +165,7 @@ def test_linear_saves_the_rowwise_input_only(rid, save_original_input):
     x = _data(1, TOKENS, IN).requires_grad_()
     with te.autocast(recipe=recipe):
         seen, y = saved_storages(lambda: lin(x), lin.parameters())
-    plan = L.make_plan(RecipeKey.of(recipe), (TOKENS, IN), (OUT, IN), x.dtype, x.dtype,
+    plan = linear_plan.make_plan(RecipeKey.of(recipe), (TOKENS, IN), (OUT, IN), x.dtype, x.dtype,
                        L.LinearCall(True, True, False, save_original_input, keep_quantized_weight=True), False)
     saved, weight = plan.saved_input(), plan.saved_weight()
     # the rowwise input, and (eager) forward's rowwise weight; compiled, backward quantizes it again
@@ -323,6 +324,6 @@ def test_a_gemm_kept_in_high_precision_reads_the_original_operand():
     """A per-GEMM precision choice wins over the recipe's dequantized GEMMs."""
     key = RecipeKey.with_high_precision_gemms(RecipeKey.of(dequantized("current")), {"wgrad"})
     assert RecipeKey.dequantized_gemms(key) == {"dgrad"}
-    plan = L.make_plan(key, (TOKENS, IN), (OUT, IN), torch.float32, torch.float32,
+    plan = linear_plan.make_plan(key, (TOKENS, IN), (OUT, IN), torch.float32, torch.float32,
                        L.LinearCall(True, True, False, False), False)
     assert plan.dgrad_deq and not plan.wgrad_deq and plan.saved_input() is None and plan.saves_raw_input()

@@ -21,6 +21,7 @@ from linear_cases import QUANTIZED_IDS, RECIPE_IDS, RECIPES
 
 from transformer_engine_proto import recipe as R
 from transformer_engine_proto.custom_ops import linear_ops as L
+from transformer_engine_proto.custom_ops import linear_plan
 from transformer_engine_proto.custom_ops.recipe_key import RecipeKey
 
 IN, OUT, TOKENS = 64, 32, 32  # divisible by every block: MXFP8 32, NVFP4 16 (1D and 2D)
@@ -91,7 +92,7 @@ def fwd_args(recipe, *, bias, input_rg, weight_rg, cache_mode=L.CACHE_OFF, save_
     fp8_scale, grad_fp8_scale, grad_amax_state = _delayed_state(recipe)
     fuse = fuse_wgrad_accumulation and weight_rg
     call = L.LinearCall(input_rg, weight_rg, bias, save_original_input, fuse, cache_mode)
-    plan = L._plan(key, x, w, call)
+    plan = linear_plan.plan_of(key, x, w, call)
     cache = _cache_buffers(recipe, plan, w, fp8_scale) if recipe is not None else []
     main_grad = torch.zeros(OUT, IN, dtype=torch.float32) if fuse else None
     return (x, w, b, fp8_scale, grad_fp8_scale, grad_amax_state, cache, main_grad, key, call.flags, [])
@@ -176,7 +177,7 @@ def bwd_args(recipe, *, bias, input_rg, weight_rg, cache_mode=L.CACHE_OFF, save_
     call = L.LinearCall.of(flags)
     with torch.no_grad():
         _, _, saved, _ = torch.ops.te_proto.linear_fwd(*a)
-    plan = L._plan(key, x, w, call)
+    plan = linear_plan.plan_of(key, x, w, call)
     raw_inp = x.detach() if plan.saves_raw_input() else None
     raw_w = w.detach() if plan.saves_raw_weight() else None
     used_cache = cache if call.cache_mode == L.CACHE_USE and call.input_requires_grad else []

@@ -17,7 +17,7 @@ from linear_cases import QUANTIZED_IDS, RECIPE_IDS, RECIPES, recipe_ctx
 
 import transformer_engine_proto as te
 from transformer_engine_proto.custom_ops import linear as L
-from transformer_engine_proto.custom_ops import shared_input
+from transformer_engine_proto.custom_ops import linear_plan, shared_input
 from transformer_engine_proto.custom_ops.recipe_key import RecipeKey
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -55,7 +55,7 @@ def plan_bytes(rid, m, x, save_original_input=False):
     """What the plan says a call saves: protos, raw input, delayed-scaling scale snapshots."""
     key = RecipeKey.of(RECIPES[rid])
     bias_rg = m.bias is not None and m.bias.requires_grad
-    plan = L.make_plan(key, tuple(x.shape), tuple(m.weight.shape), x.dtype, m.weight.dtype,
+    plan = linear_plan.make_plan(key, tuple(x.shape), tuple(m.weight.shape), x.dtype, m.weight.dtype,
                        L.LinearCall(x.requires_grad, m.weight.requires_grad, bias_rg, save_original_input,
                                     keep_quantized_weight=True), False)
     n = sum(_proto_bytes(p) for p in plan.saved_protos())

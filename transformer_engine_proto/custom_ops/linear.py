@@ -3,7 +3,7 @@
 Both ops return plain tensors only. The quantized tensor that backward needs from forward (the
 columnwise input for wgrad; the rowwise one for TE's backward_override="dequantized") leaves the
 forward op as its flattened buffers; the fake impls build the same lists from `TensorProto`s,
-which `LinearPlan` derives from the call's flags (never from live `requires_grad`). The weight
+which `LinearPlan` (linear_plan.py) derives from the call's flags (never from live `requires_grad`). The weight
 dgrad reads: an eager call keeps it from forward's quantize and saves it (`keep_quantized_weight`,
 as TE: an eager step is host-bound, and this saves a quantize per Linear); under torch.compile
 backward quantizes it again from the weight (a parameter, alive anyway), with the forward's scale
@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import torch
@@ -30,211 +29,15 @@ from .delayed_scaling import bind_delayed, forward_amax_slots, record_grad_amax,
 from .eager_path import eager_function
 from .inductor_lowering import inline_in_inductor
 from .linear_call import CACHE_FILL, CACHE_OFF, CACHE_USE, LinearCall, call_flags
+from .linear_plan import LinearPlan, make_plan, plan_of
 from .recipe_key import RecipeKey
 from .recompute_tags import recompute_saved_input, recomputed_in_backward
-from .row_padding import gemm_rows, pad_rows, unpad_rows
+from .row_padding import pad_rows, unpad_rows
 
-__all__ = ["linear", "LinearPlan", "LinearCall", "CACHE_OFF", "CACHE_FILL", "CACHE_USE"]
+__all__ = ["linear", "LinearCall", "CACHE_OFF", "CACHE_FILL", "CACHE_USE"]
 
 # Delayed scaling state: fp8_scale (2,) for input/weight, used in forward only; grad_fp8_scale (1,)
 # is saved for backward, which records the grad amax into `grad_amax_state` (delayed_scaling.py).
-
-
-def _memo(method):
-    """Compute a zero-argument plan method once per plan (plans are cached per call signature, so
-    eager calls skip rebuilding protos and quantizers: host time on the hot path). Callers must
-    not mutate what it returns. (The plan's properties are `functools.cached_property` for the
-    same reason: read from the instance dict after the first access, with no call.)"""
-    name = method.__name__
-
-    @functools.wraps(method)
-    def wrapper(self):
-        memo = self.__dict__.setdefault("_memo", {})  # frozen dataclass: write the dict directly
-        if name not in memo:
-            memo[name] = method(self)
-        return memo[name]
-
-    return wrapper
-
-
-@dataclass(frozen=True)
-class LinearPlan:
-    """Which buffers exist for one call, from shapes and call-time flags only."""
-
-    key: str
-    in_shape: tuple
-    weight_shape: tuple
-    act_dtype: torch.dtype
-    weight_dtype: torch.dtype
-    call: LinearCall
-    prequantized: bool = False  # the input arrives already quantized (a fused norm + quantize)
-
-    @functools.cached_property
-    def quantizers(self):
-        return RecipeKey.quantizers(self.key)
-
-    @functools.cached_property
-    def quantized(self) -> bool:
-        return self.quantizers.enabled
-
-    # ---- which GEMMs run in the recipe's format (the others read the high-precision operands) ----
-    @functools.cached_property
-    def fprop_q(self) -> bool:
-        return self.quantizers.quantizes("fprop")
-
-    @functools.cached_property
-    def dgrad_q(self) -> bool:
-        return self.quantizers.quantizes("dgrad") and self.call.input_requires_grad
-
-    @functools.cached_property
-    def wgrad_q(self) -> bool:
-        return self.quantizers.quantizes("wgrad") and self.call.weight_requires_grad
-
-    # ---- which backward GEMMs read the forward's quantized operand, dequantized -------------------
-    @functools.cached_property
-    def dgrad_deq(self) -> bool:
-        return self.quantizers.dequantizes("dgrad") and self.call.input_requires_grad
-
-    @functools.cached_property
-    def wgrad_deq(self) -> bool:
-        return self.quantizers.dequantizes("wgrad") and self.call.weight_requires_grad
-
-    @functools.cached_property
-    def input_columnwise(self) -> bool:
-        """Whether forward quantizes the input's columnwise copy (saved for a quantized wgrad)."""
-        return self.wgrad_q and not self.call.save_original_input
-
-    @functools.cached_property
-    def delayed(self) -> bool:
-        q = self.quantizers.input  # scale from module state: delayed scaling
-        return q is not None and q.has_scale_state()
-
-    @functools.cached_property
-    def m(self) -> int:
-        m = 1
-        for s in self.in_shape[:-1]:
-            m *= s
-        return m
-
-    @functools.cached_property
-    def rows(self):
-        """Rows of the quantized input and grad_output: `m` zero-padded to the recipe's row block
-        when wgrad runs (custom_ops/row_padding.py)."""
-        return gemm_rows(self.m, self.key, self.wgrad_q)
-
-    @functools.cached_property
-    def input_rows(self):
-        """Rows of the input as the forward quantizes it: padded only with its columnwise copy
-        (with save_original_input, backward pads the raw input)."""
-        return self.rows if self.input_columnwise else self.m
-
-    def _proto(self, role, shape, dtype, rowwise, columnwise):
-        q = getattr(self.quantizers, role).with_usage(rowwise=rowwise, columnwise=columnwise)
-        return TensorProto(shape, dtype, q)
-
-    @_memo
-    def saved_input(self) -> Optional[TensorProto]:
-        """The columnwise input for a quantized wgrad, or the forward's rowwise input for a
-        dequantized one (TE saves it whatever save_original_input says); None where backward
-        reads the raw input."""
-        if self.input_columnwise:
-            return self._proto("input", (self.rows, self.in_shape[-1]), self.act_dtype, False, True)
-        if self.wgrad_deq:
-            return self._proto("input", (self.m, self.in_shape[-1]), self.act_dtype, True, False)
-        return None
-
-    @_memo
-    def saved_weight(self) -> Optional[TensorProto]:
-        """The weight dgrad reads (`dgrad_weight`), saved from forward's quantize with
-        `keep_quantized_weight`; otherwise None: backward quantizes it again from the weight."""
-        if self.call.keep_quantized_weight and self.fprop_q and self.call.cache_mode == CACHE_OFF:
-            return self.dgrad_weight()
-        return None
-
-    @_memo
-    def dgrad_weight(self) -> Optional[TensorProto]:
-        """The quantized weight dgrad reads: saved from forward (`saved_weight`), quantized in
-        backward from the weight, or read from the weight cache (CACHE_USE). Columnwise for a
-        quantized dgrad; rowwise, the forward's bytes, for a dequantized one."""
-        if self.dgrad_q or self.dgrad_deq:
-            return self._proto("weight", self.weight_shape, self.weight_dtype, self.dgrad_deq, self.dgrad_q)
-        return None
-
-    @_memo
-    def cached_weight(self) -> Optional[TensorProto]:
-        """Both usages, as stored in (or refreshed into) the module's weight cache."""
-        if self.quantized and self.call.cache_mode != CACHE_OFF:
-            return self._proto("weight", self.weight_shape, self.weight_dtype, True, True)
-        return None
-
-    @_memo
-    def saved_protos(self) -> List[TensorProto]:
-        """What backward receives, in order: the saved input, then the saved weight."""
-        return [p for p in (self.saved_input(), self.saved_weight()) if p is not None]
-
-    @_memo
-    def saved_layout(self) -> List[tuple]:
-        """(proto, its inner buffer names) of each of `saved_protos`: what backward rebuilds."""
-        return [(p, p.inner_names()) for p in self.saved_protos()]
-
-    @_memo
-    def output_saved_protos(self) -> List[TensorProto]:
-        """The part of `saved_protos` the forward op returns (a prequantized input is saved from
-        the op's inputs instead: returning an input would alias it)."""
-        return [p for p in (None if self.prequantized else self.saved_input(), self.saved_weight())
-                if p is not None]
-
-    @_memo
-    def prequantized_input(self) -> TensorProto:
-        """The layout a fused norm + quantize produces for this call's input."""
-        return self._proto("input", (self.input_rows, self.in_shape[-1]), self.act_dtype, True,
-                           self.input_columnwise)
-
-    # ---- the quantizers with this call's usages (memoized: no dataclass copy per call) ---------
-    @_memo
-    def input_quantizer(self):
-        """None when no GEMM reads a quantized input in forward and none is saved."""
-        rowwise = self.fprop_q or self.wgrad_deq
-        if not (rowwise or self.input_columnwise):
-            return None
-        return self.quantizers.input.with_usage(rowwise=rowwise, columnwise=self.input_columnwise)
-
-    @_memo
-    def weight_quantizer(self):
-        """None when forward needs no quantized weight (fprop in high precision, no cache to fill)."""
-        fill = self.call.cache_mode == CACHE_FILL
-        if not (self.fprop_q or fill):
-            return None
-        keep_columnwise = self.dgrad_q and self.saved_weight() is not None
-        return self.quantizers.weight.with_usage(rowwise=True, columnwise=fill or keep_columnwise)
-
-    @_memo
-    def grad_quantizer(self):
-        """None when neither backward GEMM this call runs (`computes_dgrad` / `computes_wgrad`)
-        reads a quantized grad_output."""
-        rowwise, columnwise = self.dgrad_q and self.call.computes_dgrad, self.wgrad_q and self.call.computes_wgrad
-        if not (rowwise or columnwise):
-            return None
-        return self.quantizers.grad_output.with_usage(rowwise=rowwise, columnwise=columnwise)
-
-    def forward_amax_roles(self) -> tuple:
-        """Delayed scaling: the roles ("input", "weight") that backward quantizes but forward does
-        not (their GEMM in forward runs in high precision): forward records their amax with a
-        plain reduction, so the scale history still follows them."""
-        roles = ()
-        if self.wgrad_q and self.call.save_original_input and not self.fprop_q:
-            roles += ("input",)
-        if self.dgrad_q and not self.fprop_q and self.call.cache_mode == CACHE_OFF:
-            roles += ("weight",)
-        return roles
-
-    # ---- what the autograd context keeps from the op's inputs (never op outputs) ----------
-    def saves_raw_input(self) -> bool:
-        return self.call.weight_requires_grad and self.saved_input() is None
-
-    def saves_raw_weight(self) -> bool:
-        return self.call.input_requires_grad and (
-            self.dgrad_weight() is None or (self.call.cache_mode != CACHE_USE and self.saved_weight() is None))
 
 
 def _split(buffers: Sequence[torch.Tensor], named_protos):
@@ -252,25 +55,6 @@ def rebuild(proto: TensorProto, buffers: Sequence[torch.Tensor], names=None) -> 
     `names`: the proto's inner names, where the caller has them already."""
     names = proto.inner_names() if names is None else names
     return proto.quantizer.make_tensor(dict(zip(names, buffers)), proto.shape, proto.dtype, internal=True)
-
-
-def _plan(key, inp, weight, call: LinearCall, prequantized=False):
-    return make_plan(key, tuple(inp.shape), tuple(weight.shape), inp.dtype, weight.dtype, call, bool(prequantized))
-
-
-@functools.lru_cache(maxsize=1024)
-def _cached_plan(key, in_shape, weight_shape, act_dtype, weight_dtype, flags: int, prequantized) -> LinearPlan:
-    return LinearPlan(key, in_shape, weight_shape, act_dtype, weight_dtype, LinearCall.of(flags), prequantized)
-
-
-def make_plan(key, in_shape, weight_shape, act_dtype, weight_dtype, call: LinearCall, prequantized) -> LinearPlan:
-    """One plan per call signature when the shapes are plain ints (eager calls: keyed by the call's
-    flags, an int, which hashes faster than the LinearCall); a fresh one when they are symbolic
-    (tracing), since SymInts cannot be cache keys."""
-    for d in in_shape + weight_shape:
-        if type(d) is not int:
-            return LinearPlan(key, in_shape, weight_shape, act_dtype, weight_dtype, call, prequantized)
-    return _cached_plan(key, in_shape, weight_shape, act_dtype, weight_dtype, call.flags, prequantized)
 
 
 def _quantize_shared(plan: LinearPlan, inp: torch.Tensor, x2d: torch.Tensor) -> QuantizedTensorStorage:
@@ -294,7 +78,7 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
                main_grad: Optional[torch.Tensor], key: str, flags: int,
                inp_quantized: List[torch.Tensor]
                ) -> tuple[torch.Tensor, torch.Tensor, List[torch.Tensor], List[torch.Tensor]]:
-    plan = _plan(key, inp, weight, LinearCall.of(flags), inp_quantized)
+    plan = plan_of(key, inp, weight, LinearCall.of(flags), inp_quantized)
     cache_mode = plan.call.cache_mode
     x2d = inp.reshape(-1, inp.shape[-1])
     out_shape = tuple(inp.shape[:-1]) + (weight.shape[0],)
@@ -361,7 +145,7 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 @linear_fwd.register_fake
 def _linear_fwd_fake(inp, weight, bias, fp8_scale, grad_fp8_scale, grad_amax_state, weight_cache, main_grad, key,
                      flags, inp_quantized):
-    plan = _plan(key, inp, weight, LinearCall.of(flags), inp_quantized)
+    plan = plan_of(key, inp, weight, LinearCall.of(flags), inp_quantized)
     cache_mode = plan.call.cache_mode
     out = inp.new_empty(tuple(inp.shape[:-1]) + (weight.shape[0],))
     amaxes = inp.new_empty(2 if plan.quantized and plan.delayed else 0, dtype=torch.float32)
@@ -501,7 +285,7 @@ def _setup_context(ctx, inputs, output):
     a = dict(zip(_FWD_ARGS, inputs))
     call = LinearCall.of(a["flags"])
     _, _, saved, _ = output
-    plan = _plan(a["key"], a["inp"], a["weight"], call, a["inp_quantized"])
+    plan = plan_of(a["key"], a["inp"], a["weight"], call, a["inp_quantized"])
     if plan.prequantized and plan.saved_input() is not None:  # its columnwise buffers, by name
         named = dict(zip(plan.prequantized_input().inner_names(), a["inp_quantized"]))
         saved = [named[n] for n in plan.saved_input().inner_names()] + list(saved)
