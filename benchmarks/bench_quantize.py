@@ -163,15 +163,25 @@ def close(a, b):
     return torch.allclose(a[0].float(), b[0].float(), rtol=2 * eps, atol=2 * eps)
 
 
+def clear_plans():
+    """Forget the Triton entry points' recorded launch plans: they replay the launch config they
+    were recorded with (`kernels/triton/launch.py`)."""
+    from transformer_engine_proto.kernels.triton.launch import clear_plans as clear
+
+    clear()
+
+
 def with_config(table, key, value, fn):
     """fn run with table[key] = value (to time a kernel that a newer one replaced by default)."""
     def run():
         saved = table[key]
         table[key] = value
+        clear_plans()  # a plan replays the config it was recorded with
         try:
             return fn()
         finally:
             table[key] = saved
+            clear_plans()
     return run
 
 
@@ -220,6 +230,7 @@ def sweep(x, tri, log):
         results = []
         for cfg in candidates:
             table[key] = cfg
+            clear_plans()
             try:
                 t = bench(fn, warmup=10, rep=40)
             except Exception as e:  # e.g. out of shared memory / registers for a big tile
@@ -229,6 +240,7 @@ def sweep(x, tri, log):
             log(f"  {name} {cfg}: {t * 1e6:8.1f} us")
         t, cfg = min(results, key=lambda r: r[0])
         table[key] = cfg
+        clear_plans()
         best[name] = (cfg, t)
         log(f"best {name}: {cfg} {t * 1e6:.1f} us")
     return best

@@ -114,3 +114,118 @@ def test_traced_tells_fake_from_real_tensors():
         with FunctionalTensorMode():
             assert traced(torch.ops.aten.add(fake, 1))
     assert not launch._traced_call((1, 2.0, None))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(256, 512), (3, 5, 96), (130, 300)], ids=str)
+def test_replayed_plans_give_the_full_paths_bits(shape, monkeypatch):
+    """An entry point's second call of a signature replays the launches of its first (no entry
+    point Python); each call gives the reference's bits, whichever path served it. The shapes take
+    the packed transpose (M % 4 == 0), the byte transpose and a ragged tile."""
+    from test_triton_kernels import FP8, USAGES, assert_bitwise, make_input
+
+    from transformer_engine_proto.kernels.reference import float8 as ref_f8
+    from transformer_engine_proto.kernels.triton import float8 as tri_f8
+
+    full = {"current": 0, "delayed": 0}
+    for name in full:
+        original = getattr(tri_f8, f"_fp8_quantize_{name}")
+
+        def counted(*args, _original=original, _name=name):
+            full[_name] += 1
+            return _original(*args)
+
+        monkeypatch.setattr(tri_f8, f"_fp8_quantize_{name}", counted)
+    launch.set_fast_launch(True)
+    signatures = 0
+    for fp8_dtype in FP8:
+        for usage in USAGES:
+            signatures += 1
+            for seed, kind in enumerate(("normal", "mixed", "nan")):
+                x = make_input(shape, kind, seed=seed)
+                assert_bitwise(tri_f8.fp8_quantize_current(x, fp8_dtype, *usage),
+                               ref_f8.fp8_quantize_current(x, fp8_dtype, *usage), f"current {usage} {kind}")
+                for slot in (0, 1):  # a module's state: a slot of a longer buffer (slot 1 is misaligned)
+                    scale = torch.tensor([0.37 + seed, 0.61 + seed], device="cuda")[slot:slot + 1]
+                    amax_ref = torch.tensor([1.5 * seed, 2.5 * seed], device="cuda")
+                    amax_tri = amax_ref.clone()
+                    assert_bitwise(tri_f8.fp8_quantize_delayed(x, scale, amax_tri[slot:slot + 1], fp8_dtype, *usage),
+                                   ref_f8.fp8_quantize_delayed(x, scale, amax_ref[slot:slot + 1], fp8_dtype, *usage),
+                                   f"delayed {usage} {kind} slot {slot}")
+                    assert_bitwise((amax_tri,), (amax_ref,), f"delayed amax {usage} {kind} slot {slot}")
+    assert full == {"current": signatures, "delayed": 2 * signatures}, "a recorded plan was not replayed"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(64, 128), (96, 160), (2, 48, 64)], ids=str)
+def test_replayed_mxfp8_plans_give_the_full_paths_bits(shape, monkeypatch):
+    """As above for the MXFP8 quantize: both kernels (the quarters kernel serves usages with a
+    columnwise part, the row-block kernel rowwise alone)."""
+    from test_triton_kernels import FP8, USAGES, assert_bitwise, make_input
+
+    from transformer_engine_proto.kernels.reference import mxfp8 as ref_mx
+    from transformer_engine_proto.kernels.triton import dequant as tri_dq
+    from transformer_engine_proto.kernels.triton import mxfp8 as tri_mx
+
+    full, full_dequantize = [], []
+    original, original_dequantize = tri_mx._mxfp8_quantize, tri_dq._mxfp8_dequantize
+    monkeypatch.setattr(tri_mx, "_mxfp8_quantize", lambda *a: full.append(1) or original(*a))
+    monkeypatch.setattr(tri_dq, "_mxfp8_dequantize", lambda *a: full_dequantize.append(1) or original_dequantize(*a))
+    launch.set_fast_launch(True)
+    for fp8_dtype in FP8:
+        for usage in USAGES:
+            for seed, kind in enumerate(("normal", "mixed", "nan")):
+                x = make_input(shape, kind, seed=seed)
+                out = tri_mx.mxfp8_quantize(x, fp8_dtype, *usage)
+                assert_bitwise(out, ref_mx.mxfp8_quantize(x, fp8_dtype, *usage), f"mxfp8 {usage} {kind}")
+                for columnwise, (data, scale) in ((False, out[:2]), (True, out[2:])):
+                    if data is not None:
+                        assert_bitwise((tri_dq.mxfp8_dequantize(data, scale, columnwise, torch.float32),),
+                                       (ref_mx.mxfp8_dequantize(data, scale, columnwise, torch.float32),),
+                                       f"dequantize {columnwise} {kind}")
+    assert len(full) == len(FP8) * len(USAGES), "a recorded plan was not replayed"
+    assert len(full_dequantize) == 2 * len(FP8), "a recorded dequantize plan was not replayed"
+
+
+@pytest.mark.cuda
+def test_plans_step_aside_for_hooks_settings_and_unusual_inputs(monkeypatch):
+    """A launch hook (a profiler), a soft-cast switch, a misaligned or non-contiguous input: the
+    full entry point runs, and what it gives is still the reference's."""
+    from test_triton_kernels import assert_bitwise, make_input
+    from triton import knobs
+
+    from transformer_engine_proto.kernels.reference import float8 as ref_f8
+    from transformer_engine_proto.kernels.triton import float8 as tri_f8
+    from transformer_engine_proto.kernels.triton._common import set_soft_cast
+
+    calls = []
+    original = tri_f8._fp8_quantize_current
+    monkeypatch.setattr(tri_f8, "_fp8_quantize_current", lambda *a: calls.append(1) or original(*a))
+    launch.set_fast_launch(True)
+    x = make_input((64, 128), "mixed")
+    e4m3 = torch.float8_e4m3fn
+
+    def quantize(t):
+        assert_bitwise(tri_f8.fp8_quantize_current(t, e4m3, True, True),  # a contiguous result
+                       ref_f8.fp8_quantize_current(t.contiguous(), e4m3, True, True))
+        return len(calls)
+
+    assert quantize(x) == 1 and quantize(x) == 1  # recorded, then replayed
+    seen = []
+    hook = lambda *a: seen.append(1)  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        assert quantize(x) == 2 and seen, "a hook must see every launch"
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    assert quantize(x) == 2
+    set_soft_cast(True)
+    assert not launch.PLANS and quantize(x) == 3 and quantize(x) == 3
+    set_soft_cast(None)
+    assert not launch.PLANS
+    base = make_input((64 * 128 + 8,), "mixed").reshape(-1)
+    misaligned = base[2:2 + 64 * 128].view(64, 128)
+    assert quantize(misaligned) == 4 and quantize(misaligned) == 5
+    assert quantize(x.t()) == 6 and quantize(x.t()) == 7
+    launch.set_fast_launch(False)
+    assert quantize(x) == 8 and quantize(x) == 9

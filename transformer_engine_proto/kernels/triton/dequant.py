@@ -22,11 +22,12 @@ import triton.language as tl
 
 from ..reference import mxfp8 as _ref_mx
 from ._common import INT32_LIMIT, cdiv, soft_cast, triton_kernel
-from .launch import fast_launch
+from .launch import PLANS, aligned, fast_launch, plan_key, replay_allowed, run_recorded
 
 # output dtype -> OUT constexpr
 OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
+# after editing CONFIG, call `launch.clear_plans()` (recorded eager launches keep their config)
 CONFIG = {
     # rowwise: tile BM rows x (NB * 32) columns; columnwise: (MB * 32) rows x BK columns
     "mxfp8_rowwise": dict(BM=32, NB=4, num_warps=4),
@@ -141,10 +142,40 @@ def out_buffer(shape, dtype, device):
     return out, (out.view(torch.int16) if dtype == torch.bfloat16 else out)
 
 
+class _Plan:
+    """The launch of one eager call signature, replayed for the next call into a fresh output
+    (`launch.Replay`: the launcher reads pointers only, so the views the full path passes are not
+    needed)."""
+
+    __slots__ = ("launch", "shape", "dtype", "device")
+
+    def __init__(self, data, dtype, launches):
+        (self.launch,) = launches
+        self.shape, self.dtype, self.device = data.shape, dtype, data.device
+
+    def __call__(self, data, scale_inv):
+        out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        self.launch(data, scale_inv, out)
+        return out
+
+
 @triton_kernel("mxfp8_dequantize")
 def mxfp8_dequantize(data: torch.Tensor, scale_inv: torch.Tensor, columnwise: bool,
                      dtype: torch.dtype) -> torch.Tensor:
     """data * 2**e per block of 32 (rowwise along K, columnwise along M), rounded once to dtype."""
+    key = plan_key(data, "mxfp8_dequantize", columnwise, dtype)
+    if key is not None and scale_inv.is_contiguous():
+        key = (*key, scale_inv.shape, scale_inv.dtype, aligned(scale_inv))
+        plan = PLANS.get(key)
+        if plan is not None and replay_allowed():
+            return plan(data, scale_inv)
+    else:
+        key = None
+    return run_recorded(key, lambda launches: _Plan(data, dtype, launches),
+                        _mxfp8_dequantize, data, scale_inv, columnwise, dtype)
+
+
+def _mxfp8_dequantize(data, scale_inv, columnwise, dtype):
     shape = data.shape
     k = shape[-1] if data.dim() > 0 else 0
     m = data.numel() // k if k else 0

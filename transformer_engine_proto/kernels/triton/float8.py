@@ -43,9 +43,10 @@ from ._common import (
     to_f32,
     triton_kernel,
 )
-from .launch import fast_launch
+from .launch import PLANS, aligned, fast_launch, plan_key, replay_allowed, run_recorded
 
-# Launch configurations (tunable: benchmarks/bench_quantize.py sweeps them).
+# Launch configurations (tunable: benchmarks/bench_quantize.py sweeps them; after editing one, call
+# `launch.clear_plans()`: recorded eager launches replay the config they were recorded with).
 CONFIG = {
     "amax": dict(BLOCK=16384, num_warps=8),
     "cast": dict(BM=128, BK=128, num_warps=8),
@@ -266,11 +267,59 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     return out.view(torch.float32)
 
 
+class _CastPlan:
+    """The launches of one eager call signature of a per-tensor cast, replayed for the next call
+    with fresh buffers and none of the entry point's Python (grids, sizes and constexprs are the
+    signature's: `launch.Replay`). Built from a recorded call of the full entry point."""
+
+    __slots__ = ("launches", "shape", "transpose_shape", "fp8_dtype", "device", "rowwise", "columnwise")
+
+    def __init__(self, x, fp8_dtype, rowwise, columnwise, launches):
+        m, k = flat_2d(x)
+        self.launches, self.shape, self.transpose_shape = tuple(launches), x.shape, (k, m)
+        self.fp8_dtype, self.device, self.rowwise, self.columnwise = fp8_dtype, x.device, rowwise, columnwise
+
+    def _cast(self, x, scale, amax, launch):
+        dev = self.device
+        data = torch.empty(self.shape, dtype=self.fp8_dtype, device=dev) if self.rowwise else None
+        transpose = torch.empty(self.transpose_shape, dtype=self.fp8_dtype, device=dev) if self.columnwise else None
+        scale_inv = torch.empty((1,), dtype=torch.float32, device=dev)
+        launch(x, scale_inv if data is None else data, scale_inv if transpose is None else transpose,
+               scale_inv if scale is None else scale, amax, scale_inv)
+        return data, transpose, scale_inv
+
+    def current(self, x):
+        amax = torch.zeros((1,), dtype=torch.float32, device=self.device)
+        amax_launch, cast_launch = self.launches
+        amax_launch(x, amax)
+        return (*self._cast(x, None, amax, cast_launch), amax)
+
+    def delayed(self, x, scale, amax_out):
+        if len(self.launches) == 2:
+            self.launches[0](x, amax_out)
+        return self._cast(x, scale, amax_out, self.launches[-1])
+
+
 @triton_kernel("fp8_quantize_delayed")
 def fp8_quantize_delayed(x, scale, amax_out, fp8_dtype, rowwise, columnwise
                          ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor]:
     """Cast with a given scale; max-accumulate max |x| of every value (inf / NaN included) into
     `amax_out` in place."""
+    key = plan_key(x, "delayed", fp8_dtype, rowwise, columnwise)
+    if key is not None and (scale.dtype is not torch.float32 or amax_out.dtype is not torch.float32
+                            or scale.numel() != 1 or amax_out.numel() != 1):
+        key = None
+    elif key is not None:
+        # the module's state is often a slot of a longer buffer: its alignment is part of the signature
+        key = (*key, aligned(scale), aligned(amax_out))
+        plan = PLANS.get(key)
+        if plan is not None and replay_allowed():
+            return plan.delayed(x, scale, amax_out)
+    return run_recorded(key, lambda launches: _CastPlan(x, fp8_dtype, rowwise, columnwise, launches),
+                        _fp8_quantize_delayed, x, scale, amax_out, fp8_dtype, rowwise, columnwise)
+
+
+def _fp8_quantize_delayed(x, scale, amax_out, fp8_dtype, rowwise, columnwise):
     if (not _fits(x) or amax_out.dtype != torch.float32 or amax_out.numel() != 1
             or not amax_out.is_contiguous()):
         return _ref.fp8_quantize_delayed(x, scale, amax_out, fp8_dtype, rowwise, columnwise)
@@ -295,6 +344,16 @@ def fp8_quantize_delayed(x, scale, amax_out, fp8_dtype, rowwise, columnwise
 def fp8_quantize_current(x, fp8_dtype, rowwise, columnwise, margin=0, power_2=False, epsilon=0.0):
     """Scale from this tensor's own amax (of its finite values): returns (data, transpose,
     scale_inv, amax)."""
+    key = plan_key(x, "current", fp8_dtype, rowwise, columnwise, margin, power_2, epsilon)
+    if key is not None:
+        plan = PLANS.get(key)
+        if plan is not None and replay_allowed():
+            return plan.current(x)
+    return run_recorded(key, lambda launches: _CastPlan(x, fp8_dtype, rowwise, columnwise, launches),
+                        _fp8_quantize_current, x, fp8_dtype, rowwise, columnwise, margin, power_2, epsilon)
+
+
+def _fp8_quantize_current(x, fp8_dtype, rowwise, columnwise, margin, power_2, epsilon):
     if not _fits(x):
         return _ref.fp8_quantize_current(x, fp8_dtype, rowwise, columnwise, margin, power_2, epsilon)
     fp8_params(fp8_dtype)

@@ -21,12 +21,18 @@ kernel is only reused where Triton would have picked the same binary. The first 
 calls under the interpreter (TRITON_INTERPRET=1), calls with unusual argument types and calls
 while a Triton launch hook is installed (profilers) take Triton's own path.
 
+`record_launches()` captures the compiled launches an entry point makes (grid and constexprs
+fixed) so the entry point can replay them for the next call of the same signature without its
+own Python (`Replay`; see `float8.py`'s launch plans). A replay checks `replay_allowed()` first:
+what sends a launch to Triton's own path sends a replayed entry point back to its full path.
+
 While torch traces the call (fake tensors: inductor inlining a library op, make_fx), the launch
 goes through `torch.library.wrap_triton`, so the kernel becomes a node of the graph that the
 generated code launches itself (see `custom_ops/inductor_lowering.py`).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -52,6 +58,7 @@ def set_fast_launch(on) -> None:
     (unset: on with a verified Triton version) again."""
     global _enabled
     _enabled = None if on is None else bool(on)
+    clear_plans()
 
 
 def enabled() -> bool:
@@ -96,6 +103,78 @@ def _traced_call(args) -> bool:
     return False
 
 
+def replay_allowed() -> bool:
+    """Whether recorded launches may be replayed now: the fast path is on, nothing interprets and
+    no launch hook (profiler) wants to see every launch."""
+    return (_enabled if _enabled is not None else enabled()) and not _INTERPRETING and not hooks_installed()
+
+
+class Replay:
+    """One compiled kernel launch with its grid, its runtime arguments after the last tensor (the
+    sizes), constexprs and options fixed: `replay(*tensors)` launches it with new tensor arguments
+    on the current stream of the device it was recorded on.
+    The compiled launcher reads only each tensor's pointer, so a tensor may be passed in the dtype
+    it was allocated in instead of the view the kernel was compiled with (bf16 for int16 bits)."""
+
+    __slots__ = ("run", "grid", "function", "metadata", "tail", "device")
+
+    def __init__(self, kernel, grid, tail, device):
+        self.run, self.function, self.metadata = kernel.run, kernel.function, kernel.packed_metadata
+        self.grid, self.tail, self.device = (tuple(grid) + (1, 1))[:3], tuple(tail), device
+
+    def __call__(self, *args):
+        g = self.grid
+        self.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(self.device), self.function,
+                 self.metadata, None, None, None, *args, *self.tail)
+
+
+_recording = None  # a list while `record_launches` is active: the launches since, as Replay or None
+
+
+@contextlib.contextmanager
+def record_launches():
+    """Collects the launches made in the block: a `Replay` for each that went through the fast
+    path's cache, None for one that did not (it cannot be replayed)."""
+    global _recording
+    outer, _recording = _recording, []
+    try:
+        yield _recording
+    finally:
+        _recording = outer
+
+
+PLANS = {}  # eager call signature -> an entry point's plan of replayed launches
+
+
+def clear_plans() -> None:
+    """Forget every recorded plan: a setting the launches were recorded under (soft cast, a launch
+    config, the fast path) changed."""
+    PLANS.clear()
+
+
+def aligned(t: torch.Tensor) -> bool:
+    return not t.data_ptr() & 15
+
+
+def plan_key(x: torch.Tensor, *settings):
+    """An eager call's signature (x's shape, dtype and device, the current device, the call's
+    settings), or None where no plan applies: a traced, non-contiguous or misaligned x, which the
+    full entry point handles."""
+    if traced(x) or not x.is_contiguous() or not aligned(x):
+        return None
+    return (x.shape, x.dtype, x.get_device(), torch._C._cuda_getDevice(), *settings)
+
+
+def run_recorded(key, make_plan, full, *args):
+    """Run the full entry point `full(*args)`, recording its launches; keep `make_plan(launches)`
+    as the plan of `key` when every launch can be replayed."""
+    with record_launches() as launches:
+        out = full(*args)
+    if key is not None and launches and None not in launches:
+        PLANS[key] = make_plan(launches)
+    return out
+
+
 class fast_launch:
     """Wraps a jitted kernel; `wrapped[grid](*runtime_args, **constexprs_and_options)` launches
     it like the kernel itself (runtime arguments positional, in signature order; constexprs by
@@ -109,18 +188,24 @@ class fast_launch:
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
 
+    @staticmethod
+    def _key(args, kwargs):
+        # constexprs and options by keyword, in the call's order: a call site always passes them
+        # the same way (another order is another key, compiled once more by Triton)
+        return (torch._C._cuda_getDevice(),
+                tuple([(a.dtype, not a.data_ptr() & 15) if type(a) is torch.Tensor else _arg_class(a)
+                       for a in args]),
+                tuple(kwargs.items()))
+
     def _launch(self, grid, args, kwargs):
         if _traced_call(args):
             return torch.library.wrap_triton(self.fn)[tuple(grid)](*args, **kwargs)
+        if _recording is not None:
+            return self._recorded(grid, args, kwargs)
         if not (_enabled if _enabled is not None else enabled()) or _INTERPRETING or hooks_installed():
             return self.fn[grid](*args, **kwargs)
         try:
-            # constexprs and options by keyword, in the call's order: a call site always passes
-            # them the same way (another order is another key, compiled once more by Triton)
-            key = (torch._C._cuda_getDevice(),
-                   tuple([(a.dtype, not a.data_ptr() & 15) if type(a) is torch.Tensor else _arg_class(a)
-                          for a in args]),
-                   tuple(kwargs.items()))
+            key = self._key(args, kwargs)
             kernel = self._compiled.get(key)
         except TypeError:  # an argument type the class does not cover, or an unhashable keyword value
             return self.fn[grid](*args, **kwargs)
@@ -140,3 +225,26 @@ class fast_launch:
         kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *args,
                    *map(kwargs.get, self.arg_names[len(args):]))
         return kernel
+
+    def _recorded(self, grid, args, kwargs):
+        """`_launch`, noting in the recording the launch's `Replay` (None if it took Triton's path)."""
+        recording = _recording
+        kernel = self._launch_unrecorded(grid, args, kwargs)
+        try:
+            cached = replay_allowed() and self._compiled.get(self._key(args, kwargs)) is kernel
+        except TypeError:
+            cached = False
+        # the runtime arguments after the last tensor (sizes: fixed by the plan's signature) are
+        # replayed as recorded, with the constexprs; the plan passes the tensors
+        n = max((i + 1 for i, a in enumerate(args) if isinstance(a, torch.Tensor)), default=0)
+        fixed = (*args[n:], *map(kwargs.get, self.arg_names[len(args):]))
+        recording.append(Replay(kernel, grid, fixed, torch._C._cuda_getDevice()) if cached and kernel else None)
+        return kernel
+
+    def _launch_unrecorded(self, grid, args, kwargs):
+        global _recording
+        outer, _recording = _recording, None
+        try:
+            return self._launch(grid, args, kwargs)
+        finally:
+            _recording = outer
