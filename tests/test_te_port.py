@@ -424,3 +424,67 @@ def test_set_usage_checks_the_input_again():
     q.set_usage(columnwise=True)
     with pytest.raises(ValueError, match="32"):
         q.quantize(x, internal=True)
+
+
+def _te_flag_quantizers():
+    return [
+        te.Float8Quantizer(torch.ones(1), torch.zeros(1), DType.kFloat8E4M3),
+        te.Float8CurrentScalingQuantizer(DType.kFloat8E4M3),
+        te.Float8BlockQuantizer(DType.kFloat8E4M3, rowwise=True, columnwise=True, block_scaling_dim=1),
+        te.MXFP8Quantizer(DType.kFloat8E4M3),
+        te.NVFP4Quantizer(),
+        te.IdentityQuantizer(),
+        te.HybridQuantizer(rowwise_quantizer=te.IdentityQuantizer(), columnwise_quantizer=te.MXFP8Quantizer()),
+    ]
+
+
+def test_every_quantizer_class_takes_tes_mutable_flags():
+    """TE code sets `q.internal` / `q.optimize_for_gemm` on its quantizers; every concrete
+    quantizer class of the package accepts them (a new class without `te_flags` fails here)."""
+    import dataclasses
+
+    from transformer_engine_proto.distributed.amax_reduction import AmaxReducingQuantizer
+    from transformer_engine_proto.tensor.quantizer import Quantizer
+
+    def subclasses(c):
+        for s in c.__subclasses__():
+            yield s
+            yield from subclasses(s)
+
+    covered = {type(q) for q in _te_flag_quantizers()} | {AmaxReducingQuantizer}
+    package = {c for c in subclasses(Quantizer) if c.__module__.startswith("transformer_engine_proto")
+               and not c.__name__.startswith("_")}
+    assert package <= covered, f"not covered: {sorted(c.__name__ for c in package - covered)}"
+    for q in _te_flag_quantizers():
+        fresh = q.copy()
+        q.internal, q.optimize_for_gemm = True, 1
+        assert q.internal is True and q.optimize_for_gemm is True and fresh.internal is False
+        assert q == fresh and hash(q) == hash(fresh)  # flags are not settings
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            q.rowwise_usage = False
+
+
+@pytest.mark.parametrize("i", range(len(_te_flag_quantizers())))
+def test_internal_flag_gives_bare_storages_and_survives_copies(i):
+    q = _te_flag_quantizers()[i]
+    x = torch.randn(64, 128)
+    assert isinstance(q(x), QuantizedTensor) and isinstance(q.make_empty((64, 128), torch.float32), QuantizedTensor)
+    q.internal = True
+    for out in (q(x), q.quantize(x), q.make_empty((64, 128), torch.float32)):
+        assert not isinstance(out, QuantizedTensor) and out._shape == (64, 128)
+    assert isinstance(q.quantize(x, internal=False), QuantizedTensor)  # the argument wins over the flag
+    torch.testing.assert_close(q(x).dequantize(), q.quantize(x, internal=False).dequantize(), rtol=0, atol=0)
+    for other in (q.copy(), q.with_usage(columnwise=False)):
+        assert other.internal is True and other is not q
+
+
+def test_shared_recipe_quantizers_refuse_te_flags():
+    from transformer_engine_proto.custom_ops.recipe_key import RecipeKey
+
+    shared = RecipeKey.quantizers(RecipeKey.of(recipe.Float8CurrentScaling())).input
+    with pytest.raises(TypeError, match="copy"):
+        shared.internal = True
+    assert shared.internal is False
+    own = shared.copy()
+    own.internal = True
+    assert own.internal and not shared.internal

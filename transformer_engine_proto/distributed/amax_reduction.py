@@ -32,6 +32,7 @@ from .. import recipe as R
 from ..custom_ops.recipe_key import RecipeKey
 from ..extra_state_policy import CheckpointExtraStatePolicy, register_recipe_policy
 from ..tensor import Float8CurrentScalingQuantizer
+from ..tensor.quantizer import te_flags
 from ..tensor.recipe_quantizers import quantizers_for_recipe
 from . import tp as _tp
 from .gemm_owner import GemmOwner
@@ -42,6 +43,7 @@ __all__ = ["AmaxReducingQuantizer", "current_scaling_with_group_amax", "enable_t
 TP_REDUCED_ROLES = {"column": ("weight", "grad_output"), "row": ("input", "weight")}
 
 
+@te_flags
 @dataclass(frozen=True)
 class AmaxReducingQuantizer(Float8CurrentScalingQuantizer):
     """Current scaling with the amax all-reduced (max) over the process group named

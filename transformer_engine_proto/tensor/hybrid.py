@@ -19,7 +19,7 @@ import torch
 
 from .format_api import GatherRule
 from .quantized_tensor import QuantizedTensor
-from .quantizer import Quantizer
+from .quantizer import Quantizer, te_flags
 from .storage import QuantizedTensorStorage
 
 __all__ = ["HybridQuantizedTensorStorage", "HybridQuantizedTensor", "HybridQuantizer"]
@@ -153,6 +153,7 @@ class HybridQuantizedTensor(HybridQuantizedTensorStorage, QuantizedTensor):
                                                    requires_grad=requires_grad)
 
 
+@te_flags
 @dataclass(frozen=True)
 class HybridQuantizer(Quantizer):
     """`rowwise_quantizer` for the rowwise usage (e.g. fprop's input and weight, dgrad's

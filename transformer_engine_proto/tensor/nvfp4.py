@@ -465,11 +465,12 @@ class NVFP4Quantizer(Quantizer):
         return {name: buf for name, buf in zip(names, bufs) if buf is not None}
 
     def quantize(self, x: torch.Tensor, *, rand: Optional[torch.Tensor] = None,
-                 rand_columnwise: Optional[torch.Tensor] = None, internal: bool = False):
+                 rand_columnwise: Optional[torch.Tensor] = None, internal: Optional[bool] = None):
         """As `Quantizer.quantize`; with stochastic rounding, `rand` (x's shape) and
         `rand_columnwise` ((K, M)) give the uniform [0, 1) draws, so results are reproducible."""
         if rand is None and rand_columnwise is None:
             return super().quantize(x, internal=internal)
+        internal = self.internal if internal is None else internal
         if isinstance(x, QuantizedTensor):
             x = x.dequantize()
         self._check_quantize_input(x)

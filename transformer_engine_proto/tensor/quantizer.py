@@ -61,6 +61,28 @@ def check_input(x: torch.Tensor, what: str = "quantize") -> None:
         raise ValueError(f"{what}: cannot quantize a 0-dim tensor")
 
 
+TE_FLAGS = ("internal", "optimize_for_gemm")  # TE's plain mutable quantizer attributes: not settings
+
+
+def te_flags(cls):
+    """Let code assign TE's mutable quantizer flags (`q.internal = True`, `TE_FLAGS`) on a frozen
+    quantizer dataclass; every field stays frozen. The flags take no part in equality or hashing.
+    `te_constructor` applies it; a quantizer class without that decorator takes this one."""
+    frozen = cls.__setattr__
+
+    def __setattr__(self, name, value):
+        if name not in TE_FLAGS:
+            frozen(self, name, value)
+        elif getattr(self, "_sealed", False):
+            raise TypeError(f"{type(self).__name__}.{name}: this quantizer is shared (a recipe's cached quantizer); "
+                            "setting it would change every layer's: set it on a copy (q.copy())")
+        else:
+            object.__setattr__(self, name, bool(value))
+
+    cls.__setattr__ = __setattr__
+    return cls
+
+
 def te_constructor(te_positional: Tuple[str, ...] = (), te_only: Optional[Dict[str, tuple]] = None):
     """Let a quantizer dataclass also take TE's constructor: `rowwise=` / `columnwise=` for
     `rowwise_usage` / `columnwise_usage`, a `DType` for any `*_dtype`, TE-only keywords
@@ -110,7 +132,7 @@ def te_constructor(te_positional: Tuple[str, ...] = (), te_only: Optional[Dict[s
             init(self, *args, **kwargs)
 
         cls.__init__ = __init__
-        return cls
+        return te_flags(cls)
 
     return decorate
 
@@ -137,6 +159,12 @@ class Quantizer:
 
     rowwise_usage: bool = field(default=True, kw_only=True)
     columnwise_usage: bool = field(default=True, kw_only=True)
+
+    # TE's mutable flags (`te_flags`), not dataclass fields. `internal`: `q(x)` and `make_empty`
+    # give the bare storage class, as `quantize(x, internal=True)` does; `optimize_for_gemm` is
+    # kept for TE code that sets and copies it (every layout here is already the GEMM's).
+    internal = False
+    optimize_for_gemm = False
 
     # TE's recipe name of this quantizer in the debug tools ("mxfp8", ...); a class attribute, not
     # a field. The class that sets it registers it (`quantizer_class_by_debug_recipe`).
@@ -291,10 +319,17 @@ class Quantizer:
             changes["rowwise_usage"] = bool(rowwise)
         if columnwise is not None:
             changes["columnwise_usage"] = bool(columnwise)
-        return dataclasses.replace(self, **changes)
+        return self._with_flags(dataclasses.replace(self, **changes))
 
     def copy(self):
-        return dataclasses.replace(self)
+        return self._with_flags(dataclasses.replace(self))
+
+    def _with_flags(self, other):
+        """`other` (a copy of this quantizer) with this one's TE flags."""
+        for name in TE_FLAGS:
+            if name in self.__dict__:
+                object.__setattr__(other, name, self.__dict__[name])
+        return other
 
     # ---- allocation (pure Python, safe under tracing) ---------------------------------
     def _check_usage(self) -> None:
@@ -324,7 +359,7 @@ class Quantizer:
         return cls._from_buffers(buffers, **kwargs)
 
     def make_empty(self, shape, dtype: torch.dtype = torch.float32, device=None):
-        return self.make_tensor(self.alloc_tensors(shape, dtype, device), shape, dtype)
+        return self.make_tensor(self.alloc_tensors(shape, dtype, device), shape, dtype, self.internal)
 
     # ---- quantization -------------------------------------------------------------------
     def _check_quantize_input(self, x: torch.Tensor) -> None:
@@ -337,10 +372,13 @@ class Quantizer:
         except (TypeError, ValueError) as e:
             raise_error(type(e), str(e))
 
-    def quantize(self, x: torch.Tensor, *, internal: bool = False):
+    def quantize(self, x: torch.Tensor, *, internal: Optional[bool] = None):
         """Quantize a high-precision tensor into a new QuantizedTensor (a bare storage with
-        `internal=True`, see `make_tensor`). A tensor that requires grad gives one that does, its
-        gradient passed straight through to x (tensor/straight_through.py)."""
+        `internal=True`, see `make_tensor`; None: this quantizer's `internal` flag). A tensor that
+        requires grad gives one that does, its gradient passed straight through to x
+        (tensor/straight_through.py)."""
+        if internal is None:
+            internal = self.internal
         if isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled():
             if not internal and tracks_grad(x):
                 return QuantizeStraightThrough.apply(x, self.quantize)
