@@ -118,9 +118,12 @@ def test_quantized_tensors_answer_te_attribute_names():
     x = torch.randn(64, 128)
     f8 = te.Float8CurrentScalingQuantizer(DType.kFloat8E4M3)(x)
     assert f8._fp8_dtype == DType.kFloat8E4M3 and f8._data.shape == (64, 128) and f8._scale_inv.numel() == 1
-    assert f8._transpose_invalid is False
+    assert f8._transpose_invalid is False and f8.get_usages() == {"rowwise": True, "columnwise": True}
     f8.update_usage(columnwise_usage=False)
-    assert f8._transpose_invalid is True
+    assert f8._transpose_invalid is True and f8.get_usages() == {"rowwise": True, "columnwise": False}
+    ident = te.IdentityQuantizer().quantize(x, internal=True)
+    ident.update_usage(rowwise_usage=False, columnwise_usage=True)  # one buffer serves both: no-op
+    assert ident.get_usages() == {"rowwise": True, "columnwise": True}
     mx = te.MXFP8Quantizer(DType.kFloat8E5M2)(x)
     assert mx._fp8_dtype == DType.kFloat8E5M2
     assert mx._rowwise_data is not None and mx._columnwise_scale_inv is not None

@@ -196,6 +196,10 @@ class QuantizedTensorStorage:
     def has_columnwise(self) -> bool:
         raise NotImplementedError
 
+    def get_usages(self) -> Dict[str, bool]:
+        """TE's name: which usages the storage holds, {"rowwise": ..., "columnwise": ...}."""
+        return {"rowwise": self.has_rowwise(), "columnwise": self.has_columnwise()}
+
     def _dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
