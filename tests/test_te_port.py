@@ -491,3 +491,26 @@ def test_shared_recipe_quantizers_refuse_te_flags():
     own = shared.copy()
     own.internal = True
     assert own.internal and not shared.internal
+
+
+def test_storages_and_tensors_take_tes_constructor_form():
+    """TE builds a storage from its buffers and `fake_dtype=`; the shape comes from the buffer
+    that holds the logical shape. Without one (a columnwise-only FP8 tensor) the shape is needed."""
+    from transformer_engine_proto.tensor.float8 import Float8Tensor, Float8TensorStorage
+    from transformer_engine_proto.tensor.identity import IdentityTensor, IdentityTensorStorage
+
+    payload = torch.randn(4, 8)
+    storage = IdentityTensorStorage(hp_data=payload, fake_dtype=torch.bfloat16)
+    assert storage._shape == (4, 8) and storage.dequantize().dtype == torch.bfloat16
+    assert IdentityTensorStorage(hp_data=payload, fake_dtype=torch.float32).dequantize() is payload
+    tensor = IdentityTensor(hp_data=payload, fake_dtype=torch.bfloat16)
+    assert tensor.shape == (4, 8) and tensor.dtype == torch.bfloat16
+    data = payload.to(torch.float8_e4m3fn)
+    f8 = Float8Tensor(data=data, fp8_scale_inv=torch.full((1,), 0.5), fp8_dtype=torch.float8_e4m3fn,
+                      fake_dtype=torch.bfloat16)
+    torch.testing.assert_close(f8.dequantize(), (data.float() * 0.5).to(torch.bfloat16), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="needs dtype"):
+        Float8TensorStorage(data_transpose=data.t().contiguous(), fp8_scale_inv=torch.ones(1),
+                            fp8_dtype=torch.float8_e4m3fn, fake_dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="differ"):
+        IdentityTensorStorage(hp_data=payload, dtype=torch.float32, fake_dtype=torch.bfloat16)

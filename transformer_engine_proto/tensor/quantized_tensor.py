@@ -42,7 +42,9 @@ class QuantizedTensor(torch.Tensor):
                                  if issubclass(b, QuantizedTensorStorage) and not issubclass(b, torch.Tensor))
 
     @staticmethod
-    def __new__(cls, *, shape, dtype, quantizer=None, requires_grad=False, **kwargs):
+    def __new__(cls, *, shape=None, dtype=None, quantizer=None, requires_grad=False, **kwargs):
+        if shape is None or dtype is None or "fake_dtype" in kwargs:  # TE's form (the storage's __init__)
+            shape, dtype = cls._te_shape_and_dtype(shape, dtype, kwargs)
         device = None
         for _, kw in cls._FLATTEN_TENSOR_BUFFERS:
             buf = kwargs.get(kw)

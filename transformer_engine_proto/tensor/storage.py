@@ -57,7 +57,9 @@ class QuantizedTensorStorage:
         super().__init_subclass__(**kwargs)
         _REGISTRY[_qualname(cls)] = cls
 
-    def __init__(self, *, shape, dtype, quantizer=None, requires_grad=False, **kwargs):
+    def __init__(self, *, shape=None, dtype=None, quantizer=None, requires_grad=False, **kwargs):
+        if shape is None or dtype is None or "fake_dtype" in kwargs:
+            shape, dtype = self._te_shape_and_dtype(shape, dtype, kwargs)
         self._shape = torch.Size(shape)
         self._hp_dtype = dtype
         self._quantizer = quantizer
@@ -67,6 +69,24 @@ class QuantizedTensorStorage:
             setattr(self, name, kwargs.pop(name))
         if kwargs:
             raise TypeError(f"{type(self).__name__}: unexpected constructor arguments {sorted(kwargs)}")
+
+    @classmethod
+    def _te_shape_and_dtype(cls, shape, dtype, kwargs):
+        """(shape, dtype) from TE's constructor form: `fake_dtype=` names the dtype, and without a
+        shape the first given buffer of `_LOGICAL_SHAPE_BUFFERS` gives it. Pops `fake_dtype`."""
+        fake_dtype = kwargs.pop("fake_dtype", None)
+        if dtype is not None and fake_dtype is not None and dtype != fake_dtype:
+            raise TypeError(f"{cls.__name__}: dtype={dtype} and fake_dtype={fake_dtype} differ")
+        dtype = dtype if dtype is not None else fake_dtype
+        if shape is None:
+            kw_of = dict(cls._FLATTEN_TENSOR_BUFFERS)
+            given = [kwargs[kw_of[a]] for a in cls._LOGICAL_SHAPE_BUFFERS if kwargs.get(kw_of[a]) is not None]
+            shape = given[0].shape if given else None
+        if shape is None or dtype is None:
+            names = [dict(cls._FLATTEN_TENSOR_BUFFERS)[a] for a in cls._LOGICAL_SHAPE_BUFFERS]
+            raise TypeError(f"{cls.__name__}: needs dtype= (TE's fake_dtype=) and shape= (taken from "
+                            f"{' or '.join(names) or 'no buffer'} when that is given)")
+        return shape, dtype
 
     # ---- construction from / to named buffers ------------------------------------------
     @classmethod
