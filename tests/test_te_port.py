@@ -474,7 +474,7 @@ def test_internal_flag_gives_bare_storages_and_survives_copies(i):
     assert isinstance(q(x), QuantizedTensor) and isinstance(q.make_empty((64, 128), torch.float32), QuantizedTensor)
     q.internal = True
     for out in (q(x), q.quantize(x), q.make_empty((64, 128), torch.float32)):
-        assert not isinstance(out, QuantizedTensor) and out._shape == (64, 128)
+        assert not isinstance(out, QuantizedTensor) and out.size() == (64, 128) and out.size(-1) == 128
     assert isinstance(q.quantize(x, internal=False), QuantizedTensor)  # the argument wins over the flag
     torch.testing.assert_close(q(x).dequantize(), q.quantize(x, internal=False).dequantize(), rtol=0, atol=0)
     for other in (q.copy(), q.with_usage(columnwise=False)):
@@ -505,6 +505,7 @@ def test_storages_and_tensors_take_tes_constructor_form():
     assert IdentityTensorStorage(hp_data=payload, fake_dtype=torch.float32).dequantize() is payload
     tensor = IdentityTensor(hp_data=payload, fake_dtype=torch.bfloat16)
     assert tensor.shape == (4, 8) and tensor.dtype == torch.bfloat16
+    assert type(tensor).size is torch.Tensor.size and tensor.size(0) == 4  # tensors keep torch's size()
     data = payload.to(torch.float8_e4m3fn)
     f8 = Float8Tensor(data=data, fp8_scale_inv=torch.full((1,), 0.5), fp8_dtype=torch.float8_e4m3fn,
                       fake_dtype=torch.bfloat16)

@@ -56,6 +56,12 @@ class QuantizedTensorStorage:
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         _REGISTRY[_qualname(cls)] = cls
+        if issubclass(cls, torch.Tensor):  # a tensor class answers size() as every tensor (not the storage's)
+            cls.size = torch.Tensor.size
+
+    def size(self, dim: Optional[int] = None):
+        """TE's storage `size()`: the logical shape, or one of its dims."""
+        return self._shape if dim is None else self._shape[dim]
 
     def __init__(self, *, shape=None, dtype=None, quantizer=None, requires_grad=False, **kwargs):
         if shape is None or dtype is None or "fake_dtype" in kwargs:

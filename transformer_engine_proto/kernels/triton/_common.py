@@ -84,9 +84,6 @@ def set_soft_cast(on) -> None:
     (the interpreter always uses the software one); None: follow `TE_PROTO_TRITON_SOFT_CAST` again."""
     global _soft_cast
     _soft_cast = None if on is None else bool(on)
-    from .launch import clear_plans  # plans replay the cast they were recorded with
-
-    clear_plans()
 
 
 def soft_cast() -> bool:

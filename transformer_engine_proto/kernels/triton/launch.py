@@ -25,6 +25,7 @@ while a Triton launch hook is installed (profilers) take Triton's own path.
 fixed) so the entry point can replay them for the next call of the same signature without its
 own Python (`Replay`; see `float8.py`'s launch plans). A replay checks `replay_allowed()` first:
 what sends a launch to Triton's own path sends a replayed entry point back to its full path.
+`set_fast_launch` forgets the plans; the soft-cast switch is part of a plan's key.
 
 While torch traces the call (fake tensors: inductor inlining a library op, make_fx), the launch
 goes through `torch.library.wrap_triton`, so the kernel becomes a node of the graph that the
@@ -39,7 +40,7 @@ import torch
 import triton
 
 from ..reference.common import traced
-from ._common import _INTERPRETING
+from ._common import _INTERPRETING, soft_cast
 
 try:
     from triton import knobs
@@ -147,8 +148,8 @@ PLANS = {}  # eager call signature -> an entry point's plan of replayed launches
 
 
 def clear_plans() -> None:
-    """Forget every recorded plan: a setting the launches were recorded under (soft cast, a launch
-    config, the fast path) changed."""
+    """Forget every recorded plan: a setting the launches were recorded under (a launch config,
+    the fast path) changed."""
     PLANS.clear()
 
 
@@ -157,12 +158,12 @@ def aligned(t: torch.Tensor) -> bool:
 
 
 def plan_key(x: torch.Tensor, *settings):
-    """An eager call's signature (x's shape, dtype and device, the current device, the call's
-    settings), or None where no plan applies: a traced, non-contiguous or misaligned x, which the
-    full entry point handles."""
+    """An eager call's signature (x's shape, dtype and device, the current device, the soft-cast
+    switch the kernels read, the call's settings), or None where no plan applies: a traced,
+    non-contiguous or misaligned x, which the full entry point handles."""
     if traced(x) or not x.is_contiguous() or not aligned(x):
         return None
-    return (x.shape, x.dtype, x.get_device(), torch._C._cuda_getDevice(), *settings)
+    return (x.shape, x.dtype, x.get_device(), torch._C._cuda_getDevice(), soft_cast(), *settings)
 
 
 def run_recorded(key, make_plan, full, *args):
