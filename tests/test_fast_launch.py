@@ -229,3 +229,51 @@ def test_plans_step_aside_for_hooks_settings_and_unusual_inputs(monkeypatch):
     assert quantize(x.t()) == 6 and quantize(x.t()) == 7
     launch.set_fast_launch(False)
     assert quantize(x) == 8 and quantize(x) == 9
+
+
+@pytest.mark.cuda
+def test_threads_record_their_own_plans(monkeypatch):
+    """Quantizes running in two threads at once: each thread's recording holds only its own
+    launches (a launch of the other thread joining a plan would replay the wrong kernel), so every
+    result, recorded or replayed, is the reference's."""
+    import threading
+
+    from test_triton_kernels import assert_bitwise, make_input
+
+    from transformer_engine_proto.kernels.reference import float8 as ref_f8
+    from transformer_engine_proto.kernels.reference import mxfp8 as ref_mx
+    from transformer_engine_proto.kernels.triton import float8 as tri_f8
+    from transformer_engine_proto.kernels.triton import mxfp8 as tri_mx
+
+    launch.set_fast_launch(True)
+    monkeypatch.setattr(launch, "PLAN_LIMIT", 3)  # the limit starts plans over while threads record
+    e4m3 = torch.float8_e4m3fn
+    errors = []
+
+    def work(shapes, quantize, reference):
+        try:
+            for i in range(40):
+                x = make_input(shapes[i % len(shapes)], "mixed", seed=i)
+                assert_bitwise(quantize(x), reference(x), f"{quantize.__name__} {tuple(x.shape)} call {i}")
+        except Exception as e:  # reported by the main thread
+            errors.append(e)
+
+    def current(x):
+        return tri_f8.fp8_quantize_current(x, e4m3, True, True)
+
+    def mxfp8(x):
+        return tri_mx.mxfp8_quantize(x, e4m3, True, True)
+
+    threads = [
+        threading.Thread(target=work, args=([(64, 128), (32, 96)], current,
+                                            lambda x: ref_f8.fp8_quantize_current(x, e4m3, True, True))),
+        threading.Thread(target=work, args=([(64, 64), (96, 32)], mxfp8,
+                                            lambda x: ref_mx.mxfp8_quantize(x, e4m3, True, True))),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cuda.synchronize()
+    assert not errors, errors[0]
+    assert 0 < len(launch.PLANS) <= 3

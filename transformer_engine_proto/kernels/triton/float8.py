@@ -316,7 +316,8 @@ def fp8_quantize_delayed(x, scale, amax_out, fp8_dtype, rowwise, columnwise
         if plan is not None and replay_allowed():
             return plan.delayed(x, scale, amax_out)
     return run_recorded(key, lambda launches: _CastPlan(x, fp8_dtype, rowwise, columnwise, launches),
-                        _fp8_quantize_delayed, x, scale, amax_out, fp8_dtype, rowwise, columnwise)
+                        _fp8_quantize_delayed, x, scale, amax_out, fp8_dtype, rowwise, columnwise,
+                        expect=(1, 2))  # the cast, after an amax pass or with the tile amax
 
 
 def _fp8_quantize_delayed(x, scale, amax_out, fp8_dtype, rowwise, columnwise):
@@ -350,7 +351,8 @@ def fp8_quantize_current(x, fp8_dtype, rowwise, columnwise, margin=0, power_2=Fa
         if plan is not None and replay_allowed():
             return plan.current(x)
     return run_recorded(key, lambda launches: _CastPlan(x, fp8_dtype, rowwise, columnwise, launches),
-                        _fp8_quantize_current, x, fp8_dtype, rowwise, columnwise, margin, power_2, epsilon)
+                        _fp8_quantize_current, x, fp8_dtype, rowwise, columnwise, margin, power_2, epsilon,
+                        expect=(2,))  # amax, cast
 
 
 def _fp8_quantize_current(x, fp8_dtype, rowwise, columnwise, margin, power_2, epsilon):

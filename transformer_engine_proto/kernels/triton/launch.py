@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 
 import torch
 import triton
@@ -129,22 +130,26 @@ class Replay:
                  self.metadata, None, None, None, *args, *self.tail)
 
 
-_recording = None  # a list while `record_launches` is active: the launches since, as Replay or None
+class _Recording(threading.local):
+    launches = None  # a list while `record_launches` is active in this thread: Replay or None each
+
+
+_recording = _Recording()  # per thread: another thread's launches never join this one's plan
 
 
 @contextlib.contextmanager
 def record_launches():
-    """Collects the launches made in the block: a `Replay` for each that went through the fast
-    path's cache, None for one that did not (it cannot be replayed)."""
-    global _recording
-    outer, _recording = _recording, []
+    """Collects the launches this thread makes in the block: a `Replay` for each that went
+    through the fast path's cache, None for one that did not (it cannot be replayed)."""
+    outer, _recording.launches = _recording.launches, []
     try:
-        yield _recording
+        yield _recording.launches
     finally:
-        _recording = outer
+        _recording.launches = outer
 
 
 PLANS = {}  # eager call signature -> an entry point's plan of replayed launches
+PLAN_LIMIT = 4096  # signatures kept: beyond it (shapes that keep changing) the plans start over
 
 
 def clear_plans() -> None:
@@ -166,12 +171,15 @@ def plan_key(x: torch.Tensor, *settings):
     return (x.shape, x.dtype, x.get_device(), torch._C._cuda_getDevice(), soft_cast(), *settings)
 
 
-def run_recorded(key, make_plan, full, *args):
+def run_recorded(key, make_plan, full, *args, expect=(1,)):
     """Run the full entry point `full(*args)`, recording its launches; keep `make_plan(launches)`
-    as the plan of `key` when every launch can be replayed."""
+    as the plan of `key` when every launch can be replayed and their number is one the plan
+    expects (`expect`)."""
     with record_launches() as launches:
         out = full(*args)
-    if key is not None and launches and None not in launches:
+    if key is not None and len(launches) in expect and None not in launches:
+        if len(PLANS) >= PLAN_LIMIT:
+            PLANS.clear()
         PLANS[key] = make_plan(launches)
     return out
 
@@ -201,7 +209,7 @@ class fast_launch:
     def _launch(self, grid, args, kwargs):
         if _traced_call(args):
             return torch.library.wrap_triton(self.fn)[tuple(grid)](*args, **kwargs)
-        if _recording is not None:
+        if _recording.launches is not None:
             return self._recorded(grid, args, kwargs)
         if not (_enabled if _enabled is not None else enabled()) or _INTERPRETING or hooks_installed():
             return self.fn[grid](*args, **kwargs)
@@ -229,7 +237,7 @@ class fast_launch:
 
     def _recorded(self, grid, args, kwargs):
         """`_launch`, noting in the recording the launch's `Replay` (None if it took Triton's path)."""
-        recording = _recording
+        recording = _recording.launches
         kernel = self._launch_unrecorded(grid, args, kwargs)
         try:
             cached = replay_allowed() and self._compiled.get(self._key(args, kwargs)) is kernel
@@ -243,9 +251,8 @@ class fast_launch:
         return kernel
 
     def _launch_unrecorded(self, grid, args, kwargs):
-        global _recording
-        outer, _recording = _recording, None
+        outer, _recording.launches = _recording.launches, None
         try:
             return self._launch(grid, args, kwargs)
         finally:
-            _recording = outer
+            _recording.launches = outer
