@@ -515,3 +515,22 @@ def test_storages_and_tensors_take_tes_constructor_form():
                             fp8_dtype=torch.float8_e4m3fn, fake_dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="differ"):
         IdentityTensorStorage(hp_data=payload, dtype=torch.float32, fake_dtype=torch.bfloat16)
+
+
+def test_a_te_style_quantizer_subclass_calls_the_base_with_tes_keywords():
+    """TE's own quantizer subclasses (and users') call `Quantizer.__init__(self, rowwise=...,
+    columnwise=...)` and then set attributes of their own."""
+    from transformer_engine_proto.tensor.quantizer import Quantizer
+
+    class Custom(Quantizer):
+        def __init__(self, rowwise=True, columnwise=True):
+            super().__init__(rowwise=rowwise, columnwise=columnwise)
+            self.parent_quantizer = None
+
+    q = Custom(columnwise=False)
+    assert (q.rowwise_usage, q.columnwise_usage, q.parent_quantizer) == (True, False, None)
+    q.internal = True
+    assert q.internal is True
+    bare = object.__new__(Custom)  # TE's tests build one without its own __init__
+    Quantizer.__init__(bare, rowwise=False, columnwise=True)
+    assert (bare.rowwise_usage, bare.columnwise_usage) == (False, True)

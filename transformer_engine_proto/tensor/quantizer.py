@@ -149,6 +149,7 @@ def quantizer_class_by_debug_recipe(name: str) -> type:
     return _DEBUG_RECIPES[name]  # KeyError: no format declares it
 
 
+@te_constructor()  # TE's `Quantizer.__init__(self, rowwise=..., columnwise=...)`, as TE-style subclasses call it
 @dataclass(frozen=True)
 class Quantizer:
     """Base quantizer. Subclasses declare their tensor class and `buffer_layout`.
