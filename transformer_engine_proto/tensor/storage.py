@@ -84,12 +84,12 @@ class QuantizedTensorStorage:
         if dtype is not None and fake_dtype is not None and dtype != fake_dtype:
             raise TypeError(f"{cls.__name__}: dtype={dtype} and fake_dtype={fake_dtype} differ")
         dtype = dtype if dtype is not None else fake_dtype
+        kw_of = dict(cls._FLATTEN_TENSOR_BUFFERS)
+        names = [kw_of[a] for a in cls._LOGICAL_SHAPE_BUFFERS]  # the keywords whose buffer has the shape
         if shape is None:
-            kw_of = dict(cls._FLATTEN_TENSOR_BUFFERS)
-            given = [kwargs[kw_of[a]] for a in cls._LOGICAL_SHAPE_BUFFERS if kwargs.get(kw_of[a]) is not None]
+            given = [kwargs[n] for n in names if kwargs.get(n) is not None]
             shape = given[0].shape if given else None
         if shape is None or dtype is None:
-            names = [dict(cls._FLATTEN_TENSOR_BUFFERS)[a] for a in cls._LOGICAL_SHAPE_BUFFERS]
             raise TypeError(f"{cls.__name__}: needs dtype= (TE's fake_dtype=) and shape= (taken from "
                             f"{' or '.join(names) or 'no buffer'} when that is given)")
         return shape, dtype
