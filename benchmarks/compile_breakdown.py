@@ -7,8 +7,10 @@ Each variant runs the first training step of bench_llama's model (`torch.compile
 a fresh process with empty inductor and Triton caches ("cold"), then once more in another fresh
 process on the caches the first left ("warm"). Each process reports its first step's seconds,
 dynamo's per-phase compile times (`torch._dynamo.utils.compilation_time_metrics`: tracing, AOT autograd,
-inductor lowering / codegen, waiting for Triton compiles) and, with `--cprofile`, the library
-functions with the most cumulative time while compiling.
+inductor lowering / codegen, waiting for Triton compiles), the size of the graphs inductor compiled
+(post-grad nodes, of them calls of user Triton kernels: inductor retraces each such call and
+generates its launch; a warm run compiles none) and, with `--cprofile`, the library functions with
+the most cumulative time while compiling.
 """
 from __future__ import annotations
 
@@ -28,6 +30,27 @@ import _common as C  # noqa: E402
 import bench_llama  # noqa: E402
 
 
+def count_graph_nodes(counts: dict):
+    """Install a post-grad pass (cache-safe: a fixed uuid) that adds each graph inductor compiles
+    to `counts`: graphs, nodes, user Triton kernel calls."""
+    import torch
+    from torch._inductor import config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class Count(CustomGraphPass):
+        def __call__(self, graph):
+            calls = [n for n in graph.nodes if n.op == "call_function"]
+            counts["graphs"] = counts.get("graphs", 0) + 1
+            counts["nodes"] = counts.get("nodes", 0) + len(calls)
+            hop = torch.ops.higher_order.triton_kernel_wrapper_functional
+            counts["triton_calls"] = counts.get("triton_calls", 0) + sum(n.target is hop for n in calls)
+
+        def uuid(self):
+            return "compile_breakdown.count_graph_nodes"
+
+    config.post_grad_custom_pre_pass = Count()
+
+
 def first_step(variant: str, args) -> dict:
     """This process: build the variant, run its first compiled step, report the times."""
     import cProfile
@@ -40,6 +63,8 @@ def first_step(variant: str, args) -> dict:
     device = C.device_from_arg(args.device)
     C.configure_dynamo()
     model, recipe = bench_llama.make_variant(variant, args, device, torch.bfloat16)
+    graph = {}
+    count_graph_nodes(graph)
     fwd = torch.compile(model)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1)).to(device)
     prof = cProfile.Profile() if args.cprofile else None
@@ -53,7 +78,7 @@ def first_step(variant: str, args) -> dict:
     if prof:
         prof.disable()
     res = {"variant": variant, "first_step_s": time.perf_counter() - t0,
-           "phases_s": {name: sum(ts) for name, ts in compilation_time_metrics.items()}}
+           "phases_s": {name: sum(ts) for name, ts in compilation_time_metrics.items()}, "graph": graph}
     if prof:
         stats = pstats.Stats(prof)
         where = {key: f"{os.path.basename(key[0])}:{key[2]}" for key in stats.stats}
@@ -121,6 +146,11 @@ def main(argv=None):
         ratio = f"{s / base[r['caches']]:.2f}x" if s is not None and r["caches"] in base else "-"
         rows.append([r["variant"], r["caches"], r["error"] if s is None else f"{s:.1f}", ratio])
     print(C.markdown_table(["variant", "caches", "first step s", "vs bf16"], rows))
+    print("\n## Graphs inductor compiled (post-grad; a cache hit compiles none)\n")
+    print(C.markdown_table(["variant", "caches", "graphs", "nodes", "user Triton kernel calls"],
+                           [[r["variant"], r["caches"], *(r.get("graph", {}).get(k, 0)
+                                                          for k in ("graphs", "nodes", "triton_calls"))]
+                            for r in results]))
     print("\n## Compile phases, seconds (dynamo_timed phases, summed; nested phases overlap)\n")
     print(C.markdown_table(["phase", *(f"{r['variant']} {r['caches']}" for r in results)],
                            [[k, *(f"{r.get('phases_s', {}).get(k, 0):.1f}" for r in results)] for k in phases]))

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ..reference import mxfp8 as _ref_mx
 from ._common import INT32_LIMIT, cdiv, soft_cast, triton_kernel
-from .launch import PLANS, aligned, fast_launch, plan_key, replay_allowed, run_recorded
+from .launch import aligned, fast_launch, plan_key, planned, run_recorded
 
 # output dtype -> OUT constexpr
 OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -164,13 +164,10 @@ def mxfp8_dequantize(data: torch.Tensor, scale_inv: torch.Tensor, columnwise: bo
                      dtype: torch.dtype) -> torch.Tensor:
     """data * 2**e per block of 32 (rowwise along K, columnwise along M), rounded once to dtype."""
     key = plan_key(data, "mxfp8_dequantize", columnwise, dtype)
-    if key is not None and scale_inv.is_contiguous():
-        key = (*key, scale_inv.shape, scale_inv.dtype, aligned(scale_inv))
-        plan = PLANS.get(key)
-        if plan is not None and replay_allowed():
-            return plan(data, scale_inv)
-    else:
-        key = None
+    key = (*key, scale_inv.shape, scale_inv.dtype, aligned(scale_inv)) if key and scale_inv.is_contiguous() else None
+    plan = planned(key)
+    if plan is not None:
+        return plan(data, scale_inv)
     return run_recorded(key, lambda launches: _Plan(data, dtype, launches),
                         _mxfp8_dequantize, data, scale_inv, columnwise, dtype)
 

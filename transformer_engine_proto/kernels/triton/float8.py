@@ -43,7 +43,7 @@ from ._common import (
     to_f32,
     triton_kernel,
 )
-from .launch import PLANS, aligned, fast_launch, plan_key, replay_allowed, run_recorded
+from .launch import aligned, fast_launch, plan_key, planned, run_recorded
 
 # Launch configurations (tunable: benchmarks/bench_quantize.py sweeps them; after editing one, call
 # `launch.clear_plans()`: recorded eager launches replay the config they were recorded with).
@@ -312,9 +312,9 @@ def fp8_quantize_delayed(x, scale, amax_out, fp8_dtype, rowwise, columnwise
     elif key is not None:
         # the module's state is often a slot of a longer buffer: its alignment is part of the signature
         key = (*key, aligned(scale), aligned(amax_out))
-        plan = PLANS.get(key)
-        if plan is not None and replay_allowed():
-            return plan.delayed(x, scale, amax_out)
+    plan = planned(key)
+    if plan is not None:
+        return plan.delayed(x, scale, amax_out)
     return run_recorded(key, lambda launches: _CastPlan(x, fp8_dtype, rowwise, columnwise, launches),
                         _fp8_quantize_delayed, x, scale, amax_out, fp8_dtype, rowwise, columnwise,
                         expect=(1, 2))  # the cast, after an amax pass or with the tile amax
@@ -346,10 +346,9 @@ def fp8_quantize_current(x, fp8_dtype, rowwise, columnwise, margin=0, power_2=Fa
     """Scale from this tensor's own amax (of its finite values): returns (data, transpose,
     scale_inv, amax)."""
     key = plan_key(x, "current", fp8_dtype, rowwise, columnwise, margin, power_2, epsilon)
-    if key is not None:
-        plan = PLANS.get(key)
-        if plan is not None and replay_allowed():
-            return plan.current(x)
+    plan = planned(key)
+    if plan is not None:
+        return plan.current(x)
     return run_recorded(key, lambda launches: _CastPlan(x, fp8_dtype, rowwise, columnwise, launches),
                         _fp8_quantize_current, x, fp8_dtype, rowwise, columnwise, margin, power_2, epsilon,
                         expect=(2,))  # amax, cast

@@ -23,8 +23,9 @@ while a Triton launch hook is installed (profilers) take Triton's own path.
 
 `record_launches()` captures the compiled launches an entry point makes (grid and constexprs
 fixed) so the entry point can replay them for the next call of the same signature without its
-own Python (`Replay`; see `float8.py`'s launch plans). A replay checks `replay_allowed()` first:
-what sends a launch to Triton's own path sends a replayed entry point back to its full path.
+own Python (`Replay`; see `float8.py`'s launch plans). `planned(key)` finds a plan only while
+`replay_allowed()`: what sends a launch to Triton's own path sends a replayed entry point back to
+its full path.
 `set_fast_launch` forgets the plans; the soft-cast switch is part of a plan's key.
 
 While torch traces the call (fake tensors: inductor inlining a library op, make_fx), the launch
@@ -169,6 +170,15 @@ def plan_key(x: torch.Tensor, *settings):
     if traced(x) or not x.is_contiguous() or not aligned(x):
         return None
     return (x.shape, x.dtype, x.get_device(), torch._C._cuda_getDevice(), soft_cast(), *settings)
+
+
+def planned(key):
+    """The plan recorded for `key` when it may replay now, else None (no key, no plan yet, or
+    something that sends launches to Triton's own path)."""
+    if key is None:
+        return None
+    plan = PLANS.get(key)
+    return plan if plan is not None and replay_allowed() else None
 
 
 def run_recorded(key, make_plan, full, *args, expect=(1,)):

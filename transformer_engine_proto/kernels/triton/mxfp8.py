@@ -36,7 +36,7 @@ from ._common import (
     to_f32,
     triton_kernel,
 )
-from .launch import PLANS, fast_launch, plan_key, replay_allowed, run_recorded
+from .launch import fast_launch, plan_key, planned, run_recorded
 
 BLOCK = 32
 
@@ -232,10 +232,9 @@ def mxfp8_quantize(x: torch.Tensor, fp8_dtype, rowwise: bool, columnwise: bool
     """(rowwise data, rowwise scale_inv (M, K/32), columnwise data, columnwise scale_inv (M/32, K));
     data buffers have x's shape, absent usages are None."""
     key = plan_key(x, "mxfp8", fp8_dtype, rowwise, columnwise)
-    if key is not None:
-        plan = PLANS.get(key)
-        if plan is not None and replay_allowed():
-            return plan(x)
+    plan = planned(key)
+    if plan is not None:
+        return plan(x)
     return run_recorded(key, lambda launches: _Plan(x, fp8_dtype, rowwise, columnwise, launches),
                         _mxfp8_quantize, x, fp8_dtype, rowwise, columnwise)
 
