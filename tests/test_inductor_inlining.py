@@ -3,12 +3,14 @@ runs no library Python per Linear, and the opaque fallback still works."""
 import gc
 import importlib
 import os
+import subprocess
 import sys
 
 import pytest
 import torch
 from compile_cases import assert_matches_eager
 from linear_cases import RECIPES, fresh_dynamo, recipe_ctx
+from subprocess_env import package_env
 
 import transformer_engine_proto as te
 from transformer_engine_proto.custom_ops import inductor_lowering
@@ -68,6 +70,22 @@ def test_inlining_off_runs_the_op_bodies_every_step():
         inductor_lowering.set_inductor_inlining(True)
     inlined, _ = _compiled_step_calls(recipe)
     assert opaque > 50 * LAYERS > inlined, (opaque, inlined)
+
+
+def test_cpu_inlining_env_variable_is_read_at_import():
+    """`TE_PROTO_INLINE_CPU=0` turns CPU inlining off when the package is imported, and a compiled
+    Linear runs under it."""
+    code = ("import torch, transformer_engine_proto as te\n"
+            "from transformer_engine_proto.custom_ops import inductor_lowering as il\n"
+            "m = te.Linear(32, 32)\n"
+            "with te.autocast(recipe=te.recipe.Float8CurrentScaling()):\n"
+            "    y = torch.compile(m, fullgraph=True)(torch.randn(16, 32))\n"
+            "print(il.cpu_inlining_enabled(), tuple(y.shape))\n")
+    env = package_env()
+    env["TE_PROTO_INLINE_CPU"] = "0"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split("\n")[-2] == "False (16, 32)"
 
 
 def test_cpu_inlining_off_keeps_cpu_ops_opaque_and_matches_eager():

@@ -128,8 +128,6 @@ def _source_hash() -> str:
 _SOURCE_HASH = _source_hash()
 recompute_tags.ON_CHANGE.append(lambda: _table_changed())
 kernels.ON_FUSIBLE_CHANGE.append(lambda: _table_changed())
-if os.environ.get("TE_PROTO_INLINE_CPU", "1") == "0":
-    set_cpu_inlining(False)
 
 
 def _table_changed() -> None:
@@ -144,3 +142,7 @@ def _table_changed() -> None:
         setting = (f"{int(_enabled)}{int(_cpu_enabled)}{int(recompute_tags.recompute_saved_input())}"
                    f"{','.join(sorted(kernels.fusible_quantize_enabled()))}")
         config.cache_key_tag = "|".join(tags + [f"te_proto:{_SOURCE_HASH}:{setting}"])
+
+
+if os.environ.get("TE_PROTO_INLINE_CPU", "1") == "0":
+    set_cpu_inlining(False)
