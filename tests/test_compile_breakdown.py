@@ -32,3 +32,18 @@ def test_first_step_reports_time_and_phases():
     r = compile_breakdown.first_step("te:current", args)
     assert r["first_step_s"] > 0 and r["phases_s"].get("compile_fx_inner", 0) > 0, r
     assert any("linear_fwd" in name for name, _ in r["library_cumulative_s"]), r["library_cumulative_s"]
+
+
+def test_graph_counts_are_reported_per_compiled_graph(monkeypatch):
+    import torch
+    from torch._inductor import config
+
+    monkeypatch.setattr(config, "post_grad_custom_pre_pass", None)  # restored after the test
+    monkeypatch.setattr(config, "force_disable_caches", True)  # a cache hit would compile no graph
+    counts = {}
+    compile_breakdown.count_graph_nodes(counts)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: (x.sin() * 2).sum(), backend="inductor", fullgraph=True)
+    x = torch.randn(8, requires_grad=True)
+    fn(x).backward()
+    assert counts["graphs"] == 2 and counts["nodes"] >= 4 and counts["triton_calls"] == 0, counts
