@@ -60,3 +60,44 @@ def test_constexprs_read_from_the_jit_function():
     from transformer_engine_proto.kernels.triton import float8
     names = trace_analysis._constexprs(float8._cast_transpose_packed_kernel.fn)
     assert {"BM", "BK", "FMAX", "ROWWISE"} <= names and not names & {"x_ptr", "M", "K", "n_k"}
+
+
+def test_direct_swap_installed_over_inductors_decomposition():
+    from torch._inductor.fx_passes import post_grad
+    assert post_grad.decompose_triton_kernel_wrapper_functional.te_proto_direct
+    before = post_grad.decompose_triton_kernel_wrapper_functional
+    trace_analysis.install()
+    assert post_grad.decompose_triton_kernel_wrapper_functional is before  # idempotent
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rid", ["current", "delayed", "mxfp8"])
+def test_launches_swapped_directly_compile_to_eagers_results(rid, monkeypatch):
+    """Under inductor our kernels' launches take the direct swap, and the compiled step gives
+    eager's output and gradients (each from the same module state)."""
+    import copy
+
+    from compile_cases import assert_matches_eager, compile_for
+    from linear_cases import RECIPES, fresh_dynamo, recipe_ctx
+    from torch._inductor import config
+
+    import transformer_engine_proto as te
+
+    monkeypatch.setattr(config, "force_disable_caches", True)  # the passes run: no cached graph
+    fresh_dynamo()
+    torch.manual_seed(0)
+    eager = te.Linear(256, 512, params_dtype=torch.bfloat16, device="cuda")
+    twin = copy.deepcopy(eager)
+    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(128, 512, device="cuda", dtype=torch.bfloat16)
+    swaps = trace_analysis.DIRECT_SWAPS[0]
+    outs = []
+    for module, run in ((eager, eager), (twin, compile_for(twin, "inductor"))):
+        xx = x.clone().requires_grad_()
+        with recipe_ctx(RECIPES[rid]):
+            y = run(xx)
+        y.backward(g)
+        outs.append([y, xx.grad, module.weight.grad])
+    assert trace_analysis.DIRECT_SWAPS[0] > swaps
+    for name, e, c in zip(("y", "x.grad", "w.grad"), *outs):
+        assert_matches_eager(c, e, "inductor", name)

@@ -1,4 +1,4 @@
-"""Inductor's analysis of our Triton kernels, once per specialization instead of once per call site.
+"""Inductor's per-launch work on our Triton kernels, done once per specialization or without a retrace.
 
 When torch traces a `wrap_triton` launch (inductor inlining a library op), it asks which tensor
 arguments the kernel reads and writes: `identify_mutated_tensors` (torch 2.11) or
@@ -9,6 +9,12 @@ kernel and on what Triton specializes on: which arguments are tensors (and their
 constexpr values, and each int's class (1, a multiple of 16, its width). `install()` memoizes
 the analysis by that key for the kernels of this package; other kernels go to torch's function
 unchanged, as do launches with TMA descriptors.
+
+After reinplacing, inductor's post-grad pass swaps each functional launch for the mutating one
+(plus clones of the arguments it could not reinplace) by retracing it with `make_fx`, about ten
+milliseconds a launch. `install()` also puts a direct swap in front of that pass for launches of
+our kernels that need no clone and whose result nobody reads (our kernels write into buffers
+allocated for them, so that is nearly all of them); the rest go to torch's pass.
 """
 from __future__ import annotations
 
@@ -82,12 +88,58 @@ def _memoized(analysis):
     return run
 
 
+def _ours(kernel_idx) -> bool:
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    try:
+        kernel = kernel_side_table.get_kernel(kernel_idx)
+    except (AssertionError, KeyError):
+        return False
+    return getattr(_python_fn(kernel), "__module__", "").startswith(_PACKAGE)
+
+
+DIRECT_SWAPS = [0]  # launches swapped by `_swap_directly` in this process (tests read it)
+
+
+def _swap_directly(torch_pass):
+    """`torch_pass` (inductor's decomposition of functional Triton launches), after swapping the
+    launches of our kernels that clone nothing and whose result has no user for the mutating
+    launch with the same arguments."""
+    functional = torch.ops.higher_order.triton_kernel_wrapper_functional
+    mutation = torch.ops.higher_order.triton_kernel_wrapper_mutation
+
+    @functools.wraps(torch_pass)
+    def run(graph):
+        for node in list(graph.find_nodes(op="call_function", target=functional)):
+            kwargs = dict(node.kwargs)
+            if node.users or node.args or kwargs.pop("tensors_to_clone", None) or not _ours(kwargs.get("kernel_idx")):
+                continue
+            with graph.inserting_before(node):
+                swapped = graph.call_function(mutation, kwargs=kwargs)
+            # the meta torch's retrace leaves: the launch's value, its eager argument layouts
+            swapped.meta.update({k: v for k, v in node.meta.items()
+                                 if k not in ("eager_input_vals", "mutation_region_id")})
+            eager = node.meta.get("eager_input_vals")
+            if eager is not None:
+                swapped.meta["eager_input_vals"] = ((), {k: v for k, v in eager[1].items() if k != "tensors_to_clone"})
+            graph.erase_node(node)
+            DIRECT_SWAPS[0] += 1
+        return torch_pass(graph)
+
+    run.te_proto_direct = True
+    return run
+
+
 def install() -> None:
-    """Memoize torch's TTIR analysis for this package's kernels (idempotent; a torch without the
-    function is left as it is)."""
+    """Memoize torch's TTIR analysis for this package's kernels and put the direct swap in front of
+    inductor's decomposition pass (idempotent; a torch without either function is left as it is)."""
     from torch._higher_order_ops import triton_kernel_wrap
+    from torch._inductor.fx_passes import post_grad
 
     for name in _ANALYSES:
         analysis = getattr(triton_kernel_wrap, name, None)
         if analysis is not None and not getattr(analysis, "te_proto_memoized", False):
             setattr(triton_kernel_wrap, name, _memoized(analysis))
+    decompose = getattr(post_grad, "decompose_triton_kernel_wrapper_functional", None)
+    if decompose is not None and not getattr(decompose, "te_proto_direct", False):
+        post_grad.decompose_triton_kernel_wrapper_functional = _swap_directly(decompose)
