@@ -8,9 +8,9 @@ a fresh process with empty inductor and Triton caches ("cold"), then once more i
 process on the caches the first left ("warm"). Each process reports its first step's seconds,
 dynamo's per-phase compile times (`torch._dynamo.utils.compilation_time_metrics`: tracing, AOT autograd,
 inductor lowering / codegen, waiting for Triton compiles), the size of the graphs inductor compiled
-(post-grad nodes, of them calls of user Triton kernels: inductor retraces each such call and
-generates its launch; a warm run compiles none) and, with `--cprofile`, the library functions with
-the most cumulative time while compiling.
+(post-grad nodes; of them, calls of user Triton kernels and how many of those were swapped for
+their launch without a retrace; a warm run compiles none) and, with `--cprofile`, the library
+functions with the most cumulative time while compiling.
 """
 from __future__ import annotations
 
@@ -77,6 +77,11 @@ def first_step(variant: str, args) -> dict:
     C.synchronize(device)
     if prof:
         prof.disable()
+    try:  # launches of our kernels inductor swapped without a retrace (kernels/triton/trace_analysis.py)
+        from transformer_engine_proto.kernels.triton.trace_analysis import DIRECT_SWAPS
+        graph["direct_swaps"] = DIRECT_SWAPS[0]
+    except ImportError:  # no Triton
+        pass
     res = {"variant": variant, "first_step_s": time.perf_counter() - t0,
            "phases_s": {name: sum(ts) for name, ts in compilation_time_metrics.items()}, "graph": graph}
     if prof:
@@ -147,9 +152,9 @@ def main(argv=None):
         rows.append([r["variant"], r["caches"], r["error"] if s is None else f"{s:.1f}", ratio])
     print(C.markdown_table(["variant", "caches", "first step s", "vs bf16"], rows))
     print("\n## Graphs inductor compiled (post-grad; a cache hit compiles none)\n")
-    print(C.markdown_table(["variant", "caches", "graphs", "nodes", "user Triton kernel calls"],
+    print(C.markdown_table(["variant", "caches", "graphs", "nodes", "user Triton kernel calls", "swapped directly"],
                            [[r["variant"], r["caches"], *(r.get("graph", {}).get(k, 0)
-                                                          for k in ("graphs", "nodes", "triton_calls"))]
+                                                          for k in ("graphs", "nodes", "triton_calls", "direct_swaps"))]
                             for r in results]))
     print("\n## Compile phases, seconds (dynamo_timed phases, summed; nested phases overlap)\n")
     print(C.markdown_table(["phase", *(f"{r['variant']} {r['caches']}" for r in results)],
