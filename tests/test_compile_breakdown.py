@@ -34,16 +34,17 @@ def test_first_step_reports_time_and_phases():
     assert any("linear_fwd" in name for name, _ in r["library_cumulative_s"]), r["library_cumulative_s"]
 
 
-def test_graph_counts_are_reported_per_compiled_graph(monkeypatch):
+def test_graph_counts_are_reported_per_compiled_graph():
     import torch
     from torch._inductor import config
 
-    monkeypatch.setattr(config, "post_grad_custom_pre_pass", None)  # restored after the test
-    monkeypatch.setattr(config, "force_disable_caches", True)  # a cache hit would compile no graph
     counts = {}
-    compile_breakdown.count_graph_nodes(counts)
-    torch._dynamo.reset()
-    fn = torch.compile(lambda x: (x.sin() * 2).sum(), backend="inductor", fullgraph=True)
-    x = torch.randn(8, requires_grad=True)
-    fn(x).backward()
+    # config.patch puts the pass back afterwards (pytest's monkeypatch would hide the config entry)
+    with config.patch(post_grad_custom_pre_pass=None), torch.compiler.config.patch(force_disable_caches=True):
+        compile_breakdown.count_graph_nodes(counts)
+        torch._dynamo.reset()
+        fn = torch.compile(lambda x: (x.sin() * 2).sum(), backend="inductor", fullgraph=True)
+        x = torch.randn(8, requires_grad=True)
+        fn(x).backward()  # no cached graph: the pass runs
+    assert config.post_grad_custom_pre_pass is None
     assert counts["graphs"] == 2 and counts["nodes"] >= 4 and counts["triton_calls"] == 0, counts

@@ -8,7 +8,8 @@ on undo it can leave the attribute missing for every later test (seen with pytes
 import pathlib
 import re
 
-_CONFIG_SETATTR = re.compile(r"monkeypatch\.setattr\(\s*(torch\.[\w.]*config|\"torch\.[\w.]*config)")
+# torch.<...>.config, "torch.<...>.config" or a name bound to one (`from torch._inductor import config`)
+_CONFIG_SETATTR = re.compile(r"monkeypatch\.setattr\(\s*(torch\.[\w.]*config|\"torch\.[\w.]*config|\w*config\s*,)")
 
 
 def test_no_monkeypatch_of_torch_config_modules():

@@ -72,18 +72,16 @@ def test_direct_swap_installed_over_inductors_decomposition():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("rid", ["current", "delayed", "mxfp8"])
-def test_launches_swapped_directly_compile_to_eagers_results(rid, monkeypatch):
+def test_launches_swapped_directly_compile_to_eagers_results(rid):
     """Under inductor our kernels' launches take the direct swap, and the compiled step gives
     eager's output and gradients (each from the same module state)."""
     import copy
 
     from compile_cases import assert_matches_eager, compile_for
     from linear_cases import RECIPES, fresh_dynamo, recipe_ctx
-    from torch._inductor import config
 
     import transformer_engine_proto as te
 
-    monkeypatch.setattr(config, "force_disable_caches", True)  # the passes run: no cached graph
     fresh_dynamo()
     torch.manual_seed(0)
     eager = te.Linear(256, 512, params_dtype=torch.bfloat16, device="cuda")
@@ -94,9 +92,10 @@ def test_launches_swapped_directly_compile_to_eagers_results(rid, monkeypatch):
     outs = []
     for module, run in ((eager, eager), (twin, compile_for(twin, "inductor"))):
         xx = x.clone().requires_grad_()
-        with recipe_ctx(RECIPES[rid]):
+        # no cached graph: the passes run
+        with recipe_ctx(RECIPES[rid]), torch.compiler.config.patch(force_disable_caches=True):
             y = run(xx)
-        y.backward(g)
+            y.backward(g)
         outs.append([y, xx.grad, module.weight.grad])
     assert trace_analysis.DIRECT_SWAPS[0] > swaps
     for name, e, c in zip(("y", "x.grad", "w.grad"), *outs):
