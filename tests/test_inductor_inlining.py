@@ -72,6 +72,21 @@ def test_inlining_off_runs_the_op_bodies_every_step():
     assert opaque > 50 * LAYERS > inlined, (opaque, inlined)
 
 
+def test_eager_use_imports_no_inductor_passes():
+    """An eager Linear (and the kernel backends it loads) does not import inductor's post-grad
+    passes (seconds of import): the library's compile-time setup waits for inductor's first trace."""
+    code = ("import sys, torch, transformer_engine_proto as te\n"
+            "m = te.Linear(32, 32, device='cuda' if torch.cuda.is_available() else 'cpu')\n"
+            "with te.autocast(recipe=te.recipe.DelayedScaling()):\n"
+            "    y = m(torch.randn(16, 32, device=m.weight.device, requires_grad=True))\n"
+            "y.sum().backward()\n"
+            "print('torch._inductor.fx_passes.post_grad' in sys.modules)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=package_env(),
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split("\n")[-2] == "False"
+
+
 def test_cpu_inlining_env_variable_is_read_at_import():
     """`TE_PROTO_INLINE_CPU=0` turns CPU inlining off when the package is imported, and a compiled
     Linear runs under it."""

@@ -62,11 +62,15 @@ def test_constexprs_read_from_the_jit_function():
     assert {"BM", "BK", "FMAX", "ROWWISE"} <= names and not names & {"x_ptr", "M", "K", "n_k"}
 
 
-def test_direct_swap_installed_over_inductors_decomposition():
+def test_direct_swap_installed_when_inductor_first_traces_a_library_op():
+    from transformer_engine_proto import kernels
+
+    with kernels.tracing_for_inductor():
+        pass
     from torch._inductor.fx_passes import post_grad
     assert post_grad.decompose_triton_kernel_wrapper_functional.te_proto_direct
     before = post_grad.decompose_triton_kernel_wrapper_functional
-    trace_analysis.install()
+    trace_analysis.install_swap()
     assert post_grad.decompose_triton_kernel_wrapper_functional is before  # idempotent
 
 

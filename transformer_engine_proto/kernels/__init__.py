@@ -37,6 +37,9 @@ _backend: Optional[str] = None  # None: not chosen yet, take TE_PROTO_KERNELS at
 INDUCTOR_FUSIBLE = frozenset({"amax", "fp8_quantize_delayed", "fp8_quantize_current"})
 _inductor_depth = 0  # > 0 while inductor traces a library op's body
 ON_FUSIBLE_CHANGE = []  # callbacks: the compile cache key names the setting
+# callbacks when inductor first traces a library op's body: compile-time setup that eager code
+# should not pay for (the Triton backend puts its pass in front of inductor's, triton/trace_analysis.py)
+ON_INDUCTOR_TRACE = []
 
 
 def set_backend(name: Optional[str]) -> None:
@@ -105,6 +108,10 @@ def fusing(name: str) -> bool:
 def tracing_for_inductor():
     """The scope in which inductor traces a library op's body."""
     global _inductor_depth
+    if not _inductor_depth:
+        _load_reference()  # the backends register their ON_INDUCTOR_TRACE callbacks when loaded
+        for callback in ON_INDUCTOR_TRACE:
+            callback()
     _inductor_depth += 1
     try:
         yield

@@ -12,9 +12,9 @@ unchanged, as do launches with TMA descriptors.
 
 After reinplacing, inductor's post-grad pass swaps each functional launch for the mutating one
 (plus clones of the arguments it could not reinplace) by retracing it with `make_fx`, about ten
-milliseconds a launch. `install()` also puts a direct swap in front of that pass for launches of
-our kernels that need no clone and whose result nobody reads (our kernels write into buffers
-allocated for them, so that is nearly all of them); the rest go to torch's pass.
+milliseconds a launch. `install_swap()` puts a direct swap in front of that pass for launches of
+our kernels that reinplacing left nothing to clone and whose result nobody reads; the rest go to
+torch's pass.
 """
 from __future__ import annotations
 
@@ -131,15 +131,22 @@ def _swap_directly(torch_pass):
 
 
 def install() -> None:
-    """Memoize torch's TTIR analysis for this package's kernels and put the direct swap in front of
-    inductor's decomposition pass (idempotent; a torch without either function is left as it is)."""
+    """Memoize torch's TTIR analysis for this package's kernels (idempotent; a torch without the
+    function is left as it is)."""
     from torch._higher_order_ops import triton_kernel_wrap
-    from torch._inductor.fx_passes import post_grad
 
     for name in _ANALYSES:
         analysis = getattr(triton_kernel_wrap, name, None)
         if analysis is not None and not getattr(analysis, "te_proto_memoized", False):
             setattr(triton_kernel_wrap, name, _memoized(analysis))
+
+
+def install_swap() -> None:
+    """Put the direct swap in front of inductor's decomposition pass (idempotent; a torch without
+    the pass is left as it is). Called when inductor first traces a library op: importing the
+    post-grad passes takes seconds that an eager run should not pay."""
+    from torch._inductor.fx_passes import post_grad
+
     decompose = getattr(post_grad, "decompose_triton_kernel_wrapper_functional", None)
     if decompose is not None and not getattr(decompose, "te_proto_direct", False):
         post_grad.decompose_triton_kernel_wrapper_functional = _swap_directly(decompose)
