@@ -72,6 +72,15 @@ def test_inlining_off_runs_the_op_bodies_every_step():
     assert opaque > 50 * LAYERS > inlined, (opaque, inlined)
 
 
+def _last_line_printed(code: str, **env) -> str:
+    """Run `code` in a fresh interpreter with the package importable (and `env` set); the last
+    line it printed."""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**package_env(), **env}, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return res.stdout.splitlines()[-1]
+
+
 def test_eager_use_imports_no_inductor_passes():
     """An eager Linear (and the kernel backends it loads) does not import inductor's post-grad
     passes (seconds of import): the library's compile-time setup waits for inductor's first trace."""
@@ -81,10 +90,7 @@ def test_eager_use_imports_no_inductor_passes():
             "    y = m(torch.randn(16, 32, device=m.weight.device, requires_grad=True))\n"
             "y.sum().backward()\n"
             "print('torch._inductor.fx_passes.post_grad' in sys.modules)\n")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=package_env(),
-                         timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.split("\n")[-2] == "False"
+    assert _last_line_printed(code) == "False"
 
 
 def test_cpu_inlining_env_variable_is_read_at_import():
@@ -96,11 +102,7 @@ def test_cpu_inlining_env_variable_is_read_at_import():
             "with te.autocast(recipe=te.recipe.Float8CurrentScaling()):\n"
             "    y = torch.compile(m, fullgraph=True)(torch.randn(16, 32))\n"
             "print(il.cpu_inlining_enabled(), tuple(y.shape))\n")
-    env = package_env()
-    env["TE_PROTO_INLINE_CPU"] = "0"
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.split("\n")[-2] == "False (16, 32)"
+    assert _last_line_printed(code, TE_PROTO_INLINE_CPU="0") == "False (16, 32)"
 
 
 def test_cpu_inlining_off_keeps_cpu_ops_opaque_and_matches_eager():
