@@ -13,12 +13,14 @@ unchanged, as do launches with TMA descriptors.
 After reinplacing, inductor's post-grad pass swaps each functional launch for the mutating one
 (plus clones of the arguments it could not reinplace) by retracing it with `make_fx`, about ten
 milliseconds a launch. `install_swap()` puts a direct swap in front of that pass for launches of
-our kernels that reinplacing left nothing to clone and whose result nobody reads; the rest go to
-torch's pass.
+our kernels whose clones are of contiguous tensors (a plain `aten.clone`); the rest go to torch's
+pass.
 """
 from __future__ import annotations
 
+import collections
 import functools
+import operator
 
 import sympy
 import torch
@@ -88,23 +90,43 @@ def _memoized(analysis):
     return run
 
 
-def _ours(kernel_idx) -> bool:
+def _our_kernel_name(kernel_idx):
+    """The kernel's name where it is one of this package's, else None."""
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
     try:
-        kernel = kernel_side_table.get_kernel(kernel_idx)
+        fn = _python_fn(kernel_side_table.get_kernel(kernel_idx))
     except (AssertionError, KeyError):
-        return False
-    return getattr(_python_fn(kernel), "__module__", "").startswith(_PACKAGE)
+        return None
+    return fn.__name__ if getattr(fn, "__module__", "").startswith(_PACKAGE) else None
 
 
 DIRECT_SWAPS = [0]  # launches swapped by `_swap_directly` in this process (tests read it)
+# launches of our kernels left to torch's pass, by (kernel, arguments to clone)
+LEFT_TO_TORCH = collections.Counter()
+
+
+def _dense(value) -> bool:
+    val = value.meta.get("val") if isinstance(value, torch.fx.Node) else None
+    return isinstance(val, torch.Tensor) and val.is_contiguous()
+
+
+def _clone(graph, value):
+    """A clone of a contiguous in-graph tensor (torch's `clone_preserve_strides` of it), with its
+    fake value."""
+    node = graph.call_function(torch.ops.aten.clone.default, (value,))
+    val = value.meta["val"]
+    with val.fake_mode:
+        node.meta["val"] = val.clone()
+    return node
 
 
 def _swap_directly(torch_pass):
-    """`torch_pass` (inductor's decomposition of functional Triton launches), after swapping the
-    launches of our kernels that clone nothing and whose result has no user for the mutating
-    launch with the same arguments."""
+    """`torch_pass` (inductor's decomposition of functional Triton launches), after swapping each
+    launch of our kernels for the mutating launch with the same arguments, the ones reinplacing
+    could not reuse cloned first, as torch's pass does. Reinplacing keeps a clone where two
+    launches write one buffer: the AOT graph's CSE merges equal constants such as every
+    quantize's zeroed (1,) amax."""
     functional = torch.ops.higher_order.triton_kernel_wrapper_functional
     mutation = torch.ops.higher_order.triton_kernel_wrapper_mutation
 
@@ -112,10 +134,22 @@ def _swap_directly(torch_pass):
     def run(graph):
         for node in list(graph.find_nodes(op="call_function", target=functional)):
             kwargs = dict(node.kwargs)
-            if node.users or node.args or kwargs.pop("tensors_to_clone", None) or not _ours(kwargs.get("kernel_idx")):
+            clones = tuple(kwargs.pop("tensors_to_clone", None) or ())
+            name = _our_kernel_name(kwargs.get("kernel_idx"))
+            if name is None or node.args:
+                continue
+            launch_args = dict(kwargs["kwargs"])
+            readers = list(node.users)
+            if (not all(_dense(launch_args[c]) for c in clones)
+                    or not all(u.target is operator.getitem and u.args[1] in clones for u in readers)):
+                LEFT_TO_TORCH[(name, clones)] += 1
                 continue
             with graph.inserting_before(node):
-                swapped = graph.call_function(mutation, kwargs=kwargs)
+                launch_args.update({c: _clone(graph, launch_args[c]) for c in clones})
+                swapped = graph.call_function(mutation, kwargs={**kwargs, "kwargs": launch_args})
+            for reader in readers:  # the launch's result: the clone it wrote
+                reader.replace_all_uses_with(launch_args[reader.args[1]])
+                graph.erase_node(reader)
             # the meta torch's retrace leaves: the launch's value, its eager argument layouts
             swapped.meta.update({k: v for k, v in node.meta.items()
                                  if k not in ("eager_input_vals", "mutation_region_id")})
