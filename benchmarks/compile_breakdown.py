@@ -8,9 +8,10 @@ a fresh process with empty inductor and Triton caches ("cold"), then once more i
 process on the caches the first left ("warm"). Each process reports its first step's seconds,
 dynamo's per-phase compile times (`torch._dynamo.utils.compilation_time_metrics`: tracing, AOT autograd,
 inductor lowering / codegen, waiting for Triton compiles), the size of the graphs inductor compiled
-(post-grad nodes; of them, calls of user Triton kernels and how many of those were swapped for
-their launch without a retrace; a warm run compiles none) and, with `--cprofile`, the library
-functions with the most cumulative time while compiling.
+(post-grad nodes; of them, nodes on tiny tensors, calls of user Triton kernels and how many of
+those were swapped for their launch without a retrace; the kernels inductor generated; a warm run
+compiles none) and, with `--cprofile`, the library functions with the most cumulative time while
+compiling.
 """
 from __future__ import annotations
 
@@ -29,13 +30,20 @@ for _p in (_HERE, os.path.dirname(_HERE)):
 import _common as C  # noqa: E402
 import bench_llama  # noqa: E402
 
+TINY = 16  # elements: scales, amaxes, delayed scaling's history rows and counters
+
 
 def count_graph_nodes(counts: dict):
     """Install a post-grad pass (cache-safe: a fixed uuid) that adds each graph inductor compiles
-    to `counts`: graphs, nodes, user Triton kernel calls."""
+    to `counts`: graphs, nodes, user Triton kernel calls, nodes whose result has at most `TINY`
+    elements (the per-GEMM scaling state's small ops)."""
     import torch
     from torch._inductor import config
     from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    def tiny(node) -> bool:
+        val = node.meta.get("val")
+        return isinstance(val, torch.Tensor) and val.numel() <= TINY
 
     class Count(CustomGraphPass):
         def __call__(self, graph):
@@ -44,6 +52,7 @@ def count_graph_nodes(counts: dict):
             counts["nodes"] = counts.get("nodes", 0) + len(calls)
             hop = torch.ops.higher_order.triton_kernel_wrapper_functional
             counts["triton_calls"] = counts.get("triton_calls", 0) + sum(n.target is hop for n in calls)
+            counts["tiny_nodes"] = counts.get("tiny_nodes", 0) + sum(tiny(n) for n in calls)
 
         def uuid(self):
             return "compile_breakdown.count_graph_nodes"
@@ -77,6 +86,8 @@ def first_step(variant: str, args) -> dict:
     C.synchronize(device)
     if prof:
         prof.disable()
+    from torch._inductor import metrics
+    graph["generated_kernels"] = metrics.generated_kernel_count  # the kernels inductor wrote (this process)
     try:  # launches of our kernels inductor swapped without a retrace (kernels/triton/trace_analysis.py)
         from transformer_engine_proto.kernels.triton.trace_analysis import DIRECT_SWAPS
         graph["direct_swaps"] = DIRECT_SWAPS[0]
@@ -152,9 +163,11 @@ def main(argv=None):
         rows.append([r["variant"], r["caches"], r["error"] if s is None else f"{s:.1f}", ratio])
     print(C.markdown_table(["variant", "caches", "first step s", "vs bf16"], rows))
     print("\n## Graphs inductor compiled (post-grad; a cache hit compiles none)\n")
-    print(C.markdown_table(["variant", "caches", "graphs", "nodes", "user Triton kernel calls", "swapped directly"],
-                           [[r["variant"], r["caches"], *(r.get("graph", {}).get(k, 0)
-                                                          for k in ("graphs", "nodes", "triton_calls", "direct_swaps"))]
+    columns = {"graphs": "graphs", "nodes": "nodes", "tiny_nodes": f"nodes of <= {TINY} elements",
+               "generated_kernels": "kernels inductor generated", "triton_calls": "user Triton kernel calls",
+               "direct_swaps": "swapped directly"}
+    print(C.markdown_table(["variant", "caches", *columns.values()],
+                           [[r["variant"], r["caches"], *(r.get("graph", {}).get(k, 0) for k in columns)]
                             for r in results]))
     print("\n## Compile phases, seconds (dynamo_timed phases, summed; nested phases overlap)\n")
     print(C.markdown_table(["phase", *(f"{r['variant']} {r['caches']}" for r in results)],

@@ -44,7 +44,8 @@ def test_graph_counts_are_reported_per_compiled_graph():
         compile_breakdown.count_graph_nodes(counts)
         torch._dynamo.reset()
         fn = torch.compile(lambda x: (x.sin() * 2).sum(), backend="inductor", fullgraph=True)
-        x = torch.randn(8, requires_grad=True)
+        x = torch.randn(64, requires_grad=True)
         fn(x).backward()  # no cached graph: the pass runs
     assert config.post_grad_custom_pre_pass is None
     assert counts["graphs"] == 2 and counts["nodes"] >= 4 and counts["triton_calls"] == 0, counts
+    assert 0 < counts["tiny_nodes"] < counts["nodes"], counts  # the sum is tiny, sin / mul are not
