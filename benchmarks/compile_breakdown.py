@@ -9,7 +9,8 @@ process on the caches the first left ("warm"). Each process reports its first st
 dynamo's per-phase compile times (`torch._dynamo.utils.compilation_time_metrics`: tracing, AOT autograd,
 inductor lowering / codegen, waiting for Triton compiles), the size of the graphs inductor compiled
 (post-grad nodes; of them, nodes on tiny tensors, calls of user Triton kernels and how many of
-those were swapped for their launch without a retrace; the kernels inductor generated; a warm run
+those were swapped for their launch without a retrace; the kernels inductor generated, its
+`metrics.generated_kernel_count`, which on the CPU backend counts several per fused loop; a warm run
 compiles none) and, with `--cprofile`, the library functions with the most cumulative time while
 compiling.
 """
