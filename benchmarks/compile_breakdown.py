@@ -89,11 +89,9 @@ def first_step(variant: str, args) -> dict:
         prof.disable()
     from torch._inductor import metrics
     graph["generated_kernels"] = metrics.generated_kernel_count  # the kernels inductor wrote (this process)
-    try:  # launches of our kernels inductor swapped without a retrace (kernels/triton/trace_analysis.py)
-        from transformer_engine_proto.kernels.triton.trace_analysis import DIRECT_SWAPS
-        graph["direct_swaps"] = DIRECT_SWAPS[0]
-    except ImportError:  # no Triton
-        pass
+    # launches of our kernels inductor swapped without a retrace
+    from transformer_engine_proto.kernels.triton.direct_swap import DIRECT_SWAPS
+    graph["direct_swaps"] = DIRECT_SWAPS[0]
     res = {"variant": variant, "first_step_s": time.perf_counter() - t0,
            "phases_s": {name: sum(ts) for name, ts in compilation_time_metrics.items()}, "graph": graph}
     if prof:

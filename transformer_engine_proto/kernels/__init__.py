@@ -38,7 +38,7 @@ INDUCTOR_FUSIBLE = frozenset({"amax", "fp8_quantize_delayed", "fp8_quantize_curr
 _inductor_depth = 0  # > 0 while inductor traces a library op's body
 ON_FUSIBLE_CHANGE = []  # callbacks: the compile cache key names the setting
 # callbacks when inductor first traces a library op's body: compile-time setup that eager code
-# should not pay for (the Triton backend puts its pass in front of inductor's, triton/trace_analysis.py)
+# should not pay for (the Triton backend puts its pass in front of inductor's, triton/direct_swap.py)
 ON_INDUCTOR_TRACE = []
 
 
