@@ -26,6 +26,11 @@ def python_fn(kernel):
     return fn
 
 
+def ours(fn) -> bool:
+    """Whether the Python function `fn` (`python_fn` of a kernel) is one of this package's kernels."""
+    return getattr(fn, "__module__", "").startswith(PACKAGE)
+
+
 def _our_kernel_name(kernel_idx):
     """The kernel's name where it is one of this package's, else None."""
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
@@ -34,7 +39,7 @@ def _our_kernel_name(kernel_idx):
         fn = python_fn(kernel_side_table.get_kernel(kernel_idx))
     except (AssertionError, KeyError):
         return None
-    return fn.__name__ if getattr(fn, "__module__", "").startswith(PACKAGE) else None
+    return fn.__name__ if ours(fn) else None
 
 
 DIRECT_SWAPS = [0]  # launches swapped by `_swap_directly` in this process (tests read it)

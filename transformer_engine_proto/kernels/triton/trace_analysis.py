@@ -19,7 +19,7 @@ import functools
 import sympy
 import torch
 
-from .direct_swap import PACKAGE, python_fn
+from .direct_swap import ours, python_fn
 from .launch import _arg_class
 
 _ANALYSES = ("identify_mutated_tensors", "identify_accessed_tensors")
@@ -60,8 +60,7 @@ def _memoized(analysis):
     def run(kernel, kwargs, tma_descriptor_metadata, *args, **kw):
         fn = python_fn(kernel)
         constexprs = _constexprs(kernel)
-        if (tma_descriptor_metadata or args or kw or constexprs is None
-                or not getattr(fn, "__module__", "").startswith(PACKAGE)):
+        if tma_descriptor_metadata or args or kw or constexprs is None or not ours(fn):
             return analysis(kernel, kwargs, tma_descriptor_metadata, *args, **kw)
         try:
             key = (fn, tuple(sorted((name, _spec(v, name in constexprs)) for name, v in kwargs.items())))
