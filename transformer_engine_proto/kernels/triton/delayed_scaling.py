@@ -3,8 +3,9 @@
 gradient amax record (`delayed_record_grad_amax`).
 
 Bit for bit their references in `reference/delayed_scaling.py` (the spec). As torch ops these are
-about forty, six and five small kernels per GEMM per step, each a launch and its host time; under
-torch.compile the references' ops are fused by inductor instead.
+about forty, six and five small kernels per GEMM per step, each a launch and its host time. Under
+torch.compile the records stay one launch each, a graph node on the whole state buffers; the
+update runs eagerly at autocast's exit and entry, never in a compiled graph.
 """
 from __future__ import annotations
 
