@@ -222,9 +222,9 @@ def test_cuda_checkpoint_trains_like_the_plain_model(rid):
 @pytest.mark.cuda
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_cuda_checkpoint_compiled_matches_plain_eager(backend, monkeypatch):
-    """On the GPU a compiled forward records its amaxes with a Triton launch that writes the
-    delayed-scaling buffers in place, inside the checkpointed region: the recompute must not record
-    again, and the run must match the plain eager one (losses, grads, weights, the state)."""
+    """On the GPU (Triton quantize kernels, torch._scaled_mm), compiled, delayed scaling: the
+    checkpointed region's recompute records no amax again, and the run matches the plain eager one
+    (losses, grads, weights, the delayed-scaling state)."""
     monkeypatch.setattr(te_recompute, "SMALL_NUMEL", 4096)
     ref, ck = _pair("non_reentrant")
     ref, ck = ref.to("cuda", torch.bfloat16), ck.to("cuda", torch.bfloat16)

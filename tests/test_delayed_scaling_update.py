@@ -103,7 +103,7 @@ def test_one_launch_for_many_gemms_is_the_reference_bit_for_bit(device, halves):
 def test_eager_training_equals_the_in_graph_update(history_len, algo, margin):
     """The eager steps leave the same scales and histories as the same steps compiled by
     inductor: the update runs at autocast's exit and entry in both (one launch per GEMM), and the
-    compiled graphs hold only the amax records, one launch each."""
+    compiled graphs hold only the amax records, as graph ops."""
     from torch._inductor.utils import run_and_get_code
 
     import transformer_engine_proto as te
@@ -130,11 +130,12 @@ def test_eager_training_equals_the_in_graph_update(history_len, algo, margin):
         else:
             train_step(run, x)
         assert torch.equal(eager.weight.grad, compiled.weight.grad), step
-    # the update is not in the compiled graphs; the records are, each one launch on the whole buffers
+    # the update is not in the compiled graphs; the records are graph ops for inductor to fuse,
+    # not the eager kernels (they mutate, and AOT does not order them)
     code = "\n".join(code)
     fold_last_grad_amaxes(recipe)
-    assert "_delayed_update_kernel" not in code
-    assert "_record_amax_kernel" in code and "_record_grad_amax_kernel" in code
+    assert "_delayed_update_kernel" not in code and "_record_amax_kernel" not in code
+    assert "_record_grad_amax_kernel" not in code
     for name in ("fp8_scale", "amax_history", "grad_fp8_scale", "grad_amax_history"):
         assert torch.equal(getattr(eager.gemm, name), getattr(compiled.gemm, name)), name
 
@@ -155,8 +156,8 @@ def test_one_launch_amax_records_are_the_reference_bit_for_bit(device, cols):
             recorded = torch.zeros(1)
             expect = (history.clone(), count.clone(), recorded.clone())
             got = (history.to(device), count.to(device), recorded.to(device))
-            reference.delayed_scaling.delayed_record_amax(expect[0], amax, expect[1], expect[2], cols.start)
-            delayed_record_amax(got[0], amax.to(device), got[1], got[2], cols.start)
+            reference.delayed_scaling.delayed_record_amax(expect[0][0, cols], amax, expect[1][cols], expect[2])
+            delayed_record_amax(got[0][0, cols], amax.to(device), got[1][cols], got[2])
             assert _same(expect[0], got[0].cpu()) and torch.equal(expect[1], got[1].cpu()), (a, b, cols)
             assert expect[2].item() == 1 and got[2].item() == 1  # the next update moves the forward scales
             for gen, seen in ((0.0, 0.0), (1.0, 0.0), (1.0, 1.0)):

@@ -121,11 +121,10 @@ class DelayedScalingState:
     def record_amax(self, amax: torch.Tensor, first: int = 0) -> None:
         """History slot 0, columns first.. (0 input, 1 weight), takes the max with `amax`, except
         where `amax` is inf/NaN: that one is counted instead (`reference.delayed_scaling.keep_finite`).
-        One launch on CUDA, traced or not: in a compiled graph the kernel is a node
-        (`launch.fast_launch`) launched on the whole buffers, which it writes in place, where the
-        reference's ops would be a handful of small generated kernels and a scatter per GEMM."""
-        record = kernel("delayed_record_amax", amax.device)
-        record(self.amax_history, amax, self.nonfinite_amax_count, self.amax_recorded, first)
+        Eager: one launch."""
+        cols = slice(first, first + amax.shape[0])
+        record = kernel("delayed_record_amax", _eager_device(amax))
+        record(self.amax_history[0, cols], amax, self.nonfinite_amax_count[cols], self.amax_recorded)
 
     def reduce_pending_amaxes(self, all_reduce_max: Callable[[torch.Tensor], None]) -> None:
         """Reduce (max, across ranks) the amaxes not yet consumed by an update: the forward's
@@ -263,7 +262,7 @@ def record_grad_amax(state: Sequence[torch.Tensor], amax: torch.Tensor) -> None:
     rejects that). The first backward after a fold starts a new generation; later ones (a module
     applied twice, micro-batches on the weight cache) take the max."""
     pending, seen = state
-    kernel("delayed_record_grad_amax", amax.device)(pending, seen, amax)  # one launch, also traced
+    kernel("delayed_record_grad_amax", _eager_device(amax))(pending, seen, amax)
 
 
 def fold_pending_grad_amax(history: torch.Tensor, state: Sequence[torch.Tensor], count: torch.Tensor) -> None:

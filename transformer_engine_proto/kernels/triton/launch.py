@@ -28,8 +28,8 @@ own Python (`Replay`; see `float8.py`'s launch plans). `planned(key)` finds a pl
 its full path.
 `set_fast_launch` forgets the plans; the soft-cast switch is part of a plan's key.
 
-While torch traces the call (dynamo, or fake tensors: inductor inlining a library op, make_fx),
-the launch goes through `torch.library.wrap_triton`, so the kernel becomes a node of the graph that the
+While torch traces the call (fake tensors: inductor inlining a library op, make_fx), the launch
+goes through `torch.library.wrap_triton`, so the kernel becomes a node of the graph that the
 generated code launches itself (see `custom_ops/inductor_lowering.py`).
 """
 from __future__ import annotations
@@ -217,7 +217,7 @@ class fast_launch:
                 tuple(kwargs.items()))
 
     def _launch(self, grid, args, kwargs):
-        if torch.compiler.is_dynamo_compiling() or _traced_call(args):
+        if _traced_call(args):
             return torch.library.wrap_triton(self.fn)[tuple(grid)](*args, **kwargs)
         if _recording.launches is not None:
             return self._recorded(grid, args, kwargs)
