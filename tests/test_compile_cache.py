@@ -1,5 +1,6 @@
-"""A second process compiling the same model hits inductor's FX graph cache (and, on a GPU, Triton's
-kernel cache): its first step skips codegen and gives the same numbers as the cold process."""
+"""A second process compiling the same model hits AOT autograd's cache and inductor's FX graph cache
+(and, on a GPU, Triton's kernel cache): its first step traces no joint graph, skips codegen and gives
+the same numbers as the cold process."""
 import json
 import subprocess
 import sys
@@ -26,7 +27,8 @@ with te.autocast(recipe=recipe):
 loss.backward()
 print(json.dumps({"seconds": time.perf_counter() - start, "loss": loss.item(), "xgrad": x.grad.sum().item(),
                   "hit": counters["inductor"]["fxgraph_cache_hit"],
-                  "miss": counters["inductor"]["fxgraph_cache_miss"]}))
+                  "miss": counters["inductor"]["fxgraph_cache_miss"],
+                  "aot": {k: v for k, v in counters["aot_autograd"].items() if k.startswith("autograd_cache")}}))
 """
 
 DEVICES = [pytest.param("cpu", id="cpu"),
@@ -52,4 +54,7 @@ def test_second_process_hits_the_compile_cache(tmp_path, rid, device):
     warm = _first_step(tmp_path, rid, device)
     assert cold["miss"] > 0 and cold["hit"] == 0, cold
     assert warm["miss"] == 0 and warm["hit"] == cold["miss"], warm  # every graph (forward, backward) hit
+    # AOT autograd's cache too, or the warm process would trace the joint graph again (seconds)
+    assert cold["aot"].get("autograd_cache_saved", 0) == 1, cold
+    assert warm["aot"] == {"autograd_cache_hit": 1}, warm
     assert (warm["loss"], warm["xgrad"]) == (cold["loss"], cold["xgrad"])
