@@ -56,5 +56,6 @@ def test_second_process_hits_the_compile_cache(tmp_path, rid, device):
     assert warm["miss"] == 0 and warm["hit"] == cold["miss"], warm  # every graph (forward, backward) hit
     # AOT autograd's cache too, or the warm process would trace the joint graph again (seconds)
     assert cold["aot"].get("autograd_cache_saved", 0) == 1, cold
-    assert warm["aot"] == {"autograd_cache_hit": 1}, warm
+    assert warm["aot"].get("autograd_cache_hit") == 1, warm
+    assert not {"autograd_cache_miss", "autograd_cache_bypass"} & set(warm["aot"]), warm
     assert (warm["loss"], warm["xgrad"]) == (cold["loss"], cold["xgrad"])
