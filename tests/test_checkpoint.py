@@ -201,21 +201,29 @@ def test_unsupported_arguments():
         te.checkpoint(lin, x, get_rng_state_tracker=lambda: None)
 
 
+def _cuda_pair():
+    """`_pair("non_reentrant")` moved to the GPU in bf16."""
+    ref, ck = _pair("non_reentrant")
+    return ref.to("cuda", torch.bfloat16), ck.to("cuda", torch.bfloat16)
+
+
+def _train_on_cuda(ref, ck, recipe, batch, compiled=None):
+    """`_train` of both models with the GPU and bf16 as torch's defaults (the inputs it draws)."""
+    torch.set_default_device("cuda")
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        return _train(ref, recipe, batch=batch), _train(ck, recipe, compiled=compiled, batch=batch)
+    finally:
+        torch.set_default_device(None)
+        torch.set_default_dtype(torch.float32)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("rid", RECIPE_IDS)
 def test_cuda_checkpoint_trains_like_the_plain_model(rid):
     """On the GPU (Triton quantize kernels, torch._scaled_mm): te.checkpoint, eager, bit for bit."""
-    recipe = RECIPES[rid]
-    ref, ck = _pair("non_reentrant")
-    ref, ck = ref.to("cuda", torch.bfloat16), ck.to("cuda", torch.bfloat16)
-    torch.set_default_device("cuda")
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        r_ref = _train(ref, recipe, batch=128)
-        r_ck = _train(ck, recipe, batch=128)
-    finally:
-        torch.set_default_device(None)
-        torch.set_default_dtype(torch.float32)
+    ref, ck = _cuda_pair()
+    r_ref, r_ck = _train_on_cuda(ref, ck, RECIPES[rid], batch=128)
     _assert_same(ref, ck, r_ref, r_ck)
 
 
@@ -226,17 +234,8 @@ def test_cuda_checkpoint_compiled_matches_plain_eager(backend, monkeypatch):
     checkpointed region's recompute records no amax again, and the run matches the plain eager one
     (losses, grads, weights, the delayed-scaling state)."""
     monkeypatch.setattr(te_recompute, "SMALL_NUMEL", 4096)
-    ref, ck = _pair("non_reentrant")
-    ref, ck = ref.to("cuda", torch.bfloat16), ck.to("cuda", torch.bfloat16)
+    ref, ck = _cuda_pair()
     fresh_dynamo()
-    compiled = compile_for(ck, backend)
-    torch.set_default_device("cuda")
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        r_ref = _train(ref, RECIPES["delayed"], batch=256)
-        r_ck = _train(ck, RECIPES["delayed"], compiled=compiled, batch=256)
-    finally:
-        torch.set_default_device(None)
-        torch.set_default_dtype(torch.float32)
+    r_ref, r_ck = _train_on_cuda(ref, ck, RECIPES["delayed"], batch=256, compiled=compile_for(ck, backend))
     assert graph_breaks() == 0
     _assert_same(ref, ck, r_ref, r_ck, backend)
