@@ -103,7 +103,7 @@ def test_one_launch_for_many_gemms_is_the_reference_bit_for_bit(device, halves):
 def test_eager_training_equals_the_in_graph_update(history_len, algo, margin):
     """The eager steps leave the same scales and histories as the same steps compiled by
     inductor: the update runs at autocast's exit and entry in both (one launch per GEMM), and the
-    compiled graphs hold only the amax records, as graph ops."""
+    compiled graphs hold only the amax records, one launch each."""
     from torch._inductor.utils import run_and_get_code
 
     import transformer_engine_proto as te
@@ -130,12 +130,11 @@ def test_eager_training_equals_the_in_graph_update(history_len, algo, margin):
         else:
             train_step(run, x)
         assert torch.equal(eager.weight.grad, compiled.weight.grad), step
-    # the update is not in the compiled graphs; the records are graph ops for inductor to fuse,
-    # not the eager kernels (they mutate, and AOT does not order them)
+    # the update is not in the compiled graphs; the records are, each one launch on the whole buffers
     code = "\n".join(code)
     fold_last_grad_amaxes(recipe)
-    assert "_delayed_update_kernel" not in code and "_record_amax_kernel" not in code
-    assert "_record_grad_amax_kernel" not in code
+    assert "_delayed_update_kernel" not in code
+    assert "_record_amax_kernel" in code and "_record_grad_amax_kernel" in code
     for name in ("fp8_scale", "amax_history", "grad_fp8_scale", "grad_amax_history"):
         assert torch.equal(getattr(eager.gemm, name), getattr(compiled.gemm, name)), name
 
@@ -156,8 +155,8 @@ def test_one_launch_amax_records_are_the_reference_bit_for_bit(device, cols):
             recorded = torch.zeros(1)
             expect = (history.clone(), count.clone(), recorded.clone())
             got = (history.to(device), count.to(device), recorded.to(device))
-            reference.delayed_scaling.delayed_record_amax(expect[0][0, cols], amax, expect[1][cols], expect[2])
-            delayed_record_amax(got[0][0, cols], amax.to(device), got[1][cols], got[2])
+            reference.delayed_scaling.delayed_record_amax(expect[0], amax, expect[1], expect[2], cols.start)
+            delayed_record_amax(got[0], amax.to(device), got[1], got[2], cols.start)
             assert _same(expect[0], got[0].cpu()) and torch.equal(expect[1], got[1].cpu()), (a, b, cols)
             assert expect[2].item() == 1 and got[2].item() == 1  # the next update moves the forward scales
             for gen, seen in ((0.0, 0.0), (1.0, 0.0), (1.0, 1.0)):
@@ -167,3 +166,33 @@ def test_one_launch_amax_records_are_the_reference_bit_for_bit(device, cols):
                 reference.delayed_scaling.delayed_record_grad_amax(*expect, torch.tensor([a]))
                 delayed_record_grad_amax(*got, torch.tensor([a], device=device))
                 assert all(_same(e, o.cpu()) for e, o in zip(expect, got)), (a, b, gen, seen)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_on_gpu)])
+def test_record_ops_are_functional_and_equal_the_in_place_records(device):
+    """Traced, the records are functional graph ops (`te_proto::delayed_record_amax` /
+    `_grad_amax`) whose outputs are copied back: they leave their inputs alone, return what the
+    in-place record leaves (finite, inf and NaN amaxes, both column offsets), and pass opcheck."""
+    import transformer_engine_proto.custom_ops.delayed_scaling  # noqa: F401  (registers the ops)
+    from transformer_engine_proto.kernels import kernel
+
+    ops = torch.ops.te_proto
+    for first, amax in ((0, [3.5, float("nan")]), (1, [float("inf")]), (0, [1e-30, 7.25])):
+        history = torch.tensor([[2.0, 0.5], [9.0, 9.0]], device=device)
+        count = torch.tensor([1, 0, 4], dtype=torch.int64, device=device)
+        recorded = torch.zeros(1, device=device)
+        amax = torch.tensor(amax, device=device)
+        inputs = [t.clone() for t in (history, count, recorded)]
+        got = ops.delayed_record_amax(history, amax, count, recorded, first)
+        assert all(torch.equal(a, b) for a, b in zip(inputs, (history, count, recorded))), "inputs written"
+        kernel("delayed_record_amax", history.device)(history, amax, count, recorded, first)
+        assert all(_same(g.float(), e.float()) for g, e in zip(got, (history, count, recorded))), first
+        torch.library.opcheck(ops.delayed_record_amax.default, (history, amax, count, recorded, first))
+    for pending, seen, amax in (([2.0, 0.0], [0.0], [5.0]), ([2.0, 1.0], [0.0], [1.0]), ([2.0, 1.0], [0.0], [3.0])):
+        pending, seen, amax = (torch.tensor(v, device=device) for v in (pending, seen, amax))
+        before = pending.clone()
+        got = ops.delayed_record_grad_amax(pending, seen, amax)
+        assert torch.equal(pending, before), "pending written"
+        kernel("delayed_record_grad_amax", pending.device)(pending, seen, amax)
+        assert torch.equal(got, pending)
+        torch.library.opcheck(ops.delayed_record_grad_amax.default, (before, seen, amax))

@@ -21,6 +21,7 @@ from ..kernels import kernel
 from ..kernels.reference.common import FP8_MAX, traced
 from ..kernels.reference.delayed_scaling import fold_pending_grad_amax as _fold
 from ..kernels.reference.delayed_scaling import only_where, update_from_history
+from .inductor_lowering import inline_in_inductor
 from .saved_state import saved_state
 
 __all__ = ["DelayedScalingState", "DEFAULT_HISTORY_LEN", "record_grad_amax", "fold_pending_grad_amax",
@@ -121,10 +122,14 @@ class DelayedScalingState:
     def record_amax(self, amax: torch.Tensor, first: int = 0) -> None:
         """History slot 0, columns first.. (0 input, 1 weight), takes the max with `amax`, except
         where `amax` is inf/NaN: that one is counted instead (`reference.delayed_scaling.keep_finite`).
-        Eager: one launch."""
-        cols = slice(first, first + amax.shape[0])
-        record = kernel("delayed_record_amax", _eager_device(amax))
-        record(self.amax_history[0, cols], amax, self.nonfinite_amax_count[cols], self.amax_recorded)
+        Eager: one launch; traced, the graph op `te_proto::delayed_record_amax` (`_written`)."""
+        state = (self.amax_history, self.nonfinite_amax_count, self.amax_recorded)
+        device = _eager_device(amax)
+        if device is not None:
+            kernel("delayed_record_amax", device)(state[0], amax, state[1], state[2], first)
+            return
+        for buf, new in zip(state, torch.ops.te_proto.delayed_record_amax(state[0], amax, state[1], state[2], first)):
+            buf.copy_(new)
 
     def reduce_pending_amaxes(self, all_reduce_max: Callable[[torch.Tensor], None]) -> None:
         """Reduce (max, across ranks) the amaxes not yet consumed by an update: the forward's
@@ -262,13 +267,60 @@ def record_grad_amax(state: Sequence[torch.Tensor], amax: torch.Tensor) -> None:
     rejects that). The first backward after a fold starts a new generation; later ones (a module
     applied twice, micro-batches on the weight cache) take the max."""
     pending, seen = state
-    kernel("delayed_record_grad_amax", _eager_device(amax))(pending, seen, amax)
+    device = _eager_device(amax)
+    if device is not None:
+        kernel("delayed_record_grad_amax", device)(pending, seen, amax)
+    else:
+        pending.copy_(torch.ops.te_proto.delayed_record_grad_amax(pending, seen, amax))
 
 
 def fold_pending_grad_amax(history: torch.Tensor, state: Sequence[torch.Tensor], count: torch.Tensor) -> None:
     """Forward's half: move an amax recorded since the last fold into history slot 0 (an inf/NaN
     one is counted in `count`, not kept)."""
     _fold(history, *state, count)
+
+
+# ---- the records as graph ops -----------------------------------------------------------------
+# Traced, each record is one functional op whose outputs are copied back into the buffers. Inductor
+# traces the op's body (`inline_in_inductor`): on CUDA the record's one Triton launch on the whole
+# buffers, which inductor writes in place (no copy is left), where the reference's ops would add a
+# slice scatter and a few small generated kernels per GEMM. Other backends keep the op opaque and
+# run its eager body, so none of them sees a user Triton kernel in its graph (torch's `cudagraphs`
+# backend fails on one).
+def _written(state: Sequence[torch.Tensor], write: Callable) -> List[torch.Tensor]:
+    """`state` after `write(*state)`: while inductor traces the op's body the tensors themselves
+    (functional tensors: the write is recorded, the inputs stay as they were), else fresh copies
+    (the op is functional)."""
+    out = list(state) if traced(state[0]) else [t.clone() for t in state]
+    write(*out)
+    return out
+
+
+@torch.library.custom_op("te_proto::delayed_record_amax", mutates_args=())
+def _record_amax_op(history: torch.Tensor, amax: torch.Tensor, count: torch.Tensor, recorded: torch.Tensor,
+                    first: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    record = kernel("delayed_record_amax", amax.device)
+    return tuple(_written((history, count, recorded), lambda h, c, r: record(h, amax, c, r, first)))
+
+
+@_record_amax_op.register_fake
+def _(history, amax, count, recorded, first):
+    return torch.empty_like(history), torch.empty_like(count), torch.empty_like(recorded)
+
+
+@torch.library.custom_op("te_proto::delayed_record_grad_amax", mutates_args=())
+def _record_grad_amax_op(pending: torch.Tensor, seen: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    record = kernel("delayed_record_grad_amax", amax.device)
+    return _written((pending,), lambda p: record(p, seen, amax))[0]
+
+
+@_record_grad_amax_op.register_fake
+def _(pending, seen, amax):
+    return torch.empty_like(pending)
+
+
+inline_in_inductor(torch.ops.te_proto.delayed_record_amax.default, _record_amax_op._init_fn)
+inline_in_inductor(torch.ops.te_proto.delayed_record_grad_amax.default, _record_grad_amax_op._init_fn)
 
 
 def _eager_device(t: torch.Tensor):

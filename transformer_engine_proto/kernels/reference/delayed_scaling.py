@@ -99,11 +99,15 @@ def update_scale_and_roll(scale: torch.Tensor, history: torch.Tensor, algo, fp8_
 
 
 @register_kernel("delayed_record_amax")
-def delayed_record_amax(slot: torch.Tensor, amax: torch.Tensor, count: torch.Tensor, recorded: torch.Tensor) -> None:
-    """A forward's amaxes into history slot 0 (`slot`, a row of columns): the max with what the
-    slot holds, except an inf/NaN amax, which is counted in `count` (per column) instead; and
-    `recorded` set, so the next update moves the forward scales."""
-    keep_finite(slot, torch.maximum(slot, amax), slot, count)
+def delayed_record_amax(history: torch.Tensor, amax: torch.Tensor, count: torch.Tensor, recorded: torch.Tensor,
+                        first: int = 0) -> None:
+    """A forward's amaxes into history slot 0, columns `first`.. (the whole buffers are passed, so a
+    compiled graph launches the kernel on its inputs, with no slice to scatter back): the max with
+    what the slot holds, except an inf/NaN amax, which is counted in `count` (per column) instead;
+    and `recorded` set, so the next update moves the forward scales."""
+    cols = slice(first, first + amax.shape[0])
+    slot = history[0, cols]
+    keep_finite(slot, torch.maximum(slot, amax), slot, count[cols])
     recorded.fill_(1.0)
 
 

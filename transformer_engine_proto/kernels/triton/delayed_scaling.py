@@ -3,8 +3,9 @@
 gradient amax record (`delayed_record_grad_amax`).
 
 Bit for bit their references in `reference/delayed_scaling.py` (the spec). As torch ops these are
-about forty, six and five small kernels per GEMM per step, each a launch and its host time; under
-torch.compile the references' ops are fused by inductor instead.
+about forty, six and five small kernels per GEMM per step, each a launch and its host time. Under
+torch.compile the records stay one launch each, inlined by inductor from their graph ops
+(`custom_ops/delayed_scaling.py`); the update runs eagerly at autocast's exit and entry.
 """
 from __future__ import annotations
 
@@ -158,27 +159,30 @@ def delayed_scaling_update_many(states, history_len: int, most_recent: bool, fwd
 
 @fast_launch
 @triton.jit
-def _record_amax_kernel(slot_ptr, slot_stride, amax_ptr, count_ptr, recorded_ptr, N, BLOCK: tl.constexpr):
+def _record_amax_kernel(history_ptr, col_stride, amax_ptr, count_ptr, recorded_ptr, first, N, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
     m = i < N
-    slot = tl.load(slot_ptr + i * slot_stride, mask=m, other=0.0)
+    slot = tl.load(history_ptr + (first + i) * col_stride, mask=m, other=0.0)
     new = tl.maximum(slot, tl.load(amax_ptr + i, mask=m, other=0.0), propagate_nan=tl.PropagateNan.ALL)
     ok = tl.abs(new) <= _FMAX32  # finite (NaN compares False)
-    count = tl.load(count_ptr + i, mask=m, other=0)
+    count = tl.load(count_ptr + first + i, mask=m, other=0)
     tl.debug_barrier()
-    tl.store(slot_ptr + i * slot_stride, tl.where(ok, new, slot), mask=m)
-    tl.store(count_ptr + i, count + (1 - ok.to(tl.int64)), mask=m)
+    tl.store(history_ptr + (first + i) * col_stride, tl.where(ok, new, slot), mask=m)
+    tl.store(count_ptr + first + i, count + (1 - ok.to(tl.int64)), mask=m)
     tl.store(recorded_ptr, 1.0)
 
 
 @triton_kernel("delayed_record_amax")
-def delayed_record_amax(slot: torch.Tensor, amax: torch.Tensor, count: torch.Tensor, recorded: torch.Tensor) -> None:
-    if amax.shape != slot.shape or count.shape != slot.shape or not (amax.is_contiguous() and count.is_contiguous()):
-        raise ValueError(f"delayed_record_amax: slot, amax and count must be one row of the same length "
-                         f"(amax, count contiguous), got {tuple(slot.shape)}, {tuple(amax.shape)}, "
-                         f"{tuple(count.shape)}")
-    n = slot.shape[0]
-    _record_amax_kernel[(1,)](slot, slot.stride(0), amax, count, recorded, n, BLOCK=next_power_of_2(n), num_warps=1)
+def delayed_record_amax(history: torch.Tensor, amax: torch.Tensor, count: torch.Tensor, recorded: torch.Tensor,
+                        first: int = 0) -> None:
+    n = amax.shape[0]
+    if (history.dim() != 2 or count.dim() != 1 or first + n > min(history.shape[1], count.shape[0])
+            or not (amax.is_contiguous() and count.is_contiguous())):
+        raise ValueError(f"delayed_record_amax: history (rows, columns), count (at least columns) and amax "
+                         f"(contiguous) must hold columns {first}..{first + n - 1}, got {tuple(history.shape)}, "
+                         f"{tuple(count.shape)}, {tuple(amax.shape)}")
+    _record_amax_kernel[(1,)](history, history.stride(1), amax, count, recorded, first, n,
+                              BLOCK=next_power_of_2(n), num_warps=1)
 
 
 @fast_launch
