@@ -22,6 +22,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from ..gemm import gemm
+from ..kernels.reference.common import traced
 from ..tensor import TensorProto
 from ..tensor.storage import QuantizedTensorStorage
 from . import shared_input
@@ -294,15 +295,9 @@ def _setup_context(ctx, inputs, output):
     cache = list(a["weight_cache"]) if call.cache_mode == CACHE_USE and call.input_requires_grad else []
     ctx.n_saved, ctx.n_cache, ctx.n_cache_in = len(saved), len(cache), len(a["weight_cache"])
     ctx.n_prequantized = len(a["inp_quantized"])
-    # Scales are snapshotted (the delayed-scaling update at autocast exit rewrites them in place);
-    # the buffers backward writes into (grad amax state, main_grad) are kept by reference, not
+    # The buffers backward writes into (grad amax state, main_grad) are kept by reference, not
     # saved, so a module applied twice before its backwards does not trip autograd's version check.
-    fp8_scale, grad_fp8_scale = a["fp8_scale"], a["grad_fp8_scale"]
-    if fp8_scale is not None and grad_fp8_scale is not None:  # one copy of both, backward reads views
-        snapshot = torch.cat([fp8_scale, grad_fp8_scale])
-        fp8_scale, grad_fp8_scale = snapshot[:-1], snapshot[-1:]
-    else:
-        fp8_scale, grad_fp8_scale = (None if t is None else t.clone() for t in (fp8_scale, grad_fp8_scale))
+    fp8_scale, grad_fp8_scale = _scales_for_backward(a["fp8_scale"], a["grad_fp8_scale"])
     state = (raw_inp, raw_w, fp8_scale, grad_fp8_scale)
     ctx.has = tuple(t is not None for t in state)
     ctx.grad_amax_state, ctx.main_grad = list(a["grad_amax_state"]), a["main_grad"]
@@ -311,6 +306,19 @@ def _setup_context(ctx, inputs, output):
     ctx.call = call
     ctx.args = dict(key=a["key"], in_shape=list(a["inp"].shape), weight_shape=list(a["weight"].shape),
                     weight_dtype=a["weight"].dtype, flags=a["flags"])
+
+
+def _scales_for_backward(fp8_scale, grad_fp8_scale):
+    """The delayed-scaling scales backward reads. Eager, a snapshot (the update at autocast exit
+    rewrites the buffers in place): one copy of both, backward reads views. Traced, the scales are
+    values already pinned for backward (`saved_state`), kept as they are: a snapshot would cost a
+    small generated kernel per backward quantize that reads it."""
+    if fp8_scale is not None and traced(fp8_scale):
+        return fp8_scale, grad_fp8_scale
+    if fp8_scale is not None and grad_fp8_scale is not None:
+        snapshot = torch.cat([fp8_scale, grad_fp8_scale])
+        return snapshot[:-1], snapshot[-1:]
+    return tuple(None if t is None else t.clone() for t in (fp8_scale, grad_fp8_scale))
 
 
 def _backward(ctx, grad_out, _grad_amaxes, _grad_saved, _grad_cache):
