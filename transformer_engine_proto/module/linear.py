@@ -9,7 +9,6 @@ from torch import nn
 
 from ..capabilities import default_device
 from ..distributed import tp as _tp
-from . import compile_region
 from .base import TransformerEngineBaseModule
 from .fp8_state import FP8StateCheckpoint
 from .quantized_gemm import QuantizedGemm
@@ -240,11 +239,6 @@ class Linear(FP8StateCheckpoint, ParallelLinearMixin, TransformerEngineBaseModul
             micro-batch eagerly first (the cache is allocated eagerly); a `ValueError` with a
             weight stored quantized (`quantized_model_init`, FSDP2 quantized all-gather).
         """
-        if compile_region.takes_region(self, is_first_microbatch):
-            return _linear_region(self, inp)
-        return self._forward(inp, is_first_microbatch)
-
-    def _forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         self._check_input(inp, self._local_in)
         weight, bias = self.gemm_weight(), self.gemm_bias()
         group, row, gemm_bias = self._tp_plan(bias)
@@ -267,6 +261,3 @@ class Linear(FP8StateCheckpoint, ParallelLinearMixin, TransformerEngineBaseModul
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={getattr(self, self.bias_names[0]) is not None}, "
                 f"name={self.name!r}{tp}")
-
-
-_linear_region = compile_region.region(Linear._forward)  # one traced subgraph per Linear signature
