@@ -72,8 +72,10 @@ def call_flags(inp: torch.Tensor, weight: torch.Tensor, bias, cache_mode: int = 
                   delay_wgrad and weight_rg, False), cache_mode)
 
 
+@torch._dynamo.assume_constant_result
 def _pack(bools, cache_mode: int) -> int:
-    """`_BOOLS`' values as bits 0.., the cache mode above them."""
+    """`_BOOLS`' values as bits 0.., the cache mode above them. Dynamo calls it on its constant
+    arguments instead of tracing the loop (the values come from guarded grad mode and flags)."""
     flags = cache_mode << _CACHE_SHIFT
     for i, b in enumerate(bools):
         flags |= bool(b) << i

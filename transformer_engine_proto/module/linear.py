@@ -113,7 +113,10 @@ class ParallelLinearMixin:
         return torch.cat([getattr(self, n) for n in self.weight_names])
 
     def gemm_weight_shapes(self) -> tuple:
-        parts = [getattr(self, n).shape for n in self.weight_names]
+        names = self.weight_names
+        if len(names) == 1:  # no list or generator: dynamo traces this on every call
+            return (tuple(getattr(self, names[0]).shape),)
+        parts = [getattr(self, n).shape for n in names]
         return ((sum(p[0] for p in parts), parts[0][1]),)
 
     def gemm_bias(self) -> Optional[torch.Tensor]:
