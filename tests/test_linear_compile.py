@@ -252,6 +252,25 @@ def test_fuse_wgrad_accumulation_matches_eager(backend, rid):
     assert unique_graphs() == 1
 
 
+@pytest.mark.parametrize("backend, rid", backend_params(["current", "delayed"]))
+def test_requires_grad_changes_between_calls_of_one_compiled_module(backend, rid):
+    """The op's call flags (which grads backward computes) are folded to a constant while dynamo
+    traces: a later call with another input / weight requires_grad must get its own graph with
+    its own flags, compiled == eager, not the first trace's."""
+    recipe = RECIPES[rid]
+    m, mc, cm = _linear_and_twin(backend)
+    for step, (input_rg, weight_rg) in enumerate([(True, False), (False, True), (True, True), (True, False)]):
+        for mod in (m, mc):
+            mod.weight.requires_grad_(weight_rg)
+            mod.weight.grad = None
+        ye = _step(m, cm, recipe, torch.randn(32, 64), torch.randn(32, 32), input_rg, f"call {step}")
+        assert ye.requires_grad
+        assert (m.weight.grad is not None) == weight_rg and (mc.weight.grad is not None) == weight_rg, step
+        _assert_same_state(m, mc, recipe, f"call {step}", backend)
+    assert graph_breaks() == 0
+    assert unique_graphs() == 3  # one per (input, weight) requires_grad pair
+
+
 @pytest.mark.parametrize("backend, rid", backend_params(RECIPE_IDS))
 def test_save_original_input_matches_eager(backend, rid):
     m, mc, cm = _linear_and_twin(backend, save_original_input=True)
