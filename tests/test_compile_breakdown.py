@@ -26,6 +26,22 @@ def test_each_variant_runs_cold_then_warm_in_fresh_processes_with_its_own_caches
     assert "| te:delayed | cold   | 30.0         | 3.00x   |" in out and "| te:delayed | warm   | 6.0" in out
 
 
+def test_more_warm_runs_are_more_processes_on_the_same_caches(monkeypatch, capsys):
+    calls = []
+
+    def fake_child(variant, argv, env):
+        calls.append((variant, env["TORCHINDUCTOR_CACHE_DIR"]))
+        s = {"bf16": 4.0, "te:delayed": 8.0}[variant] / len([c for c in calls if c[0] == variant])
+        return {"variant": variant, "first_step_s": s, "phases_s": {}}
+
+    monkeypatch.setattr(compile_breakdown, "run_child", fake_child)
+    results = compile_breakdown.main(["--smoke", "--variants", "bf16,te:delayed", "--caches", "cold,warm,warm2"])
+    assert [r["caches"] for r in results] == ["cold", "warm", "warm2"] * 2
+    assert len({c[1] for c in calls[:3]}) == 1 and calls[0][1] != calls[3][1]
+    out = capsys.readouterr().out
+    assert "| te:delayed | warm2  | 2.7          | 2.00x   |" in out  # 8 / 3 against bf16's 4 / 3
+
+
 @pytest.mark.slow
 def test_first_step_reports_time_and_phases():
     args = compile_breakdown.parse_args(["--smoke", "--device", "cpu", "--cprofile"])
