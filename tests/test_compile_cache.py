@@ -1,6 +1,7 @@
 """A second process compiling the same model hits AOT autograd's cache and inductor's FX graph cache
-(and, on a GPU, Triton's kernel cache): its first step traces no joint graph, skips codegen and gives
-the same numbers as the cold process."""
+(and, on a GPU, Triton's kernel cache: it compiles no kernel, the library's own quantize kernels
+included, `triton_ptxas.py`): its first step traces no joint graph, skips codegen and gives the same
+numbers as the cold process."""
 import json
 import subprocess
 import sys
@@ -36,13 +37,20 @@ DEVICES = [pytest.param("cpu", id="cpu"),
 
 
 def _first_step(tmp_path, rid, device):
+    """The child's report, and the Triton kernels it compiled (new groups in Triton's cache)."""
+    triton_cache = tmp_path / "triton"
+    before = set(triton_cache.rglob("__grp__*")) if triton_cache.exists() else set()
     env = package_env()
+    env.pop("TRITON_PTXAS_PATH", None)  # the child chooses its ptxas itself (this process set one on import)
     env.update(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), TRITON_CACHE_DIR=str(tmp_path / "triton"),
                TORCHINDUCTOR_FX_GRAPH_CACHE="1")
     res = subprocess.run([sys.executable, "-c", STEP, rid, device], capture_output=True, text=True, env=env,
                          timeout=900)
     assert res.returncode == 0, res.stderr
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    after = set(triton_cache.rglob("__grp__*")) if triton_cache.exists() else set()
+    report["triton_compiled"] = sorted(p.name for p in after - before)
+    return report
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -59,3 +67,6 @@ def test_second_process_hits_the_compile_cache(tmp_path, rid, device):
     assert warm["aot"].get("autograd_cache_hit") == 1, warm
     assert not {"autograd_cache_miss", "autograd_cache_bypass"} & set(warm["aot"]), warm
     assert (warm["loss"], warm["xgrad"]) == (cold["loss"], cold["xgrad"])
+    if device == "cuda":
+        assert cold["triton_compiled"], cold  # the cold process did compile (the check below can fail)
+        assert warm["triton_compiled"] == [], warm

@@ -71,3 +71,7 @@ __version__ = "0.1.0"
 from .serialization import register_safe_globals as _register_safe_globals  # noqa: E402
 
 _register_safe_globals()  # torch.load's default weights_only=True loads quantized tensors (serialization.py)
+
+from .triton_ptxas import use_inductor_ptxas as _use_inductor_ptxas  # noqa: E402
+
+_use_inductor_ptxas()  # a second process hits Triton's cache (triton_ptxas.py)
