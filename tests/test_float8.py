@@ -93,6 +93,32 @@ def test_delayed_scaling_uses_given_scale_and_accumulates_amax():
     assert q.stateless() == q and q.stateless().scale is None
 
 
+def test_quantizer_bound_to_a_slot_of_shared_buffers():
+    """with_scale_state(scales, amaxes, slot): a GEMM's input and weight read one (2,) scale buffer and
+    record into one (2,) amax buffer; each slot behaves as its own one-element buffers, amax None
+    records nothing, and a slot outside the buffers is refused by name."""
+    x = torch.tensor([[1.0, -3.0], [200.0, 0.5]])
+    scales, amaxes = torch.tensor([4.0, 0.5]), torch.tensor([1.0, 7.0])
+    q = Float8Quantizer(torch.ones(1), torch.zeros(1), torch.float8_e4m3fn)
+    for slot in (0, 1):
+        alone = Float8Quantizer(scales[slot:slot + 1].clone(), amaxes[slot:slot + 1].clone(), torch.float8_e4m3fn)
+        want = alone.quantize(x)
+        got = q.with_scale_state(scales, amaxes, slot).quantize(x)
+        assert torch.equal(got._data.view(torch.uint8), want._data.view(torch.uint8))
+        assert got._scale_inv.item() == want._scale_inv.item() == 1 / scales[slot].item()
+        assert amaxes[slot].item() == alone.amax.item() == 200.0
+    assert torch.equal(amaxes, torch.tensor([200.0, 200.0]))
+    amaxes.zero_()
+    again = q.with_scale_state(scales, None, 1).quantize(x)  # backward's re-quantize: amax recorded already
+    assert torch.equal(again._data.view(torch.uint8), want._data.view(torch.uint8)) and not amaxes.any()
+    with pytest.raises(ValueError, match="slot 2 is not an element of scale"):
+        q.with_scale_state(scales, torch.zeros(2), 2).quantize(x)
+    with pytest.raises(ValueError, match="slot 1 is not an element of amax_out"):
+        q.with_scale_state(scales, torch.zeros(1), 1).quantize(x)
+    with pytest.raises(RuntimeError, match="scale/amax"):  # only a bound copy may leave the amax out
+        Float8Quantizer(torch.ones(1), None).quantize(x)
+
+
 def test_bad_quantizer_arguments():
     with pytest.raises(TypeError, match="fp8_dtype"):
         Float8CurrentScalingQuantizer(torch.float16)

@@ -21,6 +21,7 @@ from test_triton_kernels import (  # noqa: E402
     ALT_CONFIGS,
     assert_bitwise,
     block_exponent_walk,
+    check_delayed_slots,
     check_scale_helpers,
     make_input,
     run_alt_config,
@@ -96,6 +97,10 @@ def test_delayed_scaling(usage, scale_value, amax_init, shape, kind):
         ref = ref_f8.fp8_quantize_delayed(x, scale, a_ref, fp8_dtype, *usage)
         assert_bitwise(tri_f8.fp8_quantize_delayed(x, scale, a_tri, fp8_dtype, *usage), ref, "delayed")
         assert_bitwise((a_tri,), (a_ref,), "amax_out")
+
+
+def test_delayed_scaling_slots():
+    check_delayed_slots("cpu", [(132, 40), (130, 300)], ["mixed", "nan"])
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8)

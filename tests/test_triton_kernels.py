@@ -23,6 +23,7 @@ from transformer_engine_proto.kernels.triton._common import scale_from_amax, sca
 pytestmark = pytest.mark.cuda
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+E4M3 = torch.float8_e4m3fn
 USAGES = [(True, True), (True, False), (False, True)]
 KINDS = ["normal", "zero_rows", "huge", "tiny", "denormal", "nan", "inf", "all_zero", "mixed"]
 SHAPES = [(1, 16), (17, 48), (128, 128), (130, 300), (3, 5, 96), (4096, 4096)]
@@ -162,6 +163,32 @@ def test_delayed_scaling(shape, kind):
                 out = tri_f8.fp8_quantize_delayed(x, scale, amax_tri, fp8_dtype, *usage)
                 assert_bitwise(out, ref, what)
                 assert_bitwise((amax_tri,), (amax_ref,), what + " amax_out")
+
+
+def check_delayed_slots(device, shapes, kinds):
+    """A slot of a (2,) scale / amax buffer (a GEMM's input and weight share one of each) quantizes
+    as a one-element buffer holding that value does, bitwise, and the other element is left as it
+    was; amax None takes no amax and gives the same bytes."""
+    for shape, kind in zip(shapes, kinds):
+        x = make_input(shape, kind, device=device)
+        for usage in USAGES:
+            for slot in (0, 1):
+                scales = torch.tensor([0.37, 3.7], device=device)
+                amaxes = torch.tensor([0.5, 2.0], device=device)
+                one_amax = amaxes[slot:slot + 1].clone()
+                ref = ref_f8.fp8_quantize_delayed(x, scales[slot:slot + 1].clone(), one_amax, E4M3, *usage)
+                out = tri_f8.fp8_quantize_delayed(x, scales, amaxes, E4M3, *usage, slot)
+                what = f"{shape} {kind} {usage} slot {slot}"
+                assert_bitwise(out, ref, what)
+                assert_bitwise((amaxes[slot:slot + 1],), (one_amax,), what + " amax")
+                assert amaxes[1 - slot].item() == (0.5, 2.0)[1 - slot], what + ": the other slot was written"
+                assert_bitwise(tri_f8.fp8_quantize_delayed(x, scales, None, E4M3, *usage, slot), ref, what + " no amax")
+                assert_bitwise(ref_f8.fp8_quantize_delayed(x, scales, None, E4M3, *usage, slot), ref, what + " ref")
+
+
+def test_delayed_scaling_slots():
+    # M % 4 == 0: the packed kernel with its tile amax; M % 4 != 0: the amax pass, then the cast
+    check_delayed_slots("cuda", [(128, 256), (130, 300), (4096, 4096)], ["mixed", "nan", "normal"])
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8)

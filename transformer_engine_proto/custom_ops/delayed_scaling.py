@@ -1,6 +1,5 @@
-"""Delayed scaling, in one place: a GEMM's scaling state, its update, its amax records (and the Linear
-op's quantizes bound to them), the gradient amax's way from backward to the next forward, its
-checkpoint form and its non-finite report.
+"""Delayed scaling, in one place: a GEMM's scaling state, its update, its amax records, the gradient
+amax's way from backward to the next forward, its checkpoint form and its non-finite report.
 
 The state lives in buffers so torch.compile sees it as graph inputs it may mutate (no host sync).
 Columns of the forward buffers: input, weight. The gradient has its own buffers because backward
@@ -12,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Sequence, Tuple
 
 import torch
 
@@ -25,7 +24,7 @@ from .inductor_lowering import inline_in_inductor
 from .saved_state import saved_state
 
 __all__ = ["DelayedScalingState", "DEFAULT_HISTORY_LEN", "record_grad_amax", "fold_pending_grad_amax",
-           "update_delayed_scaling", "poll_nonfinite", "scale_slot", "forward_amax_slots", "bind_delayed"]
+           "update_delayed_scaling", "poll_nonfinite"]
 
 DEFAULT_HISTORY_LEN = 1024
 _NONFINITE_ROLES = ("input", "weight", "grad")
@@ -231,31 +230,6 @@ def _kernel_args(recipe: R.DelayedScaling, forward_half: bool, grad_half: bool) 
     """The arguments after the state of `delayed_scaling_update` / `_many`."""
     return (recipe.amax_history_len, recipe.amax_compute_algo == "most_recent", FP8_MAX[recipe.fp8_format.fwd_dtype],
             FP8_MAX[recipe.fp8_format.bwd_dtype], recipe.margin, forward_half, grad_half)
-
-
-# ---- a Linear op's quantizes bound to the forward scales and amax outputs ----------------------
-def scale_slot(scales: torch.Tensor, slot: int) -> torch.Tensor:
-    """scales[slot] as a (1,) tensor for a quantize kernel. While inductor traces the op a fresh
-    copy: inductor cannot pass a slice of a buffer computed in the graph (the in-graph scale
-    update) to a user Triton kernel."""
-    scale = scales[slot:slot + 1]
-    return scale.clone() if traced(scales) else scale
-
-
-def forward_amax_slots(inp: torch.Tensor) -> Optional[torch.Tensor]:
-    """Eager delayed scaling: one zeroed (2,) buffer whose halves the input's and the weight's
-    quantizes record their amaxes into (one launch, and it is the op's amax output as it is).
-    None while tracing: inductor passes no slice of an in-graph tensor to a user Triton kernel, so
-    each quantize gets its own (1,) and they are concatenated after."""
-    return None if traced(inp) else torch.zeros(2, dtype=torch.float32, device=inp.device)
-
-
-def bind_delayed(q, scales, slot: int, amaxes: list):
-    """q bound to scales[slot] and to amaxes[slot] (a fresh (1,) where the slot has none yet),
-    which the quantize records its amax into."""
-    if amaxes[slot] is None:
-        amaxes[slot] = torch.zeros(1, dtype=torch.float32, device=scales.device)
-    return q.with_scale_state(scale_slot(scales, slot), amaxes[slot])
 
 
 # ---- the gradient amax crosses from backward to the next forward -----------------------------

@@ -26,7 +26,7 @@ from ..kernels.reference.common import traced
 from ..tensor import TensorProto
 from ..tensor.storage import QuantizedTensorStorage
 from . import shared_input
-from .delayed_scaling import bind_delayed, forward_amax_slots, record_grad_amax, scale_slot
+from .delayed_scaling import record_grad_amax
 from .eager_path import eager_function
 from .inductor_lowering import inline_in_inductor
 from .linear_call import CACHE_FILL, CACHE_OFF, CACHE_USE, LinearCall, call_flags
@@ -86,10 +86,9 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     if not plan.quantized:
         out = gemm(x2d, weight, trans_b=True, bias=bias, out_dtype=inp.dtype)
         return out.view(out_shape), inp.new_empty(0, dtype=torch.float32), [], []
-    amaxes = [None, None] if plan.delayed else []  # (input, weight): bound to the quantizes below, else zero
-    slots = forward_amax_slots(inp) if plan.delayed else None
-    if slots is not None:
-        amaxes = [slots[0:1], slots[1:2]]
+    # delayed scaling: the input's and the weight's quantizes read fp8_scale[0] / [1] and record their
+    # amaxes into amaxes[0] / [1] (a tensor not quantized here records zero)
+    amaxes = inp.new_zeros(2, dtype=torch.float32) if plan.delayed else inp.new_empty(0, dtype=torch.float32)
     xq = None
     iq = plan.input_quantizer()
     if plan.prequantized:
@@ -98,7 +97,7 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         # its columnwise copy is saved for wgrad, or rebuilt in backward (recompute_tags.py)
         with recomputed_in_backward(plan.saved_input() is not None and recompute_saved_input()):
             if plan.delayed:
-                iq = bind_delayed(iq, fp8_scale, 0, amaxes)
+                iq = iq.with_scale_state(fp8_scale, amaxes, 0)
                 xq = iq.quantize(pad_rows(x2d, plan.input_rows), internal=True)
             else:
                 xq = _quantize_shared(plan, inp, x2d)
@@ -108,22 +107,12 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         wq = plan.weight_quantizer()  # None: forward reads the bf16 weight only
         if wq is not None:
             if plan.delayed:
-                wq = bind_delayed(wq, fp8_scale, 1, amaxes)
+                wq = wq.with_scale_state(fp8_scale, amaxes, 1)
             wq = wq.quantize(weight, internal=True)
     if plan.delayed:  # a tensor only backward quantizes: record its amax here (forward_amax_roles)
         for role in plan.forward_amax_roles():
             slot, t = (0, x2d) if role == "input" else (1, weight)
-            amax = t.abs().amax().float().reshape(1)
-            if slots is not None:
-                amaxes[slot].copy_(amax)
-            else:
-                amaxes[slot] = amax
-    if slots is not None:
-        amaxes = slots
-    elif amaxes:
-        amaxes = torch.cat([inp.new_zeros(1, dtype=torch.float32) if a is None else a for a in amaxes])
-    else:
-        amaxes = inp.new_empty(0, dtype=torch.float32)
+            amaxes[slot:slot + 1].copy_(t.abs().amax().float().reshape(1))
     if plan.fprop_q:
         # an emulated GEMM dequantizes its operands as a dequantized backward GEMM does, and AOT's
         # CSE merges the two: tagged as backward's, or inductor's partitioner would save the input
@@ -187,8 +176,8 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
     elif plan.dgrad_weight() is not None:  # quantized again, from the weight: the forward's bytes
         wq = plan.dgrad_weight().quantizer
         with recomputed_in_backward():
-            if plan.delayed:  # the forward's scale (snapshot); this amax was recorded in forward
-                wq = wq.with_scale_state(scale_slot(fp8_scale, 1), torch.zeros(1, device=dy.device))
+            if plan.delayed:  # the forward's scale (pinned); its amax was recorded in forward
+                wq = wq.with_scale_state(fp8_scale, None, 1)
             w = wq.quantize(weight, internal=True)
     else:
         w = weight
@@ -212,7 +201,7 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
         iq = plan.quantizers.input.with_usage(rowwise=False, columnwise=True)
         with recomputed_in_backward():
             if plan.delayed:  # reuse the forward's scale; the amax was recorded in forward
-                iq = iq.with_scale_state(scale_slot(fp8_scale, 0), torch.zeros(1, device=dy.device))
+                iq = iq.with_scale_state(fp8_scale, None, 0)
             x = iq.quantize(pad_rows(x, rows), internal=True)
     grads = []  # dy_q holds the usages of dgrad_q and wgrad_q
     if input_requires_grad:  # a GEMM in high precision reads dy: the bf16 path's own GEMM

@@ -247,13 +247,13 @@ class Float8Quantizer(_Float8QuantizerBase):
     def has_scale_state(self):
         return True
 
-    def with_scale_state(self, scale, amax):
+    def with_scale_state(self, scale, amax, slot=0):
         """A field copy, not `dataclasses.replace` (which re-runs __init__ and the checks: host time
-        per GEMM, the linear ops call this); the callers pass the module's own fp32 one-element
-        buffers (or slices of them), so the checks hold."""
+        per GEMM, the linear ops call this); the callers pass the module's own fp32 buffers, whose
+        element `slot` the kernel reads (scale) and writes (amax; None: not recorded)."""
         self.__dict__.setdefault("_checked_inputs", set())  # the bound copies share this quantizer's input checks
         bound = object.__new__(type(self))
-        bound.__dict__.update(self.__dict__, scale=scale, amax=amax)
+        bound.__dict__.update(self.__dict__, scale=scale, amax=amax, _slot=slot)
         return bound
 
     def sp_gather_rule(self):
@@ -276,13 +276,15 @@ class Float8Quantizer(_Float8QuantizerBase):
                          "(its scales come from the amax history)")
 
     def _quantize_buffers(self, x):
-        if self.scale is None or self.amax is None:
+        bound = "_slot" in self.__dict__  # bound by with_scale_state: amax may be None (not recorded)
+        if self.scale is None or (self.amax is None and not bound):
             raise RuntimeError(
                 "Float8Quantizer has no scale/amax tensors (a stateless copy from tensor metadata); "
                 "quantize with the quantizer that owns the delayed-scaling state"
             )
         data, transpose, scale_inv = kernel("fp8_quantize_delayed", x.device)(
-            x, self.scale, self.amax, self.fp8_dtype, self.rowwise_usage, self.columnwise_usage
+            x, self.scale, self.amax, self.fp8_dtype, self.rowwise_usage, self.columnwise_usage,
+            self.__dict__.get("_slot", 0)
         )
         return self._pack(data, transpose, scale_inv)
 

@@ -217,9 +217,11 @@ class Quantizer:
         from the tensor itself."""
         raise missing_capability(self, "has_scale_state")
 
-    def with_scale_state(self, scale: torch.Tensor, amax: torch.Tensor) -> "Quantizer":
+    def with_scale_state(self, scale: torch.Tensor, amax: Optional[torch.Tensor], slot: int = 0) -> "Quantizer":
         """This quantizer bound to a module's `scale` and `amax` buffers (formats with scale
-        state); a format without scale state returns itself."""
+        state), element `slot` of each (a GEMM's input and weight share one buffer of each);
+        `amax` None: no amax is recorded (a tensor quantized again with a scale whose amax was
+        recorded already). A format without scale state returns itself."""
         if not self.has_scale_state():
             return self
         raise missing_capability(self, "with_scale_state")

@@ -28,13 +28,32 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 
 
 @register_kernel("fp8_quantize_delayed")
-def fp8_quantize_delayed(x, scale, amax_out, fp8_dtype, rowwise, columnwise
+def fp8_quantize_delayed(x, scale, amax_out, fp8_dtype, rowwise, columnwise, slot=0
                          ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor]:
-    """Cast with a given scale; max-accumulate max |x| of every value (inf / NaN included) into
-    `amax_out` in place."""
-    amax_out.copy_(torch.maximum(amax_out, abs_max(x).reshape(amax_out.shape)))
+    """Cast with scale[slot]; max-accumulate max |x| of every value (inf / NaN included) into
+    amax_out[slot] in place (amax_out None: no amax taken). A GEMM's input and weight read one
+    (2,) scale buffer and record into one (2,) amax buffer, slots 0 and 1; a one-element buffer
+    is its own slot 0."""
+    check_slot(scale, amax_out, slot)
+    if amax_out is not None:
+        amax = _element(amax_out, slot)
+        amax.copy_(torch.maximum(amax, abs_max(x).reshape(amax.shape)))
+    scale = _element(scale, slot)
     data, transpose = _cast(x, scale, fp8_dtype, rowwise, columnwise)
     return data, transpose, true_div(1.0, scale.float()).reshape(1)
+
+
+def check_slot(scale: torch.Tensor, amax_out: Optional[torch.Tensor], slot: int) -> None:
+    """`slot` must index both buffers (a longer one 1-D)."""
+    for name, t in (("scale", scale), ("amax_out", amax_out)):
+        if t is not None and not (slot == 0 and t.numel() == 1 or t.dim() == 1 and 0 <= slot < t.numel()):
+            raise ValueError(f"fp8_quantize_delayed: slot {slot} is not an element of {name} (shape "
+                             f"{tuple(t.shape)}): expected a one-element tensor (slot 0) or a 1-D buffer")
+
+
+def _element(t: torch.Tensor, slot: int) -> torch.Tensor:
+    """t[slot] as a view (written in place through it)."""
+    return t if t.numel() == 1 else t[slot:slot + 1]
 
 
 @register_kernel("fp8_quantize_current")

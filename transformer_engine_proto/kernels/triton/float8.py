@@ -12,7 +12,10 @@ Same names, signatures and results (bit for bit) as `kernels/reference/float8.py
 - delayed scaling: cast with the given scale; the amax max-accumulated into `amax_out` by atomic
   max (its bits viewed as int32: correct for amax_out >= 0 or +NaN): per tile inside the cast
   (one pass), except in the byte-transposing kernel (M % 4 != 0), where a tile reduction is
-  slower than a separate amax pass (H100), so that pass runs first.
+  slower than a separate amax pass (H100), so that pass runs first. The scale and the amax are
+  element `slot` of their buffers (a GEMM's input and weight share one of each; a traced graph
+  cannot hand a user kernel a slice of a buffer it writes), and no amax is taken where the
+  caller records none.
 - the transpose goes through registers (`tl.trans`), so both stores are coalesced. When the
   transpose's rows are whole int32 words (M % 4 == 0) the packed kernel loads the tile as four
   row-interleaved quarters (rows 4i + j), packs the four fp8 bytes of each column into one int32
@@ -60,9 +63,9 @@ CONFIG = {
 
 @fast_launch
 @triton.jit
-def _amax_kernel(x_ptr, amax_ptr, N, FINITE: tl.constexpr, BF16_BITS: tl.constexpr,
+def _amax_kernel(x_ptr, amax_ptr, N, slot, FINITE: tl.constexpr, BF16_BITS: tl.constexpr,
                  BLOCK: tl.constexpr):
-    """max |x| into amax_ptr (int32 bits): of the finite values with FINITE, else of all."""
+    """max |x| into amax_ptr[slot] (int32 bits): of the finite values with FINITE, else of all."""
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     base = pid.to(tl.int64) * BLOCK
@@ -74,28 +77,28 @@ def _amax_kernel(x_ptr, amax_ptr, N, FINITE: tl.constexpr, BF16_BITS: tl.constex
         m = tl.max(abs_bits(x), axis=0)
     # a plain (possibly stale) read can only under-estimate the running max: skipping the
     # atomic when m <= it is safe, and spares most programs the contended atomic
-    cur = tl.load(amax_ptr)
-    tl.atomic_max(amax_ptr, m, mask=m > cur, sem="relaxed")
+    cur = tl.load(amax_ptr + slot)
+    tl.atomic_max(amax_ptr + slot, m, mask=m > cur, sem="relaxed")
 
 
 @triton.jit
-def _tensor_scale(scale_ptr, amax_ptr, scale_inv_ptr, pid, FMAX: tl.constexpr,
+def _tensor_scale(scale_ptr, amax_ptr, scale_inv_ptr, pid, slot, FMAX: tl.constexpr,
                   CURRENT: tl.constexpr, MARGIN_MUL: tl.constexpr, POW2: tl.constexpr,
                   EPS: tl.constexpr):
-    """The tensor's scale: given (delayed) or from the amax pass (current); program 0 writes
-    its reciprocal."""
+    """The tensor's scale: given (delayed: scale_ptr[slot]) or from the amax pass (current);
+    program 0 writes its reciprocal."""
     if CURRENT:
-        amax = tl.load(amax_ptr).to(tl.float32, bitcast=True)
+        amax = tl.load(amax_ptr + slot).to(tl.float32, bitcast=True)
         scale = scale_from_amax(amax, FMAX, MARGIN_MUL, POW2, EPS)
     else:
-        scale = tl.load(scale_ptr)
+        scale = tl.load(scale_ptr + slot)
     tl.store(scale_inv_ptr, reciprocal(scale), mask=pid == 0)
     return scale
 
 
 @fast_launch
 @triton.jit
-def _cast_transpose_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, scale_inv_ptr, M, K, n_k,
+def _cast_transpose_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, scale_inv_ptr, M, K, n_k, slot,
                            FMAX: tl.constexpr, E4M3: tl.constexpr, SOFT: tl.constexpr,
                            CURRENT: tl.constexpr, TILE_AMAX: tl.constexpr,
                            MARGIN_MUL: tl.constexpr, POW2: tl.constexpr,
@@ -104,7 +107,7 @@ def _cast_transpose_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, scale_i
     pid = tl.program_id(0)
     pid_m = pid // n_k
     pid_k = pid % n_k
-    scale = _tensor_scale(scale_ptr, amax_ptr, scale_inv_ptr, pid, FMAX, CURRENT, MARGIN_MUL,
+    scale = _tensor_scale(scale_ptr, amax_ptr, scale_inv_ptr, pid, slot, FMAX, CURRENT, MARGIN_MUL,
                           POW2, EPS)
 
     rm = tl.arange(0, BM)
@@ -127,8 +130,8 @@ def _cast_transpose_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, scale_i
     if TILE_AMAX:
         # last and relaxed: an acq_rel atomic before the stores would pin the whole tile in
         # registers (208 instead of 64 at 128x128, 8 warps)
-        cur = tl.load(amax_ptr)
-        tl.atomic_max(amax_ptr, tile_amax, mask=tile_amax > cur, sem="relaxed")
+        cur = tl.load(amax_ptr + slot)
+        tl.atomic_max(amax_ptr + slot, tile_amax, mask=tile_amax > cur, sem="relaxed")
 
 
 @triton.jit
@@ -150,7 +153,7 @@ def _cast_quarter(x_ptr, row_ptr, base, m0, k0, j: tl.constexpr, M, K, rq, rk, s
 @fast_launch
 @triton.jit
 def _cast_transpose_packed_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, scale_inv_ptr,
-                                  M, K, n_k, FMAX: tl.constexpr, E4M3: tl.constexpr,
+                                  M, K, n_k, slot, FMAX: tl.constexpr, E4M3: tl.constexpr,
                                   SOFT: tl.constexpr, CURRENT: tl.constexpr,
                                   MARGIN_MUL: tl.constexpr, POW2: tl.constexpr,
                                   EPS: tl.constexpr, ROWWISE: tl.constexpr,
@@ -163,7 +166,7 @@ def _cast_transpose_packed_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, 
     pid = tl.program_id(0)
     pid_m = pid // n_k
     pid_k = pid % n_k
-    scale = _tensor_scale(scale_ptr, amax_ptr, scale_inv_ptr, pid, FMAX, CURRENT, MARGIN_MUL,
+    scale = _tensor_scale(scale_ptr, amax_ptr, scale_inv_ptr, pid, slot, FMAX, CURRENT, MARGIN_MUL,
                           POW2, EPS)
     rq = tl.arange(0, BM // 4)
     rk = tl.arange(0, BK)
@@ -186,16 +189,16 @@ def _cast_transpose_packed_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, 
     if TILE_AMAX:  # masked lanes loaded 0; last and relaxed, as in `_cast_transpose_kernel`
         a = tl.maximum(tl.maximum(a0, a1), tl.maximum(a2, a3))
         tile_amax = tl.max(tl.max(a, axis=1), axis=0)
-        cur = tl.load(amax_ptr)
-        tl.atomic_max(amax_ptr, tile_amax, mask=tile_amax > cur, sem="relaxed")
+        cur = tl.load(amax_ptr + slot)
+        tl.atomic_max(amax_ptr + slot, tile_amax, mask=tile_amax > cur, sem="relaxed")
 
 
-def _amax_into(x2d: torch.Tensor, amax_i32: torch.Tensor, finite: bool) -> None:
+def _amax_into(x2d: torch.Tensor, amax_i32: torch.Tensor, finite: bool, slot: int = 0) -> None:
     n = x2d.numel()
     cfg = CONFIG["amax"]
     grid = (cdiv(n, cfg["BLOCK"]),)
     xk, bf16_bits = as_kernel_input(x2d)
-    _amax_kernel[grid](xk, amax_i32, n, FINITE=finite, BF16_BITS=bf16_bits, BLOCK=cfg["BLOCK"],
+    _amax_kernel[grid](xk, amax_i32, n, slot, FINITE=finite, BF16_BITS=bf16_bits, BLOCK=cfg["BLOCK"],
                        num_warps=cfg["num_warps"])
 
 
@@ -205,7 +208,7 @@ def _packs(m: int, columnwise: bool) -> bool:
 
 
 def _launch_cast(x2d, fp8_dtype, rowwise, columnwise, scale=None, amax_i32=None, current=False,
-                 margin=0, power_2=False, epsilon=0.0, tile_amax=False):
+                 margin=0, power_2=False, epsilon=0.0, tile_amax=False, slot=0):
     m, k = x2d.shape
     dev = x2d.device
     fmax, e4m3 = fp8_params(fp8_dtype)
@@ -222,9 +225,10 @@ def _launch_cast(x2d, fp8_dtype, rowwise, columnwise, scale=None, amax_i32=None,
                ) if columnwise else scale_inv
     xk, bf16_bits = as_kernel_input(x2d)
     scale_arg = scale if scale is not None else scale_inv
+    amax_arg = amax_i32 if amax_i32 is not None else scale_inv  # unused without an amax
     if packed:
         _cast_transpose_packed_kernel[grid](
-            xk, row_arg, col_arg, scale_arg, amax_i32, scale_inv, m, k, n_k,
+            xk, row_arg, col_arg, scale_arg, amax_arg, scale_inv, m, k, n_k, slot,
             FMAX=fmax, E4M3=e4m3, SOFT=soft_cast(), CURRENT=current,
             MARGIN_MUL=float(2.0 ** -margin), POW2=bool(power_2), EPS=float(epsilon),
             ROWWISE=bool(rowwise), TILE_AMAX=bool(tile_amax), BF16_BITS=bf16_bits, BM=bm, BK=bk,
@@ -232,7 +236,7 @@ def _launch_cast(x2d, fp8_dtype, rowwise, columnwise, scale=None, amax_i32=None,
         )
         return data, transpose, scale_inv
     _cast_transpose_kernel[grid](
-        xk, row_arg, col_arg, scale_arg, amax_i32, scale_inv, m, k, n_k,
+        xk, row_arg, col_arg, scale_arg, amax_arg, scale_inv, m, k, n_k, slot,
         FMAX=fmax, E4M3=e4m3, SOFT=soft_cast(), CURRENT=current, TILE_AMAX=bool(tile_amax),
         MARGIN_MUL=float(2.0 ** -margin), POW2=bool(power_2), EPS=float(epsilon),
         ROWWISE=bool(rowwise), COLWISE=bool(columnwise), BF16_BITS=bf16_bits, BM=bm, BK=bk,
@@ -285,7 +289,7 @@ class _CastPlan:
         transpose = torch.empty(self.transpose_shape, dtype=self.fp8_dtype, device=dev) if self.columnwise else None
         scale_inv = torch.empty((1,), dtype=torch.float32, device=dev)
         launch(x, scale_inv if data is None else data, scale_inv if transpose is None else transpose,
-               scale_inv if scale is None else scale, amax, scale_inv)
+               scale_inv if scale is None else scale, scale_inv if amax is None else amax, scale_inv)
         return data, transpose, scale_inv
 
     def current(self, x):
@@ -301,41 +305,45 @@ class _CastPlan:
 
 
 @triton_kernel("fp8_quantize_delayed")
-def fp8_quantize_delayed(x, scale, amax_out, fp8_dtype, rowwise, columnwise
+def fp8_quantize_delayed(x, scale, amax_out, fp8_dtype, rowwise, columnwise, slot=0
                          ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor]:
-    """Cast with a given scale; max-accumulate max |x| of every value (inf / NaN included) into
-    `amax_out` in place."""
-    key = plan_key(x, "delayed", fp8_dtype, rowwise, columnwise)
-    if key is not None and (scale.dtype is not torch.float32 or amax_out.dtype is not torch.float32
-                            or scale.numel() != 1 or amax_out.numel() != 1):
+    """Cast with scale[slot]; max-accumulate max |x| of every value (inf / NaN included) into
+    amax_out[slot] in place (amax_out None: no amax taken)."""
+    _ref.check_slot(scale, amax_out, slot)
+    key = plan_key(x, "delayed", fp8_dtype, rowwise, columnwise, slot, amax_out is None)
+    if key is not None and not (_slotted(scale) and (amax_out is None or _slotted(amax_out))):
         key = None
     elif key is not None:
         # the module's state is often a slot of a longer buffer: its alignment is part of the signature
-        key = (*key, aligned(scale), aligned(amax_out))
+        key = (*key, aligned(scale), amax_out is None or aligned(amax_out))
     plan = planned(key)
     if plan is not None:
         return plan.delayed(x, scale, amax_out)
     return run_recorded(key, lambda launches: _CastPlan(x, fp8_dtype, rowwise, columnwise, launches),
-                        _fp8_quantize_delayed, x, scale, amax_out, fp8_dtype, rowwise, columnwise,
+                        _fp8_quantize_delayed, x, scale, amax_out, fp8_dtype, rowwise, columnwise, slot,
                         expect=(1, 2))  # the cast, after an amax pass or with the tile amax
 
 
-def _fp8_quantize_delayed(x, scale, amax_out, fp8_dtype, rowwise, columnwise):
-    if (not _fits(x) or amax_out.dtype != torch.float32 or amax_out.numel() != 1
-            or not amax_out.is_contiguous()):
-        return _ref.fp8_quantize_delayed(x, scale, amax_out, fp8_dtype, rowwise, columnwise)
+def _slotted(t: torch.Tensor) -> bool:
+    """A float32 buffer the kernels can index by slot."""
+    return t.dtype is torch.float32 and t.dim() == 1 and t.is_contiguous()
+
+
+def _fp8_quantize_delayed(x, scale, amax_out, fp8_dtype, rowwise, columnwise, slot):
+    if not _fits(x) or not (amax_out is None or _slotted(amax_out)) or not (slot == 0 or scale.is_contiguous()):
+        return _ref.fp8_quantize_delayed(x, scale, amax_out, fp8_dtype, rowwise, columnwise, slot)
     fp8_params(fp8_dtype)
     x2d = _as_2d(x)
-    scale = scale.reshape(-1)[:1].float()
-    amax_i32 = amax_out.view(torch.int32)
+    scale = scale.reshape(-1).float()
+    amax_i32 = None if amax_out is None else amax_out.view(torch.int32)
     # the byte-transposing kernel is slower with a tile amax than with a separate amax pass
     # (H100), so it leaves the amax to that pass; the other kernels take it per tile
-    tile_amax = not columnwise or _packs(x2d.shape[0], columnwise)
-    if not tile_amax:
-        _amax_into(x2d, amax_i32, finite=False)
+    tile_amax = amax_out is not None and (not columnwise or _packs(x2d.shape[0], columnwise))
+    if amax_out is not None and not tile_amax:
+        _amax_into(x2d, amax_i32, finite=False, slot=slot)
     data, transpose, scale_inv = _launch_cast(x2d, fp8_dtype, rowwise, columnwise, scale=scale,
                                               amax_i32=amax_i32, current=False,
-                                              tile_amax=tile_amax)
+                                              tile_amax=tile_amax, slot=slot)
     if data is not None:
         data = data.view(x.shape)
     return data, transpose, scale_inv

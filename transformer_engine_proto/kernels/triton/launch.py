@@ -169,7 +169,8 @@ def plan_key(x: torch.Tensor, *settings):
     non-contiguous or misaligned x, which the full entry point handles."""
     if traced(x) or not x.is_contiguous() or not aligned(x):
         return None
-    return (x.shape, x.dtype, x.get_device(), torch._C._cuda_getDevice(), soft_cast(), *settings)
+    device = x.get_device()  # -1 on CPU (the interpreter), where torch may have no CUDA functions
+    return (x.shape, x.dtype, device, torch._C._cuda_getDevice() if device >= 0 else -1, soft_cast(), *settings)
 
 
 def planned(key):

@@ -499,7 +499,7 @@ def _amax_pass(xk, bf16_bits, m, k, row: bool, col: bool, rht: bool, rht_seed: i
     else:
         cm = CONFIG["amax"]
         _amax_kernel[(cdiv(m * k, cm["BLOCK"]),)](
-            xk, amax_r if amax_r is not None else amax_c, m * k, FINITE=True, BF16_BITS=bf16_bits,
+            xk, amax_r if amax_r is not None else amax_c, m * k, 0, FINITE=True, BF16_BITS=bf16_bits,
             BLOCK=cm["BLOCK"], num_warps=cm["num_warps"])
         if amax_r is not None and amax_c is not None:
             amax_c = amax_r.clone()  # the same values: x^T has x's amax
