@@ -4,7 +4,10 @@ x once and writes the rowwise fp8 data and its (K, M) transpose.
 Same names, signatures and results (bit for bit) as `kernels/reference/float8.py`.
 
 - amax: a (1,) fp32 buffer, zeroed, max-accumulated by `atomic_max` on the float bits as int32
-  (|x| >= 0, so integer order is float order). The `amax` kernel and current scaling reduce the
+  (|x| >= 0, so integer order is float order). The kernels cast the amax pointer to int32
+  themselves, so an fp32 buffer is passed as it is: a dtype view made on the torch side would
+  reach inductor, which cannot re-index a view of a buffer the graph computes (an amax slot that
+  another quantize wrote through torch ops). The `amax` kernel and current scaling reduce the
   finite values only (inf / NaN lanes count as 0); delayed scaling records every value (a NaN's
   bits are above Inf's, so any NaN gives a NaN amax, as torch's `amax` does).
 - current scaling: pass 1 amax; pass 2 the cast kernel reads the amax, computes the scale on
@@ -66,6 +69,7 @@ CONFIG = {
 def _amax_kernel(x_ptr, amax_ptr, N, slot, FINITE: tl.constexpr, BF16_BITS: tl.constexpr,
                  BLOCK: tl.constexpr):
     """max |x| into amax_ptr[slot] (int32 bits): of the finite values with FINITE, else of all."""
+    amax_ptr = amax_ptr.to(tl.pointer_type(tl.int32))  # the fp32 amax's bits (module docstring)
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     base = pid.to(tl.int64) * BLOCK
@@ -107,6 +111,7 @@ def _cast_transpose_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, scale_i
     pid = tl.program_id(0)
     pid_m = pid // n_k
     pid_k = pid % n_k
+    amax_ptr = amax_ptr.to(tl.pointer_type(tl.int32))  # the fp32 amax's bits (module docstring)
     scale = _tensor_scale(scale_ptr, amax_ptr, scale_inv_ptr, pid, slot, FMAX, CURRENT, MARGIN_MUL,
                           POW2, EPS)
 
@@ -166,6 +171,7 @@ def _cast_transpose_packed_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, 
     pid = tl.program_id(0)
     pid_m = pid // n_k
     pid_k = pid % n_k
+    amax_ptr = amax_ptr.to(tl.pointer_type(tl.int32))  # the fp32 amax's bits (module docstring)
     scale = _tensor_scale(scale_ptr, amax_ptr, scale_inv_ptr, pid, slot, FMAX, CURRENT, MARGIN_MUL,
                           POW2, EPS)
     rq = tl.arange(0, BM // 4)
@@ -193,12 +199,12 @@ def _cast_transpose_packed_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, 
         tl.atomic_max(amax_ptr + slot, tile_amax, mask=tile_amax > cur, sem="relaxed")
 
 
-def _amax_into(x2d: torch.Tensor, amax_i32: torch.Tensor, finite: bool, slot: int = 0) -> None:
+def _amax_into(x2d: torch.Tensor, amax: torch.Tensor, finite: bool, slot: int = 0) -> None:
     n = x2d.numel()
     cfg = CONFIG["amax"]
     grid = (cdiv(n, cfg["BLOCK"]),)
     xk, bf16_bits = as_kernel_input(x2d)
-    _amax_kernel[grid](xk, amax_i32, n, slot, FINITE=finite, BF16_BITS=bf16_bits, BLOCK=cfg["BLOCK"],
+    _amax_kernel[grid](xk, amax, n, slot, FINITE=finite, BF16_BITS=bf16_bits, BLOCK=cfg["BLOCK"],
                        num_warps=cfg["num_warps"])
 
 
@@ -207,7 +213,7 @@ def _packs(m: int, columnwise: bool) -> bool:
     return columnwise and m % 4 == 0 and CONFIG["pack_transpose"]
 
 
-def _launch_cast(x2d, fp8_dtype, rowwise, columnwise, scale=None, amax_i32=None, current=False,
+def _launch_cast(x2d, fp8_dtype, rowwise, columnwise, scale=None, amax=None, current=False,
                  margin=0, power_2=False, epsilon=0.0, tile_amax=False, slot=0):
     m, k = x2d.shape
     dev = x2d.device
@@ -225,7 +231,7 @@ def _launch_cast(x2d, fp8_dtype, rowwise, columnwise, scale=None, amax_i32=None,
                ) if columnwise else scale_inv
     xk, bf16_bits = as_kernel_input(x2d)
     scale_arg = scale if scale is not None else scale_inv
-    amax_arg = amax_i32 if amax_i32 is not None else scale_inv  # unused without an amax
+    amax_arg = amax if amax is not None else scale_inv  # unused without an amax
     if packed:
         _cast_transpose_packed_kernel[grid](
             xk, row_arg, col_arg, scale_arg, amax_arg, scale_inv, m, k, n_k, slot,
@@ -335,14 +341,13 @@ def _fp8_quantize_delayed(x, scale, amax_out, fp8_dtype, rowwise, columnwise, sl
     fp8_params(fp8_dtype)
     x2d = _as_2d(x)
     scale = scale.reshape(-1).float()
-    amax_i32 = None if amax_out is None else amax_out.view(torch.int32)
     # the byte-transposing kernel is slower with a tile amax than with a separate amax pass
     # (H100), so it leaves the amax to that pass; the other kernels take it per tile
     tile_amax = amax_out is not None and (not columnwise or _packs(x2d.shape[0], columnwise))
     if amax_out is not None and not tile_amax:
-        _amax_into(x2d, amax_i32, finite=False, slot=slot)
+        _amax_into(x2d, amax_out, finite=False, slot=slot)
     data, transpose, scale_inv = _launch_cast(x2d, fp8_dtype, rowwise, columnwise, scale=scale,
-                                              amax_i32=amax_i32, current=False,
+                                              amax=amax_out, current=False,
                                               tile_amax=tile_amax, slot=slot)
     if data is not None:
         data = data.view(x.shape)
@@ -369,7 +374,7 @@ def _fp8_quantize_current(x, fp8_dtype, rowwise, columnwise, margin, power_2, ep
     x2d = _as_2d(x)
     amax_i32 = torch.zeros((1,), dtype=torch.int32, device=x.device)
     _amax_into(x2d, amax_i32, finite=True)
-    data, transpose, scale_inv = _launch_cast(x2d, fp8_dtype, rowwise, columnwise, amax_i32=amax_i32,
+    data, transpose, scale_inv = _launch_cast(x2d, fp8_dtype, rowwise, columnwise, amax=amax_i32,
                                               current=True, margin=margin, power_2=power_2,
                                               epsilon=epsilon)
     if data is not None:

@@ -330,6 +330,6 @@ def norm_fp8_current_quantize(inp, weight, bias, eps: float, normalization: str,
                                                                      margin, power_2, epsilon)
     else:
         data, transpose, scale_inv = _f8._launch_cast(
-            y2d, fp8_dtype, rowwise, columnwise, amax_i32=amax.view(torch.int32), current=True,
+            y2d, fp8_dtype, rowwise, columnwise, amax=amax, current=True,
             margin=margin, power_2=power_2, epsilon=epsilon)
     return y, mu, rsigma, data, transpose, scale_inv, amax
