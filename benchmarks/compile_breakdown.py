@@ -126,8 +126,7 @@ def parse_args(argv=None):
     p.add_argument("--caches", default="cold,warm",
                    help="the runs, in order, each a fresh process on the variant's cache directories: the "
                         "first finds them empty (cold), later ones (warm, warm2, ...) what the runs before "
-                        "wrote; the first warm run still compiles some Triton kernels that the cold run "
-                        "compiled in inductor's worker processes, a second warm run finds those too")
+                        "wrote (a second warm run shows how much the warm first step varies)")
     C.add_run_args(p, "compile_breakdown", warmup_ms=0.0, rep_ms=0.0)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # the variant a child process runs
     preset, _ = p.parse_known_args(argv)
