@@ -11,7 +11,8 @@ inductor lowering / codegen, waiting for Triton compiles), the size of the graph
 (post-grad nodes; of them, nodes on tiny tensors, calls of user Triton kernels and how many of
 those were swapped for their launch without a retrace; the kernels inductor generated, its
 `metrics.generated_kernel_count`, which on the CPU backend counts several per fused loop; a warm run
-compiles none) and, with `--cprofile`, the library functions with the most cumulative time while
+compiles none), the Triton kernels it compiled (entries it added to Triton's cache; a warm run on
+a GPU must add none) and, with `--cprofile`, the library functions with the most cumulative time while
 compiling.
 """
 from __future__ import annotations
@@ -105,6 +106,12 @@ def first_step(variant: str, args) -> dict:
     return res
 
 
+def triton_cache_entries(env) -> set:
+    """The compiled kernels in the Triton cache of `env` (one group file per kernel)."""
+    root = env["TRITON_CACHE_DIR"]
+    return {os.path.join(d, f) for d, _, files in os.walk(root) for f in files if f.startswith("__grp__")}
+
+
 def run_child(variant: str, argv, env) -> dict:
     out = subprocess.run([sys.executable, __file__, "--child", variant, *argv], env=env, capture_output=True,
                          text=True)
@@ -150,8 +157,10 @@ def main(argv=None):
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"),
                        TRITON_CACHE_DIR=os.path.join(cache, "triton"))
             for state in C.names(args.caches):
+                before = triton_cache_entries(env)
                 r = run_child(variant, child_argv, env)
                 r["caches"] = state
+                r.setdefault("graph", {})["triton_compiled"] = len(triton_cache_entries(env) - before)
                 results.append(r)
                 print(f"{variant:22s} {state}: {r.get('first_step_s', float('nan')):7.1f} s", flush=True)
     base = {r["caches"]: r["first_step_s"] for r in results if r["variant"] == "bf16" and "first_step_s" in r}
@@ -167,7 +176,7 @@ def main(argv=None):
     print("\n## Graphs inductor compiled (post-grad; a cache hit compiles none)\n")
     columns = {"graphs": "graphs", "nodes": "nodes", "tiny_nodes": f"nodes of <= {TINY} elements",
                "generated_kernels": "kernels inductor generated", "triton_calls": "user Triton kernel calls",
-               "direct_swaps": "swapped directly"}
+               "direct_swaps": "swapped directly", "triton_compiled": "Triton kernels compiled"}
     print(C.markdown_table(["variant", "caches", *columns.values()],
                            [[r["variant"], r["caches"], *(r.get("graph", {}).get(k, 0) for k in columns)]
                             for r in results]))

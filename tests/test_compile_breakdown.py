@@ -14,6 +14,10 @@ def test_each_variant_runs_cold_then_warm_in_fresh_processes_with_its_own_caches
     def fake_child(variant, argv, env):
         calls.append((variant, env["TORCHINDUCTOR_CACHE_DIR"], env["TRITON_CACHE_DIR"]))
         cold = len([c for c in calls if c[0] == variant]) == 1
+        if cold:  # the cold run compiles three kernels into Triton's cache, the warm one finds them
+            for name in ("a", "b", "c"):
+                os.makedirs(os.path.join(env["TRITON_CACHE_DIR"], name))
+                open(os.path.join(env["TRITON_CACHE_DIR"], name, f"__grp__{name}.json"), "w").close()
         s = {"bf16": 10.0, "te:delayed": 30.0}[variant] / (1 if cold else 5)
         return {"variant": variant, "first_step_s": s, "phases_s": {"compile_fx_inner": s / 2}}
 
@@ -24,6 +28,8 @@ def test_each_variant_runs_cold_then_warm_in_fresh_processes_with_its_own_caches
     assert calls[0][1:] == calls[1][1:] != calls[2][1:] == calls[3][1:]  # warm reuses its cold run's caches
     out = capsys.readouterr().out
     assert "| te:delayed | cold   | 30.0         | 3.00x   |" in out and "| te:delayed | warm   | 6.0" in out
+    assert [r["graph"]["triton_compiled"] for r in results] == [3, 0, 3, 0]
+    assert "Triton kernels compiled" in out
 
 
 def test_more_warm_runs_are_more_processes_on_the_same_caches(monkeypatch, capsys):
