@@ -272,9 +272,9 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     """max |x| over the finite values of x, as a float32 tensor of shape (1,)."""
     if x.numel() == 0:
         return _ref.amax(x)
-    out = torch.zeros((1,), dtype=torch.int32, device=x.device)
+    out = torch.zeros((1,), dtype=torch.float32, device=x.device)
     _amax_into(x.contiguous().reshape(-1), out, finite=True)
-    return out.view(torch.float32)
+    return out
 
 
 class _CastPlan:
@@ -372,11 +372,11 @@ def _fp8_quantize_current(x, fp8_dtype, rowwise, columnwise, margin, power_2, ep
         return _ref.fp8_quantize_current(x, fp8_dtype, rowwise, columnwise, margin, power_2, epsilon)
     fp8_params(fp8_dtype)
     x2d = _as_2d(x)
-    amax_i32 = torch.zeros((1,), dtype=torch.int32, device=x.device)
-    _amax_into(x2d, amax_i32, finite=True)
-    data, transpose, scale_inv = _launch_cast(x2d, fp8_dtype, rowwise, columnwise, amax=amax_i32,
+    amax = torch.zeros((1,), dtype=torch.float32, device=x.device)
+    _amax_into(x2d, amax, finite=True)
+    data, transpose, scale_inv = _launch_cast(x2d, fp8_dtype, rowwise, columnwise, amax=amax,
                                               current=True, margin=margin, power_2=power_2,
                                               epsilon=epsilon)
     if data is not None:
         data = data.view(x.shape)
-    return data, transpose, scale_inv, amax_i32.view(torch.float32)
+    return data, transpose, scale_inv, amax
