@@ -127,7 +127,7 @@ class DelayedScalingState:
         if device is not None:
             kernel("delayed_record_amax", device)(state[0], amax, state[1], state[2], first)
             return
-        for buf, new in zip(state, torch.ops.te_proto.delayed_record_amax(state[0], amax, state[1], state[2], first)):
+        for buf, new in zip(state, torch.ops.te_proto.delayed_record_amax.default(state[0], amax, state[1], state[2], first)):
             buf.copy_(new)
 
     def reduce_pending_amaxes(self, all_reduce_max: Callable[[torch.Tensor], None]) -> None:
@@ -245,7 +245,7 @@ def record_grad_amax(state: Sequence[torch.Tensor], amax: torch.Tensor) -> None:
     if device is not None:
         kernel("delayed_record_grad_amax", device)(pending, seen, amax)
     else:
-        pending.copy_(torch.ops.te_proto.delayed_record_grad_amax(pending, seen, amax))
+        pending.copy_(torch.ops.te_proto.delayed_record_grad_amax.default(pending, seen, amax))
 
 
 def fold_pending_grad_amax(history: torch.Tensor, state: Sequence[torch.Tensor], count: torch.Tensor) -> None:

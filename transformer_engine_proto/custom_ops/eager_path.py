@@ -58,7 +58,9 @@ def eager_function(op, setup_context: Callable, backward: Callable, backward_bod
     cls = type(name, (torch.autograd.Function,),
                {"forward": staticmethod(forward), "backward": staticmethod(backward_)})
 
+    overload = op._opoverload  # the op itself: dynamo inlines a CustomOpDef's __call__, at a cost per call
+
     def call(*args):
-        return (cls.apply if takes_eager_path(*args) else op)(*args)
+        return (cls.apply if takes_eager_path(*args) else overload)(*args)
 
     return call

@@ -38,4 +38,4 @@ inline_in_inductor(torch.ops.te_proto.saved_state.default, _saved_state._init_fn
 
 def saved_state(t: torch.Tensor) -> torch.Tensor:
     """`t`, pinned as a value backward must read from forward (a no-op outside torch.compile)."""
-    return _saved_state(t) if torch.compiler.is_dynamo_compiling() else t
+    return torch.ops.te_proto.saved_state.default(t) if torch.compiler.is_dynamo_compiling() else t
