@@ -205,6 +205,7 @@ class _BareStorage(QuantizedTensorStorage):
     (lambda: _BareStorage.__new__(_BareStorage).debug_usage_view(None, False), "debug_usage_view"),
     (lambda: _BareStorage.__new__(_BareStorage).debug_internals(), "debug_internals"),
     (lambda: _BareStorage.debug_reconstruct({}, "rowwise"), "debug_reconstruct"),
+    (lambda: _BareQuantizer().with_existing_amax(torch.ones(1)), "with_existing_amax"),
 ])
 def test_an_undeclared_capability_raises_naming_format_and_capability(call, capability):
     with pytest.raises(NotImplementedError, match=rf"_Bare\w+ does not declare the format capability '{capability}'"):
@@ -213,6 +214,7 @@ def test_an_undeclared_capability_raises_naming_format_and_capability(call, capa
 
 def test_optional_capabilities_default_to_none():
     assert _BareQuantizer().fused_norm_quantize(None, None, None, 1e-5, "LayerNorm", False) is None
+    assert _BareQuantizer().takes_existing_amax() is False
     assert _BareStorage.__new__(_BareStorage).gemm_emulated(None, False, False, torch.float32, None) is None
     assert _Undeclared().debug_recipe_name() == "toy_row_scaled"  # inherited declarations hold
 
@@ -240,3 +242,36 @@ def test_the_shipped_formats_declare_every_capability():
             op = t.gemm_operand(reduce_last)
             assert op is not None and op.data.shape[0] == 128  # (outer, K); NVFP4 packs K
         assert quant_view.internals(t)["format"] == t.format_name()
+
+
+def test_existing_amax_binds_current_scaling_only():
+    """Current scaling takes an amax taken already (TE's use_existing_amax): the bytes of a fresh
+    pass; a different amax, a different scale. The other formats, and a current-scaling subclass
+    that reduces its amax across ranks, do not take one."""
+    from transformer_engine_proto.distributed.amax_reduction import AmaxReducingQuantizer
+    from transformer_engine_proto.kernels import kernel
+    from transformer_engine_proto.tensor import (
+        Float8BlockQuantizer,
+        Float8CurrentScalingQuantizer,
+        Float8Quantizer,
+        MXFP8Quantizer,
+        NVFP4Quantizer,
+    )
+
+    x = torch.randn(64, 96) * 3
+    q = Float8CurrentScalingQuantizer(margin=1)
+    assert q.takes_existing_amax()
+    fresh = q.quantize(x, internal=True)
+    bound = q.with_existing_amax(kernel("amax", x.device)(x))
+    assert bound == q and "_existing_amax" not in q.__dict__  # a bound copy, the original untouched
+    same = bound.quantize(x, internal=True)
+    for name, t in fresh.get_buffers().items():
+        assert torch.equal(t.view(torch.uint8), same.get_buffers()[name].view(torch.uint8)), name
+    other = q.with_existing_amax(kernel("amax", x.device)(x) * 2).quantize(x, internal=True)
+    assert not torch.equal(other._scale_inv, fresh._scale_inv)
+    for other_q in (Float8Quantizer(torch.ones(1), torch.zeros(1)), MXFP8Quantizer(),
+                    Float8BlockQuantizer(block_scaling_dim=1), NVFP4Quantizer(),
+                    AmaxReducingQuantizer.__new__(AmaxReducingQuantizer)):
+        assert not other_q.takes_existing_amax(), type(other_q).__name__
+        with pytest.raises(NotImplementedError, match="with_existing_amax"):
+            other_q.with_existing_amax(torch.ones(1))

@@ -340,3 +340,45 @@ def test_delayed_scaling_graphs_hold_no_update():
         assert not (m.gemm.fp8_scale == 1).any(), recipe  # updated at the exit
     assert targets and not divisions, divisions
     assert not any("roll" in t or "delayed_scaling" in t for t in targets), targets
+
+
+def test_compiled_backward_quantizes_the_weight_with_the_forwards_amax(monkeypatch):
+    """Current scaling under torch.compile: backward quantizes the weight again (for dgrad) with
+    the amax forward took of it, no second amax pass over the weight, and the step is bitwise the
+    eager one (which keeps forward's quantized weight instead). aot_eager runs the ops' bodies, so
+    the reference kernels see every call."""
+    from transformer_engine_proto import kernels
+
+    amax_passes, current_calls = [], []
+    amax_ref = kernels._KERNELS[("amax", "reference")]
+    current_ref = kernels._KERNELS[("fp8_quantize_current", "reference")]
+
+    def counted_amax(x):
+        amax_passes.append(tuple(x.shape))
+        return amax_ref(x)
+
+    def counted_current(x, *args, existing_amax=None, **kwargs):
+        current_calls.append((tuple(x.shape), existing_amax is not None))
+        return current_ref(x, *args, existing_amax=existing_amax, **kwargs)
+
+    monkeypatch.setitem(kernels._KERNELS, ("amax", "reference"), counted_amax)
+    monkeypatch.setitem(kernels._KERNELS, ("fp8_quantize_current", "reference"), counted_current)
+    recipe = R.Float8CurrentScaling()
+    m, mc, cm = _linear_and_twin("aot_eager", bias=True)
+    x, g = torch.randn(48, 64), torch.randn(48, 32)
+    outputs = []
+    for run in (m, cm):  # eager, then compiled
+        amax_passes.clear()
+        current_calls.clear()
+        xr = x.clone().requires_grad_(True)
+        with recipe_ctx(recipe):
+            y = run(xr)
+        y.backward(g)
+        outputs.append((y, xr.grad))
+    for a, b, what in zip(*outputs, ("output", "input grad")):
+        _assert_equal(a, b, what)
+    _assert_same_state(m, mc, recipe, "compiled", "aot_eager")
+    weight = (32, 64)
+    assert amax_passes.count(weight) == 1, amax_passes  # forward's, none in backward
+    assert current_calls.count((weight, True)) == 2, current_calls  # forward rowwise, backward columnwise
+    assert (weight, False) not in current_calls, current_calls

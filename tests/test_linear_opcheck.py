@@ -176,14 +176,15 @@ def bwd_args(recipe, *, bias, input_rg, weight_rg, cache_mode=L.CACHE_OFF, save_
     (x, w, b, scales, grad_fp8_scale, _grad_amax_state, cache, main_grad, key, flags, _prequantized) = a
     call = L.LinearCall.of(flags)
     with torch.no_grad():
-        _, _, saved, _ = torch.ops.te_proto.linear_fwd(*a)
+        _, amaxes, saved, _ = torch.ops.te_proto.linear_fwd(*a)
     plan = linear_plan.plan_of(key, x, w, call)
+    weight_amax = amaxes if plan.reuses_weight_amax else None
     raw_inp = x.detach() if plan.saves_raw_input() else None
     raw_w = w.detach() if plan.saves_raw_weight() else None
     used_cache = cache if call.cache_mode == L.CACHE_USE and call.input_requires_grad else []
     grad_out = torch.randn(TOKENS, OUT, generator=torch.Generator().manual_seed(1), dtype=x.dtype)
     return (grad_out, [s.detach() for s in saved], raw_inp, raw_w, used_cache, scales, grad_fp8_scale,
-            main_grad, key, list(x.shape), list(w.shape), w.dtype, flags)
+            weight_amax, main_grad, key, list(x.shape), list(w.shape), w.dtype, flags)
 
 
 BWD_CASES = [

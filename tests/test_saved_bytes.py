@@ -250,5 +250,9 @@ def test_kept_weight_gives_the_requantized_bytes(rid, monkeypatch):
     m = te.Linear(IN, OUT)
     x = torch.randn(TOKENS, IN, requires_grad=True)
     _, plan = plan_bytes(rid, m, x)
+    again = linear_plan.make_plan(plan.key, plan.in_shape, plan.weight_shape, plan.act_dtype, plan.weight_dtype,
+                                  dataclasses.replace(plan.call, keep_quantized_weight=False), False)
     extra = sum(n for n, *_ in seen_keep.values()) - sum(n for n, *_ in seen_again.values())
-    assert plan.saved_weight() is not None and extra == _proto_bytes(plan.saved_weight())
+    amax_bytes = 4 if again.reuses_weight_amax else 0  # the forward's weight amax, which backward quantizes with
+    assert again.reuses_weight_amax == (rid == "current")
+    assert plan.saved_weight() is not None and extra == _proto_bytes(plan.saved_weight()) - amax_bytes

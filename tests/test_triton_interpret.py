@@ -22,6 +22,7 @@ from test_triton_kernels import (  # noqa: E402
     assert_bitwise,
     block_exponent_walk,
     check_delayed_slots,
+    check_existing_amax,
     check_scale_helpers,
     make_input,
     run_alt_config,
@@ -73,6 +74,11 @@ def test_current_scaling(shape, kind, usage):
         if usage[0] and usage[1]:  # the transpose is a transpose
             data, t = out[0], out[1]
             assert torch.equal(t.view(torch.uint8), data.reshape(-1, shape[-1]).view(torch.uint8).t())
+
+
+@pytest.mark.parametrize("options", [(0, False, 0.0), (2, True, 1e-3)], ids=str)
+def test_current_scaling_existing_amax(options):
+    check_existing_amax("cpu", [(17, 48), (132, 40), (3, 5, 96)], ["normal", "mixed", "nan"], options)
 
 
 @pytest.mark.parametrize("margin,power_2,epsilon", [(0, True, 0.0), (2, False, 1e-3), (-1, True, 1e-12)])

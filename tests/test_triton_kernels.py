@@ -144,6 +144,11 @@ def test_current_scaling_options(kind, margin, power_2, epsilon, fp8_dtype, dtyp
     assert_bitwise(out, ref, "current")
 
 
+@pytest.mark.parametrize("options", [(0, False, 0.0), (1, True, 1e-3)], ids=str)
+def test_current_scaling_existing_amax(options):
+    check_existing_amax("cuda", [(256, 512), (130, 300), (3, 5, 96)], ["normal", "mixed", "nan"], options)
+
+
 DELAYED_STATES = [(1.0, 0.0), (3.7, 0.5), (2.0**100, 1e30), (1e-30, 0.0),
                   (float(torch.finfo(torch.float32).max), 0.0)]
 
@@ -163,6 +168,25 @@ def test_delayed_scaling(shape, kind):
                 out = tri_f8.fp8_quantize_delayed(x, scale, amax_tri, fp8_dtype, *usage)
                 assert_bitwise(out, ref, what)
                 assert_bitwise((amax_tri,), (amax_ref,), what + " amax_out")
+
+
+def check_existing_amax(device, shapes, kinds, options=(0, False, 0.0)):
+    """Current scaling given the tensor's amax, taken already (`existing_amax`): the bytes of a
+    fresh pass, the same amax handed back, and the given buffer left as it was; a different amax
+    gives a different scale (the one given is the one used)."""
+    for shape, kind in zip(shapes, kinds):
+        x = make_input(shape, kind, device=device)
+        for fp8_dtype in FP8:
+            for usage in USAGES:
+                fresh = ref_f8.fp8_quantize_current(x, fp8_dtype, *usage, *options)
+                given = fresh[3].clone()
+                for call in ("first", "replayed"):  # on CUDA the second call replays the first's launch
+                    out = tri_f8.fp8_quantize_current(x, fp8_dtype, *usage, *options, existing_amax=given)
+                    assert_bitwise(out, fresh, f"existing amax {shape} {kind} {fp8_dtype} {usage} {call}")
+                    assert torch.equal(given, fresh[3])
+        if kind in ("normal", "mixed"):
+            other = tri_f8.fp8_quantize_current(x, E4M3, True, False, *options, existing_amax=given * 4)
+            assert not torch.equal(other[2], fresh[2])
 
 
 def check_delayed_slots(device, shapes, kinds):

@@ -127,7 +127,8 @@ class DelayedScalingState:
         if device is not None:
             kernel("delayed_record_amax", device)(state[0], amax, state[1], state[2], first)
             return
-        for buf, new in zip(state, torch.ops.te_proto.delayed_record_amax.default(state[0], amax, state[1], state[2], first)):
+        written = torch.ops.te_proto.delayed_record_amax.default(state[0], amax, state[1], state[2], first)
+        for buf, new in zip(state, written):
             buf.copy_(new)
 
     def reduce_pending_amaxes(self, all_reduce_max: Callable[[torch.Tensor], None]) -> None:

@@ -22,6 +22,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from ..gemm import gemm
+from ..kernels import kernel
 from ..kernels.reference.common import traced
 from ..tensor import TensorProto
 from ..tensor.storage import QuantizedTensorStorage
@@ -87,7 +88,8 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         out = gemm(x2d, weight, trans_b=True, bias=bias, out_dtype=inp.dtype)
         return out.view(out_shape), inp.new_empty(0, dtype=torch.float32), [], []
     # delayed scaling: the input's and the weight's quantizes read fp8_scale[0] / [1] and record their
-    # amaxes into amaxes[0] / [1] (a tensor not quantized here records zero)
+    # amaxes into amaxes[0] / [1] (a tensor not quantized here records zero); with reuses_weight_amax,
+    # the weight's amax, which backward quantizes the weight with again
     amaxes = inp.new_zeros(2, dtype=torch.float32) if plan.delayed else inp.new_empty(0, dtype=torch.float32)
     xq = None
     iq = plan.input_quantizer()
@@ -108,6 +110,9 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         if wq is not None:
             if plan.delayed:
                 wq = wq.with_scale_state(fp8_scale, amaxes, 1)
+            elif plan.reuses_weight_amax:
+                amaxes = kernel("amax", weight.device)(weight)
+                wq = wq.with_existing_amax(amaxes)
             wq = wq.quantize(weight, internal=True)
     if plan.delayed:  # a tensor only backward quantizes: record its amax here (forward_amax_roles)
         for role in plan.forward_amax_roles():
@@ -138,7 +143,7 @@ def _linear_fwd_fake(inp, weight, bias, fp8_scale, grad_fp8_scale, grad_amax_sta
     plan = plan_of(key, inp, weight, LinearCall.of(flags), inp_quantized)
     cache_mode = plan.call.cache_mode
     out = inp.new_empty(tuple(inp.shape[:-1]) + (weight.shape[0],))
-    amaxes = inp.new_empty(2 if plan.quantized and plan.delayed else 0, dtype=torch.float32)
+    amaxes = inp.new_empty(_amax_count(plan), dtype=torch.float32)
     saved = []
     for p in plan.output_saved_protos():
         saved += list(dataclasses.replace(p, device=inp.device).create_buffers().values())
@@ -149,15 +154,25 @@ def _linear_fwd_fake(inp, weight, bias, fp8_scale, grad_fp8_scale, grad_amax_sta
     return out, amaxes, saved, cache
 
 
+def _amax_count(plan: LinearPlan) -> int:
+    """Elements of the forward op's `amaxes` output: the input's and the weight's (delayed
+    scaling), the weight's (`reuses_weight_amax`), or none."""
+    if not plan.quantized:
+        return 0
+    return 2 if plan.delayed else 1 if plan.reuses_weight_amax else 0
+
+
 # ---- backward ---------------------------------------------------------------------------------
 @torch.library.custom_op("te_proto::linear_bwd", mutates_args=())
 def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[torch.Tensor],
                weight: Optional[torch.Tensor], weight_cache: List[torch.Tensor],
                fp8_scale: Optional[torch.Tensor], grad_fp8_scale: Optional[torch.Tensor],
-               main_grad: Optional[torch.Tensor], key: str, in_shape: List[int], weight_shape: List[int],
-               weight_dtype: torch.dtype, flags: int) -> List[torch.Tensor]:
+               weight_amax: Optional[torch.Tensor], main_grad: Optional[torch.Tensor], key: str,
+               in_shape: List[int], weight_shape: List[int], weight_dtype: torch.dtype, flags: int
+               ) -> List[torch.Tensor]:
     """[dgrad] [wgrad (fp32 when it is accumulated into main_grad)] [dbias] [grad amax (delayed)]; the
-    GEMMs the call computes (`LinearCall.computes_dgrad` / `computes_wgrad`)."""
+    GEMMs the call computes (`LinearCall.computes_dgrad` / `computes_wgrad`). `weight_amax`: the
+    forward's amax of the weight (`LinearPlan.reuses_weight_amax`)."""
     call = LinearCall.of(flags)
     plan = make_plan(key, tuple(in_shape), tuple(weight_shape), grad_out.dtype, weight_dtype, call, False)
     input_requires_grad, weight_requires_grad, cache_mode = call.computes_dgrad, call.computes_wgrad, call.cache_mode
@@ -178,6 +193,8 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
         with recomputed_in_backward():
             if plan.delayed:  # the forward's scale (pinned); its amax was recorded in forward
                 wq = wq.with_scale_state(fp8_scale, None, 1)
+            elif weight_amax is not None:  # the forward's amax: no second pass over the weight
+                wq = wq.with_existing_amax(weight_amax)
             w = wq.quantize(weight, internal=True)
     else:
         w = weight
@@ -229,7 +246,7 @@ def backward_tail(grads: List[torch.Tensor], dy: torch.Tensor, bias_requires_gra
 
 
 @linear_bwd.register_fake
-def _linear_bwd_fake(grad_out, saved, inp, weight, weight_cache, fp8_scale, grad_fp8_scale, main_grad,
+def _linear_bwd_fake(grad_out, saved, inp, weight, weight_cache, fp8_scale, grad_fp8_scale, weight_amax, main_grad,
                      key, in_shape, weight_shape, weight_dtype, flags):
     call = LinearCall.of(flags)
     plan = make_plan(key, tuple(in_shape), tuple(weight_shape), grad_out.dtype, weight_dtype, call, False)
@@ -274,7 +291,7 @@ _FWD_ARGS = tuple(a.name for a in torch.ops.te_proto.linear_fwd.default._schema.
 def _setup_context(ctx, inputs, output):
     a = dict(zip(_FWD_ARGS, inputs))
     call = LinearCall.of(a["flags"])
-    _, _, saved, _ = output
+    _, amaxes, saved, _ = output
     plan = plan_of(a["key"], a["inp"], a["weight"], call, a["inp_quantized"])
     if plan.prequantized and plan.saved_input() is not None:  # its columnwise buffers, by name
         named = dict(zip(plan.prequantized_input().inner_names(), a["inp_quantized"]))
@@ -287,7 +304,8 @@ def _setup_context(ctx, inputs, output):
     # The buffers backward writes into (grad amax state, main_grad) are kept by reference, not
     # saved, so a module applied twice before its backwards does not trip autograd's version check.
     fp8_scale, grad_fp8_scale = _scales_for_backward(a["fp8_scale"], a["grad_fp8_scale"])
-    state = (raw_inp, raw_w, fp8_scale, grad_fp8_scale)
+    weight_amax = amaxes if plan.reuses_weight_amax else None  # backward quantizes the weight with it
+    state = (raw_inp, raw_w, fp8_scale, grad_fp8_scale, weight_amax)
     ctx.has = tuple(t is not None for t in state)
     ctx.grad_amax_state, ctx.main_grad = list(a["grad_amax_state"]), a["main_grad"]
     tensors = [t for t in state if t is not None]
@@ -315,12 +333,12 @@ def _backward(ctx, grad_out, _grad_amaxes, _grad_saved, _grad_cache):
     saved, tensors = tensors[:ctx.n_saved], tensors[ctx.n_saved:]
     cache, tensors = tensors[:ctx.n_cache], tensors[ctx.n_cache:]
     it = iter(tensors)
-    raw_inp, raw_w, scales, grad_fp8_scale = (next(it) if h else None for h in ctx.has)
+    raw_inp, raw_w, scales, grad_fp8_scale, weight_amax = (next(it) if h else None for h in ctx.has)
     main_grad = ctx.main_grad
     backward_op = getattr(ctx, "backward_op", linear_bwd)
     dy = grad_out.contiguous()
     op_args = dict(saved=saved, inp=raw_inp, weight=raw_w, weight_cache=cache, fp8_scale=scales,
-                   grad_fp8_scale=grad_fp8_scale, main_grad=main_grad, **ctx.args)
+                   grad_fp8_scale=grad_fp8_scale, weight_amax=weight_amax, main_grad=main_grad, **ctx.args)
     call, deferred = ctx.call, None
     if call.delay_wgrad and call.weight_requires_grad:
         call, deferred = _split_backward(ctx, dy)

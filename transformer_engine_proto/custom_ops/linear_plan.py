@@ -139,6 +139,16 @@ class LinearPlan:
             return self._proto("weight", self.weight_shape, self.weight_dtype, self.dgrad_deq, self.dgrad_q)
         return None
 
+    @functools.cached_property
+    def reuses_weight_amax(self) -> bool:
+        """Whether backward quantizes the weight again with the amax forward took of it (a format
+        whose scale comes from one per-tensor amax: current scaling): the forward op returns that
+        amax, backward skips a pass over the weight. The weight has not changed in between."""
+        if not (self.fprop_q and self.saved_weight() is None and self.call.cache_mode == CACHE_OFF
+                and self.dgrad_weight() is not None):
+            return False
+        return self.quantizers.weight.takes_existing_amax()
+
     @_memo
     def cached_weight(self) -> Optional[TensorProto]:
         """Both usages, as stored in (or refreshed into) the module's weight cache."""

@@ -321,12 +321,13 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
         data, _, scale_inv, amax = self.quantize_with_reduced_amax(x2d, all_reduce_max, True, False)
         return [("_data", data, 0)], {"_scale_inv": scale_inv}, amax
 
-    def quantize_with_reduced_amax(self, x, all_reduce_max, rowwise: bool, columnwise: bool):
+    def quantize_with_reduced_amax(self, x, all_reduce_max, rowwise: bool, columnwise: bool, amax=None):
         """(data, transpose, scale_inv, amax): current scaling of `x` with its amax (of the finite
         values) all-reduced (max) first by `all_reduce_max` (in place), so shards of one tensor
-        share its scale."""
-        amax = kernel("amax", x.device)(x)
-        all_reduce_max(amax)
+        share its scale; `amax` given: that one, reduced already."""
+        if amax is None:
+            amax = kernel("amax", x.device)(x)
+            all_reduce_max(amax)
         scale = scale_from_amax(amax, self.fp8_max, self.margin, self.force_pow_2_scales, self.amax_epsilon)
         data, transpose, scale_inv = kernel("fp8_quantize_delayed", x.device)(
             x, scale, torch.zeros_like(amax), self.fp8_dtype, rowwise, columnwise)
@@ -343,6 +344,18 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
     def _scale_from_amax(self, amax):
         return scale_from_amax(amax, fp8_max(self.fp8_dtype), self.margin, self.force_pow_2_scales, self.amax_epsilon)
 
+    def takes_existing_amax(self):
+        # this class only: a subclass may take its amax otherwise (AmaxReducingQuantizer all-reduces it)
+        return type(self) is Float8CurrentScalingQuantizer
+
+    def with_existing_amax(self, amax):
+        """A field copy (as `Float8Quantizer.with_scale_state`) holding `amax`."""
+        if not self.takes_existing_amax():
+            return super().with_existing_amax(amax)
+        bound = object.__new__(type(self))
+        bound.__dict__.update(self.__dict__, _existing_amax=amax)
+        return bound
+
     DEBUG_RECIPE = "fp8_current_scaling"
 
     @classmethod
@@ -350,14 +363,15 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
         return Float8CurrentScalingQuantizer(fp8_dtype or torch.float8_e4m3fn)
 
     def _quantize_buffers(self, x):
+        existing = self.__dict__.get("_existing_amax")  # bound by `with_existing_amax`
         if kernels.fusing("amax") and not kernels.fusing("fp8_quantize_current"):
             # inductor fuses the amax into x's producer; our kernel casts with the scale from it
             data, transpose, scale_inv, _ = self.quantize_with_reduced_amax(
-                x, lambda amax: None, self.rowwise_usage, self.columnwise_usage)
+                x, lambda amax: None, self.rowwise_usage, self.columnwise_usage, existing)
             return self._pack(data, transpose, scale_inv)
         data, transpose, scale_inv, _ = kernel("fp8_quantize_current", x.device)(
             x, self.fp8_dtype, self.rowwise_usage, self.columnwise_usage,
-            self.margin, self.force_pow_2_scales, self.amax_epsilon,
+            self.margin, self.force_pow_2_scales, self.amax_epsilon, existing_amax=existing,
         )
         return self._pack(data, transpose, scale_inv)
 

@@ -217,6 +217,17 @@ class Quantizer:
         from the tensor itself."""
         raise missing_capability(self, "has_scale_state")
 
+    def takes_existing_amax(self) -> bool:
+        """Whether `with_existing_amax` applies: the scale comes from one amax of the whole tensor
+        (current scaling), which a caller that took it already may pass in."""
+        return False
+
+    def with_existing_amax(self, amax: torch.Tensor) -> "Quantizer":
+        """This quantizer bound to `amax`, the amax of the tensor it will quantize, taken already
+        (TE's `use_existing_amax`): its quantize skips the amax pass and writes the bytes a fresh
+        pass would. Only where `takes_existing_amax()`."""
+        raise missing_capability(self, "with_existing_amax")
+
     def with_scale_state(self, scale: torch.Tensor, amax: Optional[torch.Tensor], slot: int = 0) -> "Quantizer":
         """This quantizer bound to a module's `scale` and `amax` buffers (formats with scale
         state), element `slot` of each (a GEMM's input and weight share one buffer of each);

@@ -57,10 +57,12 @@ def _element(t: torch.Tensor, slot: int) -> torch.Tensor:
 
 
 @register_kernel("fp8_quantize_current")
-def fp8_quantize_current(x, fp8_dtype, rowwise, columnwise, margin=0, power_2=False, epsilon=0.0):
+def fp8_quantize_current(x, fp8_dtype, rowwise, columnwise, margin=0, power_2=False, epsilon=0.0,
+                         existing_amax=None):
     """Scale from this tensor's own amax (of its finite values): returns (data, transpose,
-    scale_inv, amax)."""
-    a = amax(x)
+    scale_inv, amax). `existing_amax`: that amax, taken already (TE's use_existing_amax): no
+    pass to take it again."""
+    a = amax(x) if existing_amax is None else existing_amax
     scale = scale_from_amax(a, fp8_max(fp8_dtype), margin, power_2, epsilon)
     data, transpose = _cast(x, scale, fp8_dtype, rowwise, columnwise)
     return data, transpose, true_div(1.0, scale), a

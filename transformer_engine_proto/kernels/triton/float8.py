@@ -298,11 +298,12 @@ class _CastPlan:
                scale_inv if scale is None else scale, scale_inv if amax is None else amax, scale_inv)
         return data, transpose, scale_inv
 
-    def current(self, x):
-        amax = torch.zeros((1,), dtype=torch.float32, device=self.device)
-        amax_launch, cast_launch = self.launches
-        amax_launch(x, amax)
-        return (*self._cast(x, None, amax, cast_launch), amax)
+    def current(self, x, existing_amax=None):
+        amax = existing_amax
+        if amax is None:
+            amax = torch.zeros((1,), dtype=torch.float32, device=self.device)
+            self.launches[0](x, amax)
+        return (*self._cast(x, None, amax, self.launches[-1]), amax)
 
     def delayed(self, x, scale, amax_out):
         if len(self.launches) == 2:
@@ -355,25 +356,31 @@ def _fp8_quantize_delayed(x, scale, amax_out, fp8_dtype, rowwise, columnwise, sl
 
 
 @triton_kernel("fp8_quantize_current")
-def fp8_quantize_current(x, fp8_dtype, rowwise, columnwise, margin=0, power_2=False, epsilon=0.0):
+def fp8_quantize_current(x, fp8_dtype, rowwise, columnwise, margin=0, power_2=False, epsilon=0.0,
+                         existing_amax=None):
     """Scale from this tensor's own amax (of its finite values): returns (data, transpose,
-    scale_inv, amax)."""
-    key = plan_key(x, "current", fp8_dtype, rowwise, columnwise, margin, power_2, epsilon)
+    scale_inv, amax). `existing_amax`: that amax, taken already: the cast alone."""
+    given = existing_amax is not None
+    key = plan_key(x, "current", fp8_dtype, rowwise, columnwise, margin, power_2, epsilon, given)
+    if key is not None and given and not _slotted(existing_amax):
+        key = None
     plan = planned(key)
     if plan is not None:
-        return plan.current(x)
+        return plan.current(x, existing_amax)
     return run_recorded(key, lambda launches: _CastPlan(x, fp8_dtype, rowwise, columnwise, launches),
                         _fp8_quantize_current, x, fp8_dtype, rowwise, columnwise, margin, power_2, epsilon,
-                        expect=(2,))  # amax, cast
+                        existing_amax, expect=(1,) if given else (2,))  # [amax,] cast
 
 
-def _fp8_quantize_current(x, fp8_dtype, rowwise, columnwise, margin, power_2, epsilon):
-    if not _fits(x):
-        return _ref.fp8_quantize_current(x, fp8_dtype, rowwise, columnwise, margin, power_2, epsilon)
+def _fp8_quantize_current(x, fp8_dtype, rowwise, columnwise, margin, power_2, epsilon, existing_amax):
+    if not _fits(x) or not (existing_amax is None or _slotted(existing_amax)):
+        return _ref.fp8_quantize_current(x, fp8_dtype, rowwise, columnwise, margin, power_2, epsilon, existing_amax)
     fp8_params(fp8_dtype)
     x2d = _as_2d(x)
-    amax = torch.zeros((1,), dtype=torch.float32, device=x.device)
-    _amax_into(x2d, amax, finite=True)
+    amax = existing_amax
+    if amax is None:
+        amax = torch.zeros((1,), dtype=torch.float32, device=x.device)
+        _amax_into(x2d, amax, finite=True)
     data, transpose, scale_inv = _launch_cast(x2d, fp8_dtype, rowwise, columnwise, amax=amax,
                                               current=True, margin=margin, power_2=power_2,
                                               epsilon=epsilon)
