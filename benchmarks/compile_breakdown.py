@@ -13,7 +13,9 @@ those were swapped for their launch without a retrace; the kernels inductor gene
 `metrics.generated_kernel_count`, which on the CPU backend counts several per fused loop; a warm run
 compiles none), the Triton kernels it compiled (entries it added to Triton's cache; a warm run on
 a GPU must add none) and, with `--cprofile`, the library functions with the most cumulative time while
-compiling.
+compiling. With several warm runs (`--caches cold,warm,warm2,...`) a table gives each variant's
+medians over them: the first step, its ratio to bf16's, and dynamo's tracing, its guards and the
+loading of the cached graphs, where a warm first step's compile time goes.
 """
 from __future__ import annotations
 
@@ -144,6 +146,31 @@ def parse_args(argv=None):
     return args
 
 
+# the phases a warm first step spends its compile time in (a cache hit skips AOT and inductor)
+WARM_PHASES = {"bytecode_tracing": "dynamo tracing s", "build_guards": "guards s",
+               "OutputGraph.call_user_compiler": "loading cached graphs s"}
+
+
+def warm_summary(results) -> list:
+    """Per variant, over its warm runs (every run after the cold one): the count, the median first
+    step, its ratio to bf16's median, the median of each `WARM_PHASES` phase. Empty without warm runs."""
+    def median(values):
+        v = sorted(values)
+        return (v[(len(v) - 1) // 2] + v[len(v) // 2]) / 2
+
+    runs = {}
+    for r in results:
+        if r["caches"] != "cold" and "first_step_s" in r:
+            runs.setdefault(r["variant"], []).append(r)
+    med = {v: median([r["first_step_s"] for r in rs]) for v, rs in runs.items()}
+    rows = []
+    for v, rs in runs.items():
+        ratio = f"{med[v] / med['bf16']:.2f}x" if "bf16" in med else "-"
+        rows.append([v, len(rs), f"{med[v]:.2f}", ratio,
+                     *(f"{median([r.get('phases_s', {}).get(k, 0.0) for r in rs]):.2f}" for k in WARM_PHASES)])
+    return rows
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
@@ -173,6 +200,10 @@ def main(argv=None):
         ratio = f"{s / base[r['caches']]:.2f}x" if s is not None and r["caches"] in base else "-"
         rows.append([r["variant"], r["caches"], r["error"] if s is None else f"{s:.1f}", ratio])
     print(C.markdown_table(["variant", "caches", "first step s", "vs bf16"], rows))
+    warm = warm_summary(results)
+    if warm:
+        print("\n## Warm processes: medians (a warm first step moves by tens of % between processes)\n")
+        print(C.markdown_table(["variant", "runs", "first step s", "vs bf16", *WARM_PHASES.values()], warm))
     print("\n## Graphs inductor compiled (post-grad; a cache hit compiles none)\n")
     columns = {"graphs": "graphs", "nodes": "nodes", "tiny_nodes": f"nodes of <= {TINY} elements",
                "generated_kernels": "kernels inductor generated", "triton_calls": "user Triton kernel calls",

@@ -46,6 +46,16 @@ def test_more_warm_runs_are_more_processes_on_the_same_caches(monkeypatch, capsy
     assert len({c[1] for c in calls[:3]}) == 1 and calls[0][1] != calls[3][1]
     out = capsys.readouterr().out
     assert "| te:delayed | warm2  | 2.7          | 2.00x   |" in out  # 8 / 3 against bf16's 4 / 3
+    # medians of the warm runs: bf16 (2 + 1.33) / 2, delayed (4 + 2.67) / 2
+    assert "| te:delayed | 2    | 3.33         | 2.00x   |" in out, out
+    rows = compile_breakdown.warm_summary([
+        {"variant": "bf16", "caches": "cold", "first_step_s": 20.0},
+        *({"variant": "bf16", "caches": f"warm{i}", "first_step_s": s, "phases_s": {"build_guards": g}}
+          for i, (s, g) in enumerate(((3.0, 0.1), (9.0, 0.3), (4.0, 0.2)))),
+        {"variant": "te:delayed", "caches": "warm", "first_step_s": 6.0, "phases_s": {"bytecode_tracing": 2.5}},
+    ])
+    assert rows == [["bf16", 3, "4.00", "1.00x", "0.00", "0.20", "0.00"],
+                    ["te:delayed", 1, "6.00", "1.50x", "2.50", "0.00", "0.00"]], rows
 
 
 @pytest.mark.slow
