@@ -169,6 +169,15 @@ class _Float8QuantizerBase(Quantizer):
     def _scale_from_amax(self, amax):
         raise ValueError(f"{type(self).__name__}: a delayed-scaling weight gathers with its module's scale")
 
+    def _bound(self, **state):
+        """A field copy holding `state` (tensors the quantize reads), not `dataclasses.replace`
+        (which re-runs __init__ and the checks: host time per GEMM, the linear ops bind per call);
+        the copy shares this quantizer's input checks."""
+        self.__dict__.setdefault("_checked_inputs", set())
+        bound = object.__new__(type(self))
+        bound.__dict__.update(self.__dict__, **state)
+        return bound
+
     def _pack(self, data, transpose, scale_inv) -> Dict[str, torch.Tensor]:
         out = {}
         if self.rowwise_usage:
@@ -248,13 +257,9 @@ class Float8Quantizer(_Float8QuantizerBase):
         return True
 
     def with_scale_state(self, scale, amax, slot=0):
-        """A field copy, not `dataclasses.replace` (which re-runs __init__ and the checks: host time
-        per GEMM, the linear ops call this); the callers pass the module's own fp32 buffers, whose
-        element `slot` the kernel reads (scale) and writes (amax; None: not recorded)."""
-        self.__dict__.setdefault("_checked_inputs", set())  # the bound copies share this quantizer's input checks
-        bound = object.__new__(type(self))
-        bound.__dict__.update(self.__dict__, scale=scale, amax=amax, _slot=slot)
-        return bound
+        """A bound copy (`_bound`); the callers pass the module's own fp32 buffers, whose element
+        `slot` the kernel reads (scale) and writes (amax; None: not recorded)."""
+        return self._bound(scale=scale, amax=amax, _slot=slot)
 
     def sp_gather_rule(self):
         return GatherRule("fp8_delayed", pads_uneven=True)
@@ -349,12 +354,10 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
         return type(self) is Float8CurrentScalingQuantizer
 
     def with_existing_amax(self, amax):
-        """A field copy (as `Float8Quantizer.with_scale_state`) holding `amax`."""
+        """A bound copy (`_bound`) holding `amax`."""
         if not self.takes_existing_amax():
             return super().with_existing_amax(amax)
-        bound = object.__new__(type(self))
-        bound.__dict__.update(self.__dict__, _existing_amax=amax)
-        return bound
+        return self._bound(_existing_amax=amax)
 
     DEBUG_RECIPE = "fp8_current_scaling"
 
