@@ -94,11 +94,11 @@ def eager_saved(model, recipe, ids):
     return seen
 
 
-def compiled_backward_inputs(fn):
+def compiled_backward_inputs(fn, graphs=None):
     """Run `fn()` (compiled: `fn` takes the backend) and return the fake values of the backward
     graphs' non-tangent inputs, by name: what the compiled forward saves. Inductor's own
     decompositions, joint passes and partitioner run; its codegen does not (the graphs run as
-    they are), so this is quick on CPU."""
+    they are), so this is quick on CPU. `graphs`: a list to append each (forward, backward) to."""
     import torch._inductor.compile_fx as cfx
 
     saved = []
@@ -106,6 +106,8 @@ def compiled_backward_inputs(fn):
 
     def partition(*a, **k):
         fw, bw = real(*a, **k)
+        if graphs is not None:
+            graphs.append((fw, bw))
         saved.extend((n.name, n.meta["val"]) for n in bw.graph.find_nodes(op="placeholder")
                      if not n.name.startswith("tangents") and isinstance(n.meta.get("val"), torch.Tensor))
         return fw, bw

@@ -192,38 +192,103 @@ def test_compiled_qkv_saves_quantized_input_once():
     assert len(acts) == 1, [(t.shape, t.dtype) for t in saved]
 
 
+def _norm_linear_compiled(rid, recompute, device="cpu", graphs=None):
+    """A norm -> Linear step under inductor (fresh modules): (saved (TOKENS, IN)-sized activations,
+    the grads of the input, the norm weight and the Linear weight)."""
+    from transformer_engine_proto.custom_ops import recompute_tags
+
+    torch.manual_seed(0)  # fresh modules: delayed scaling's state starts equal
+    norm = te.RMSNorm(IN, params_dtype=torch.bfloat16, device=device)
+    lin = te.Linear(IN, OUT, bias=False, params_dtype=torch.bfloat16, device=device)
+    h = torch.randn(TOKENS, IN, dtype=torch.bfloat16, device=device, requires_grad=True)
+    recompute_tags.set_recompute_saved_input(recompute)
+    grads = []
+
+    def step(backend):
+        for t in (h, norm.weight, lin.weight):
+            t.grad = None
+        with recipe_ctx(RECIPES[rid]):
+            loss = torch.compile(lambda: lin(norm(h)).float().square().sum(), backend=backend)()
+        loss.backward()
+        grads.extend(t.grad for t in (h, norm.weight, lin.weight))
+
+    try:
+        saved = [v for n, v in saved_tensors.compiled_backward_inputs(step, graphs)
+                 if not n.startswith("primals")]
+    finally:
+        recompute_tags.set_recompute_saved_input(None)
+    return [tuple(t.shape) for t in saved if sorted(t.shape) == sorted((TOKENS, IN))], grads
+
+
 @pytest.mark.parametrize("rid", ["current", "delayed"])  # on CPU, compiled MXFP8 recomputes its quantizes anyway
 def test_recompute_saved_input_saves_no_quantized_activation(rid):
     """set_recompute_saved_input(True): under inductor a norm -> Linear saves neither the FP8 input
     nor the norm's output (both rebuilt in backward from the norm's input), with the same grads."""
-    from transformer_engine_proto.custom_ops import recompute_tags
-
-    def run(recompute):
-        torch.manual_seed(0)  # fresh modules: delayed scaling's state starts equal
-        norm = te.RMSNorm(IN, params_dtype=torch.bfloat16)
-        lin = te.Linear(IN, OUT, bias=False, params_dtype=torch.bfloat16)
-        h = torch.randn(TOKENS, IN, dtype=torch.bfloat16, requires_grad=True)
-        recompute_tags.set_recompute_saved_input(recompute)
-        grads = []
-
-        def step(backend):
-            for t in (h, norm.weight, lin.weight):
-                t.grad = None
-            with recipe_ctx(RECIPES[rid]):
-                loss = torch.compile(lambda: lin(norm(h)).float().square().sum(), backend=backend)()
-            loss.backward()
-            grads.extend(t.grad for t in (h, norm.weight, lin.weight))
-
-        try:
-            saved = [v for n, v in saved_tensors.compiled_backward_inputs(step) if not n.startswith("primals")]
-        finally:
-            recompute_tags.set_recompute_saved_input(None)
-        acts = [tuple(t.shape) for t in saved if sorted(t.shape) == sorted((TOKENS, IN))]  # the Linear input
-        return acts, grads
-
-    acts_saved, grads_saved = run(False)
-    acts_rebuilt, grads_rebuilt = run(True)
+    acts_saved, grads_saved = _norm_linear_compiled(rid, False)
+    acts_rebuilt, grads_rebuilt = _norm_linear_compiled(rid, True)
     assert acts_saved and not acts_rebuilt, (acts_saved, acts_rebuilt)
+    for a, b in zip(grads_saved, grads_rebuilt):
+        assert torch.equal(a, b)
+
+
+def _shape(node):
+    return tuple(getattr(getattr(node, "meta", {}).get("val"), "shape", ()))
+
+
+def _fp8_buffers(graph, shape):
+    """The `empty` FP8 buffers of `shape` a graph allocates (a quantize's outputs, either kernel)."""
+    return [n for n in graph.graph.nodes if n.op == "call_function" and n.target == torch.ops.aten.empty.memory_format
+            and _shape(n) == shape and n.meta["val"].dtype == torch.float8_e4m3fn]
+
+
+def _amax_passes(graph, shape):
+    """The amax reductions over a tensor of `shape`: aten's (reference kernels) or a Triton amax kernel's."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    out = []
+    for n in graph.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target == torch.ops.aten.amax.default and _shape(n.args[0]) == shape:
+            out.append(n.name)
+        elif "triton_kernel_wrapper" in str(n.target):
+            fn = kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
+            name = getattr(getattr(fn, "fn", fn), "__name__", str(fn))
+            if "amax" in name and any(_shape(v) == shape for v in n.kwargs["kwargs"].values()):
+                out.append(name)
+    return out
+
+
+def check_rebuilt_input_graphs(rid, device):
+    """With the input rebuilt in backward, the forward allocates no columnwise FP8 input (IN, TOKENS):
+    it writes only the rowwise bytes fprop reads; backward casts the columnwise copy with the
+    forward's scale, so it takes no amax of the input (current scaling saves the amax instead)."""
+    graphs = []
+    _norm_linear_compiled(rid, True, device, graphs)
+    (fw, bw), = graphs
+    assert not _fp8_buffers(fw, (IN, TOKENS))
+    assert _fp8_buffers(bw, (IN, TOKENS))
+    assert not _amax_passes(bw, (TOKENS, IN)), _amax_passes(bw, (TOKENS, IN))
+
+
+@pytest.mark.parametrize("rid", ["current", "delayed"])
+def test_recompute_saved_input_rebuilds_only_the_columnwise_bytes(rid):
+    check_rebuilt_input_graphs(rid, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rid", ["current", "delayed"])
+def test_recompute_saved_input_rebuilds_only_the_columnwise_bytes_cuda(rid):
+    check_rebuilt_input_graphs(rid, "cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rid", QUANTIZED_IDS)
+def test_recompute_saved_input_same_grads_cuda(rid):
+    """The Triton kernels: rebuilding the input in backward (each format's usages quantized apart)
+    gives the gradients of saving it, bit for bit."""
+    _, grads_saved = _norm_linear_compiled(rid, False, "cuda")
+    _, grads_rebuilt = _norm_linear_compiled(rid, True, "cuda")
     for a, b in zip(grads_saved, grads_rebuilt):
         assert torch.equal(a, b)
 

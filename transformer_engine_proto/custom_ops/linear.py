@@ -33,7 +33,7 @@ from .inductor_lowering import inline_in_inductor
 from .linear_call import CACHE_FILL, CACHE_OFF, CACHE_USE, LinearCall, call_flags
 from .linear_plan import LinearPlan, make_plan, plan_of
 from .recipe_key import RecipeKey
-from .recompute_tags import recompute_saved_input, recomputed_in_backward
+from .recompute_tags import recompute_saved_input, recomputed_in_backward, traced_for_inductor
 from .row_padding import pad_rows, unpad_rows
 
 __all__ = ["linear", "LinearCall", "CACHE_OFF", "CACHE_FILL", "CACHE_USE"]
@@ -59,17 +59,50 @@ def rebuild(proto: TensorProto, buffers: Sequence[torch.Tensor], names=None) -> 
     return proto.quantizer.make_tensor(dict(zip(names, buffers)), proto.shape, proto.dtype, internal=True)
 
 
-def _quantize_shared(plan: LinearPlan, inp: torch.Tensor, x2d: torch.Tensor) -> QuantizedTensorStorage:
-    """The input quantized for this call, shared with the other Linears that read the same tensor
-    with the same quantizer and usage (custom_ops/shared_input.py; stateless recipes only)."""
-    key = (RecipeKey.base(plan.key), plan.input_quantizer())
-    buffers = shared_input.lookup(inp, key)
-    if buffers is not None:
-        return rebuild(TensorProto((plan.input_rows, plan.in_shape[-1]), plan.act_dtype, plan.input_quantizer()),
-                       buffers)
-    xq = plan.input_quantizer().quantize(pad_rows(x2d, plan.input_rows), internal=True)
-    shared_input.store(inp, key, xq.get_buffers().values())
-    return xq
+def _quantize_shared(plan: LinearPlan, inp: torch.Tensor, quantizers, quantize) -> List[QuantizedTensorStorage]:
+    """The input quantized by `quantizers` (one storage each, `quantize()` makes them), shared with
+    the other Linears that read the same tensor with the same quantizers (custom_ops/shared_input.py;
+    stateless recipes only)."""
+    keys = [(RecipeKey.base(plan.key), q) for q in quantizers]
+    found = [shared_input.lookup(inp, k) for k in keys]
+    if all(b is not None for b in found):
+        shape = (plan.input_rows, plan.in_shape[-1])
+        return [rebuild(TensorProto(shape, plan.act_dtype, q), b) for q, b in zip(quantizers, found)]
+    made = quantize()
+    for k, xq in zip(keys, made):
+        shared_input.store(inp, k, xq.get_buffers().values())
+    return made
+
+
+def _quantize_input(plan: LinearPlan, inp: torch.Tensor, x2d: torch.Tensor, fp8_scale, amaxes):
+    """The forward's input quantize: (the storage fprop reads, the one whose usage backward reads).
+
+    While inductor traces the body with `recompute_saved_input` on, the two usages are quantized
+    apart, scaled alike (current scaling: one amax, taken first and saved; delayed: the pinned
+    scale): the partitioner then rebuilds in backward only the columnwise bytes, without a second
+    amax pass, and the forward writes only the rowwise ones. Both quantizes are tagged: the
+    reads of `x` they share (the reference kernels' upcast) are merged by AOT's CSE, and an
+    untagged merged node would be saved."""
+    iq = plan.input_quantizer()
+    x = pad_rows(x2d, plan.input_rows)
+    rebuilt = plan.saved_input() is not None and recompute_saved_input()
+    split = (rebuilt and traced_for_inductor() and plan.input_columnwise
+             and iq.rowwise_usage and iq.columnwise_usage)
+    usages = [iq.with_usage(columnwise=False), iq.with_usage(rowwise=False)] if split else [iq]
+    if plan.delayed:  # scaled by this module's state, never shared; the first quantize records the amax
+        with recomputed_in_backward(rebuilt):
+            made = [q.with_scale_state(fp8_scale, amaxes if i == 0 else None, 0).quantize(x, internal=True)
+                    for i, q in enumerate(usages)]
+    else:
+        def quantize():
+            bound = usages
+            if split and iq.takes_existing_amax():
+                amax = kernel("amax", x.device)(x)
+                bound = [q.with_existing_amax(amax) for q in usages]
+            with recomputed_in_backward(rebuilt):
+                return [q.quantize(x, internal=True) for q in bound]
+        made = _quantize_shared(plan, inp, usages, quantize)
+    return made[0], made[-1]
 
 
 # ---- forward ----------------------------------------------------------------------------------
@@ -91,18 +124,11 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     # amaxes into amaxes[0] / [1] (a tensor not quantized here records zero); with reuses_weight_amax,
     # the weight's amax, which backward quantizes the weight with again
     amaxes = inp.new_zeros(2, dtype=torch.float32) if plan.delayed else inp.new_empty(0, dtype=torch.float32)
-    xq = None
-    iq = plan.input_quantizer()
+    xq = xq_saved = None
     if plan.prequantized:
         xq = rebuild(plan.prequantized_input(), inp_quantized)
-    elif iq is not None:
-        # its columnwise copy is saved for wgrad, or rebuilt in backward (recompute_tags.py)
-        with recomputed_in_backward(plan.saved_input() is not None and recompute_saved_input()):
-            if plan.delayed:
-                iq = iq.with_scale_state(fp8_scale, amaxes, 0)
-                xq = iq.quantize(pad_rows(x2d, plan.input_rows), internal=True)
-            else:
-                xq = _quantize_shared(plan, inp, x2d)
+    elif plan.input_quantizer() is not None:  # its columnwise copy is saved for wgrad, or rebuilt in backward
+        xq, xq_saved = _quantize_input(plan, inp, x2d, fp8_scale, amaxes)
     if cache_mode == CACHE_USE:
         wq = rebuild(plan.cached_weight(), weight_cache)
     else:
@@ -131,7 +157,7 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     cache = list(wq.get_buffers().values()) if cache_mode == CACHE_FILL else []
     saved = []
     if plan.saved_input() is not None and not plan.prequantized:  # the usage backward reads
-        saved += list(xq.only_usage(not plan.input_columnwise).get_buffers().values())
+        saved += list(xq_saved.only_usage(not plan.input_columnwise).get_buffers().values())
     if plan.saved_weight() is not None:  # the usage dgrad reads
         saved += list(wq.only_usage(plan.dgrad_deq).get_buffers().values())
     return out.view(out_shape), amaxes, saved, cache

@@ -17,7 +17,8 @@ from typing import Optional
 import torch.fx.traceback as fx_traceback
 from torch.utils.checkpoint import CheckpointPolicy
 
-__all__ = ["recomputed_in_backward", "tagged", "set_recompute_saved_input", "recompute_saved_input"]
+__all__ = ["recomputed_in_backward", "tagged", "set_recompute_saved_input", "recompute_saved_input",
+           "traced_for_inductor"]
 
 _MISSING = object()
 _recompute_input: Optional[bool] = None
@@ -40,6 +41,12 @@ def recompute_saved_input() -> bool:
     return _recompute_input
 
 
+def traced_for_inductor() -> bool:
+    """Whether an op body is being traced with node metadata kept (inductor's inlining), where tags
+    take effect; an eager run or an opaque op's body is not."""
+    return fx_traceback.has_preserved_node_meta()
+
+
 def recomputed_in_backward(active: bool = True):
     """Tag the nodes traced inside MUST_RECOMPUTE (a no-op outside inductor's tracing)."""
     return tagged(CheckpointPolicy.MUST_RECOMPUTE, active)
@@ -48,7 +55,7 @@ def recomputed_in_backward(active: bool = True):
 @contextlib.contextmanager
 def tagged(policy: CheckpointPolicy, active: bool = True):
     """Tag the nodes traced inside with `policy` (a no-op outside inductor's tracing)."""
-    if not active or not fx_traceback.has_preserved_node_meta():
+    if not active or not traced_for_inductor():
         yield
         return
     meta = fx_traceback.get_current_meta()
