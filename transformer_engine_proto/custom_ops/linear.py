@@ -33,7 +33,8 @@ from .inductor_lowering import inline_in_inductor
 from .linear_call import CACHE_FILL, CACHE_OFF, CACHE_USE, LinearCall, call_flags
 from .linear_plan import LinearPlan, make_plan, plan_of
 from .recipe_key import RecipeKey
-from .recompute_tags import recompute_saved_input, recomputed_in_backward, traced_for_inductor
+from .recompute_tags import (recomputable_read, recompute_saved_input, recomputed_in_backward,
+                             traced_for_inductor)
 from .row_padding import pad_rows, unpad_rows
 
 __all__ = ["linear", "LinearCall", "CACHE_OFF", "CACHE_FILL", "CACHE_USE"]
@@ -89,9 +90,11 @@ def _quantize_input(plan: LinearPlan, inp: torch.Tensor, x2d: torch.Tensor, fp8_
     split = (rebuilt and traced_for_inductor() and plan.input_columnwise
              and iq.rowwise_usage and iq.columnwise_usage)
     usages = [iq.with_usage(columnwise=False), iq.with_usage(rowwise=False)] if split else [iq]
+    def reads(i):  # backward's usage reads `x` through a fusible op (recompute_tags.recomputable_read)
+        return recomputable_read(x) if i else x
     if plan.delayed:  # scaled by this module's state, never shared; the first quantize records the amax
         with recomputed_in_backward(rebuilt):
-            made = [q.with_scale_state(fp8_scale, amaxes if i == 0 else None, 0).quantize(x, internal=True)
+            made = [q.with_scale_state(fp8_scale, amaxes if i == 0 else None, 0).quantize(reads(i), internal=True)
                     for i, q in enumerate(usages)]
     else:
         def quantize():
@@ -100,7 +103,7 @@ def _quantize_input(plan: LinearPlan, inp: torch.Tensor, x2d: torch.Tensor, fp8_
                 amax = kernel("amax", x.device)(x)
                 bound = [q.with_existing_amax(amax) for q in usages]
             with recomputed_in_backward(rebuilt):
-                return [q.quantize(x, internal=True) for q in bound]
+                return [q.quantize(reads(i), internal=True) for i, q in enumerate(bound)]
         made = _quantize_shared(plan, inp, usages, quantize)
     return made[0], made[-1]
 

@@ -18,7 +18,7 @@ import torch.fx.traceback as fx_traceback
 from torch.utils.checkpoint import CheckpointPolicy
 
 __all__ = ["recomputed_in_backward", "tagged", "set_recompute_saved_input", "recompute_saved_input",
-           "traced_for_inductor"]
+           "traced_for_inductor", "recomputable_read"]
 
 _MISSING = object()
 _recompute_input: Optional[bool] = None
@@ -45,6 +45,15 @@ def traced_for_inductor() -> bool:
     """Whether an op body is being traced with node metadata kept (inductor's inlining), where tags
     take effect; an eager run or an opaque op's body is not."""
     return fx_traceback.has_preserved_node_meta()
+
+
+def recomputable_read(x):
+    """`x` through a fusible op (`x * 1`, exact), for a tagged kernel that reads `x` only in backward.
+    AOT's partitioner never recomputes a tensor that a non-fusible op of backward reads (a Triton
+    kernel: `ban_if_materialized_backward`), so it would save `x` in high precision; read through
+    this op (tagged too, so rebuilt in backward), `x`'s producer (a norm, SwiGLU) is recomputed into
+    the same generated kernel instead."""
+    return x * 1
 
 
 def recomputed_in_backward(active: bool = True):
