@@ -298,6 +298,34 @@ def test_scaled_mm_gemms_on_cuda(mnk):
                                ref.view(torch.uint8) if ref.element_size() == 1 else ref)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("in_features", [64, 192])
+def test_linear_whose_weight_tiles_are_partial_on_cuda(in_features):
+    """A Linear whose in_features is no multiple of 128: dgrad's 128x128-scaled weight has a partial
+    tile along N, which cuBLAS's blockwise GEMM rejects; the GEMM is emulated instead, in eager
+    and compiled (where torch's shape check failed the compile)."""
+    import transformer_engine_proto as te
+    from transformer_engine_proto import recipe as R
+
+    torch.manual_seed(0)
+    lin = te.Linear(in_features, 256, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(128, in_features, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    grads = []
+    for fn in (lin, torch.compile(lin)):
+        x.grad = lin.weight.grad = None
+        with te.autocast(recipe=R.Float8BlockScaling()):
+            y = fn(x)
+        y.float().square().sum().backward()
+        grads.append((x.grad, lin.weight.grad))
+    (dx, dw), (cdx, cdw) = grads
+    # the emulated GEMM is a float32 matmul, whose operand layouts inductor may choose otherwise
+    torch.testing.assert_close(cdx, dx, rtol=2 ** -6, atol=1e-5)
+    torch.testing.assert_close(cdw, dw, rtol=2 ** -6, atol=1e-5)
+    ref = x.detach().float().requires_grad_()
+    (ref @ lin.weight.float().t()).square().sum().backward()
+    assert ((dx.float() - ref.grad).norm() / ref.grad.norm()).item() < 0.1
+
+
 # ---- edge rules ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dim", [1, 2])
 def test_epsilon_floors_tile_amax(dim):

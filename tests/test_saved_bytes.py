@@ -192,15 +192,16 @@ def test_compiled_qkv_saves_quantized_input_once():
     assert len(acts) == 1, [(t.shape, t.dtype) for t in saved]
 
 
-def _norm_linear_compiled(rid, recompute, device="cpu", graphs=None):
-    """A norm -> Linear step under inductor (fresh modules): (saved (TOKENS, IN)-sized activations,
-    the grads of the input, the norm weight and the Linear weight)."""
+def _norm_linear_compiled(rid, recompute, device="cpu", graphs=None, shape=(TOKENS, IN, OUT)):
+    """A norm -> Linear step under inductor (fresh modules; `shape`: tokens, in, out): (saved
+    (TOKENS, IN)-sized activations, the grads of the input, the norm weight and the Linear weight)."""
+    tokens, n_in, n_out = shape
     from transformer_engine_proto.custom_ops import recompute_tags
 
     torch.manual_seed(0)  # fresh modules: delayed scaling's state starts equal
-    norm = te.RMSNorm(IN, params_dtype=torch.bfloat16, device=device)
-    lin = te.Linear(IN, OUT, bias=False, params_dtype=torch.bfloat16, device=device)
-    h = torch.randn(TOKENS, IN, dtype=torch.bfloat16, device=device, requires_grad=True)
+    norm = te.RMSNorm(n_in, params_dtype=torch.bfloat16, device=device)
+    lin = te.Linear(n_in, n_out, bias=False, params_dtype=torch.bfloat16, device=device)
+    h = torch.randn(tokens, n_in, dtype=torch.bfloat16, device=device, requires_grad=True)
     recompute_tags.set_recompute_saved_input(recompute)
     grads = []
 
@@ -286,9 +287,9 @@ def test_recompute_saved_input_rebuilds_only_the_columnwise_bytes_cuda(rid):
 @pytest.mark.parametrize("rid", QUANTIZED_IDS)
 def test_recompute_saved_input_same_grads_cuda(rid):
     """The Triton kernels: rebuilding the input in backward (each format's usages quantized apart)
-    gives the gradients of saving it, bit for bit."""
-    _, grads_saved = _norm_linear_compiled(rid, False, "cuda")
-    _, grads_rebuilt = _norm_linear_compiled(rid, True, "cuda")
+    gives the gradients of saving it, bit for bit (shapes every native GEMM takes)."""
+    _, grads_saved = _norm_linear_compiled(rid, False, "cuda", shape=(256, 256, 256))
+    _, grads_rebuilt = _norm_linear_compiled(rid, True, "cuda", shape=(256, 256, 256))
     for a, b in zip(grads_saved, grads_rebuilt):
         assert torch.equal(a, b)
 

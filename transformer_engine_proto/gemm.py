@@ -9,7 +9,8 @@ by format and device:
   so every GEMM of fprop/dgrad/wgrad reads existing buffers with no transpose copy.
 - CUDA, FP8 blockwise: `F.scaled_mm` with 1x128 / 128x128 block scales (the v2 API: the v1 API
   silently mis-reads 128x128 scales unless K/128 is a multiple of 4); 128x128 scales are padded
-  to a multiple of 4 blocks along the reduction dim (a copy of a few KB).
+  to a multiple of 4 blocks along the reduction dim (a copy of a few KB). K must be a multiple of
+  128, and a 128x128 operand's other dim too (a Linear's in_features, for dgrad): else emulated.
 - CUDA, MXFP8/NVFP4 on GPUs with block-scaled MMA (compute capability 10.x / 12.x): one native
   `F.scaled_mm` (`block_scaled_gemm.py`).
 - CUDA otherwise (MXFP8/NVFP4 on Hopper, shapes cuBLAS rejects): dequantize to bf16 and matmul.
@@ -105,6 +106,8 @@ def _blockwise(a, b, trans_a, trans_b, out_dtype, bias):
     n = b_rows.shape[0]
     if k % 128 or n % 16 or m % 4:
         return None
+    if pa.block[0] > 1 and m % 128 or pb.block[0] > 1 and n % 128:
+        return None  # cuBLAS reads a 128x128 operand's scales as (K/128, outer dim / 128): whole tiles only
     st = F.ScalingType
     if pa.block[0] > 1:
         rec_a, sa = st.BlockWise128x128, _pad_128x128(sa)

@@ -33,8 +33,7 @@ from .inductor_lowering import inline_in_inductor
 from .linear_call import CACHE_FILL, CACHE_OFF, CACHE_USE, LinearCall, call_flags
 from .linear_plan import LinearPlan, make_plan, plan_of
 from .recipe_key import RecipeKey
-from .recompute_tags import (recomputable_read, recompute_saved_input, recomputed_in_backward,
-                             traced_for_inductor)
+from .recompute_tags import recomputable_read, recompute_saved_input, recomputed_in_backward, traced_for_inductor
 from .row_padding import pad_rows, unpad_rows
 
 __all__ = ["linear", "LinearCall", "CACHE_OFF", "CACHE_FILL", "CACHE_USE"]

@@ -5,8 +5,8 @@ nodes made inside `recomputed_in_backward()` are tagged `MUST_RECOMPUTE`: AOT's 
 never saves their outputs for backward and runs them again there. The Linear op uses it to keep
 backward's weight quantize in backward; `set_recompute_saved_input(True)` also tags the forward's
 input quantize and the norms, so a Linear's saved FP8 input is rebuilt in backward from tensors
-kept anyway (the norm's input) instead of being saved: less memory, one more quantize and norm
-per Linear in backward (read once from `TE_PROTO_RECOMPUTE_INPUT`, default off).
+kept anyway (the norm's input) instead of being saved: less memory, one more cast (and the input's
+producer) per Linear in backward (read once from `TE_PROTO_RECOMPUTE_INPUT`, default off).
 """
 from __future__ import annotations
 
