@@ -81,15 +81,16 @@ def _quantize_input(plan: LinearPlan, inp: torch.Tensor, x2d: torch.Tensor, fp8_
     While inductor traces the body with `recompute_saved_input` on, the two usages are quantized
     apart, scaled alike (current scaling: one amax, taken first and saved; delayed: the pinned
     scale): the partitioner then rebuilds in backward only the columnwise bytes, without a second
-    amax pass, and the forward writes only the rowwise ones. Both quantizes are tagged: the
-    reads of `x` they share (the reference kernels' upcast) are merged by AOT's CSE, and an
-    untagged merged node would be saved."""
+    amax pass, and the forward writes only the rowwise ones. The rowwise quantize is tagged too
+    (forward reads it only): an op on `x` it shares with the other, which AOT's CSE merges, is then
+    never saved."""
     iq = plan.input_quantizer()
     x = pad_rows(x2d, plan.input_rows)
     rebuilt = plan.saved_input() is not None and recompute_saved_input()
     split = (rebuilt and traced_for_inductor() and plan.input_columnwise
              and iq.rowwise_usage and iq.columnwise_usage)
     usages = [iq.with_usage(columnwise=False), iq.with_usage(rowwise=False)] if split else [iq]
+
     def quantize_usage(i, q):
         """Backward's usage reads `x` through a fusible op (recompute_tags.recomputable_read), and a
         per-tensor FP8 cast is traced as aten ops: inductor writes it from the kernel recomputing `x`."""
