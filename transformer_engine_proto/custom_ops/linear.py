@@ -21,7 +21,6 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .. import kernels
 from ..gemm import gemm
 from ..kernels import kernel
 from ..kernels.reference.common import traced
@@ -91,16 +90,12 @@ def _quantize_input(plan: LinearPlan, inp: torch.Tensor, x2d: torch.Tensor, fp8_
              and iq.rowwise_usage and iq.columnwise_usage)
     usages = [iq.with_usage(columnwise=False), iq.with_usage(rowwise=False)] if split else [iq]
 
-    def quantize_usage(i, q):
-        """Backward's usage reads `x` through a fusible op (recompute_tags.recomputable_read), and a
-        per-tensor FP8 cast is traced as aten ops: inductor writes it from the kernel recomputing `x`."""
-        if not i:
-            return q.quantize(x, internal=True)
-        with kernels.fused_here():
-            return q.quantize(recomputable_read(x), internal=True)
+    def reads(i):  # backward's usage reads `x` through a fusible op (recompute_tags.recomputable_read)
+        return recomputable_read(x) if i else x
+
     if plan.delayed:  # scaled by this module's state, never shared; the first quantize records the amax
         with recomputed_in_backward(rebuilt):
-            made = [quantize_usage(i, q.with_scale_state(fp8_scale, amaxes if i == 0 else None, 0))
+            made = [q.with_scale_state(fp8_scale, amaxes if i == 0 else None, 0).quantize(reads(i), internal=True)
                     for i, q in enumerate(usages)]
     else:
         def quantize():
@@ -109,7 +104,7 @@ def _quantize_input(plan: LinearPlan, inp: torch.Tensor, x2d: torch.Tensor, fp8_
                 amax = kernel("amax", x.device)(x)
                 bound = [q.with_existing_amax(amax) for q in usages]
             with recomputed_in_backward(rebuilt):
-                return [quantize_usage(i, q) for i, q in enumerate(bound)]
+                return [q.quantize(reads(i), internal=True) for i, q in enumerate(bound)]
         made = _quantize_shared(plan, inp, usages, quantize)
     return made[0], made[-1]
 

@@ -26,7 +26,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 __all__ = ["register_kernel", "kernel", "available_backends", "set_backend", "get_backend", "set_fusible_quantize",
-           "fusible_quantize_enabled", "fusing", "fused_here", "tracing_for_inductor", "INDUCTOR_FUSIBLE"]
+           "fusible_quantize_enabled", "fusing", "tracing_for_inductor", "INDUCTOR_FUSIBLE"]
 
 _KERNELS: Dict[Tuple[str, str], Callable] = {}
 # Backends tried first on each device type when TE_PROTO_KERNELS=triton; "reference" is the fallback.
@@ -36,7 +36,6 @@ BACKENDS = ("reference", "triton")
 _backend: Optional[str] = None  # None: not chosen yet, take TE_PROTO_KERNELS at the next dispatch
 INDUCTOR_FUSIBLE = frozenset({"amax", "fp8_quantize_delayed", "fp8_quantize_current"})
 _inductor_depth = 0  # > 0 while inductor traces a library op's body
-_fused_here = 0  # > 0 inside `fused_here()`
 ON_FUSIBLE_CHANGE = []  # callbacks: the compile cache key names the setting
 # callbacks when inductor first traces a library op's body: compile-time setup that eager code
 # should not pay for (the Triton backend puts its pass in front of inductor's, triton/direct_swap.py)
@@ -101,22 +100,8 @@ def fusible_quantize_enabled() -> frozenset:
 
 
 def fusing(name: str) -> bool:
-    """Whether `kernel(name)` is the fusible reference here (inductor is tracing and `name` is chosen,
-    or inside `fused_here()`)."""
-    return bool(_inductor_depth) and (name in _fusible or bool(_fused_here) and name in INDUCTOR_FUSIBLE)
-
-
-@contextlib.contextmanager
-def fused_here():
-    """Inside, while inductor traces, every kernel of `INDUCTOR_FUSIBLE` is its aten reference,
-    whatever `set_fusible_quantize` chose: for a cast whose input backward recomputes, which inductor
-    then writes from the recomputing kernel, where a Triton cast would read the input back."""
-    global _fused_here
-    _fused_here += 1
-    try:
-        yield
-    finally:
-        _fused_here -= 1
+    """Whether `kernel(name)` is the fusible reference here (inductor is tracing and `name` is chosen)."""
+    return bool(_inductor_depth) and name in _fusible
 
 
 @contextlib.contextmanager
