@@ -192,14 +192,28 @@ def test_compiled_qkv_saves_quantized_input_once():
     assert len(acts) == 1, [(t.shape, t.dtype) for t in saved]
 
 
-def _norm_linear_compiled(rid, recompute, device="cpu", graphs=None, shape=(TOKENS, IN, OUT)):
-    """A norm -> Linear step under inductor (fresh modules; `shape`: tokens, in, out): (saved
-    (TOKENS, IN)-sized activations, the grads of the input, the norm weight and the Linear weight)."""
+class _TorchRMSNorm(torch.nn.Module):
+    """An RMSNorm in torch ops, as Hugging Face's: inductor sees through it."""
+
+    def __init__(self, n, device):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(n, dtype=torch.bfloat16, device=device))
+
+    def forward(self, h):
+        x = h.float()
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
+
+
+def _norm_linear_compiled(rid, recompute, device="cpu", graphs=None, shape=(TOKENS, IN, OUT), torch_norm=False):
+    """A norm -> Linear step under inductor (fresh modules; `shape`: tokens, in, out; te.RMSNorm or
+    `_TorchRMSNorm`): (saved (TOKENS, IN)-sized activations, the grads of the input, the norm weight
+    and the Linear weight)."""
     tokens, n_in, n_out = shape
     from transformer_engine_proto.custom_ops import recompute_tags
 
     torch.manual_seed(0)  # fresh modules: delayed scaling's state starts equal
-    norm = te.RMSNorm(n_in, params_dtype=torch.bfloat16, device=device)
+    norm = (_TorchRMSNorm(n_in, device) if torch_norm
+            else te.RMSNorm(n_in, params_dtype=torch.bfloat16, device=device))
     lin = te.Linear(n_in, n_out, bias=False, params_dtype=torch.bfloat16, device=device)
     h = torch.randn(tokens, n_in, dtype=torch.bfloat16, device=device, requires_grad=True)
     recompute_tags.set_recompute_saved_input(recompute)
@@ -227,6 +241,19 @@ def test_recompute_saved_input_saves_no_quantized_activation(rid):
     nor the norm's output (both rebuilt in backward from the norm's input), with the same grads."""
     acts_saved, grads_saved = _norm_linear_compiled(rid, False)
     acts_rebuilt, grads_rebuilt = _norm_linear_compiled(rid, True)
+    assert acts_saved and not acts_rebuilt, (acts_saved, acts_rebuilt)
+    for a, b in zip(grads_saved, grads_rebuilt):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("rid", ["current", "delayed"])
+def test_recompute_saved_input_recomputes_a_torch_norm(rid, device):
+    """An input made by torch ops (Hugging Face's RMSNorm) is recomputed for backward's cast, not
+    saved in bf16: AOT's partitioner never recomputes a tensor that a Triton kernel of backward
+    reads, so the cast reads it through a fusible op (`recompute_tags.recomputable_read`)."""
+    acts_saved, grads_saved = _norm_linear_compiled(rid, False, device, torch_norm=True)
+    acts_rebuilt, grads_rebuilt = _norm_linear_compiled(rid, True, device, torch_norm=True)
     assert acts_saved and not acts_rebuilt, (acts_saved, acts_rebuilt)
     for a, b in zip(grads_saved, grads_rebuilt):
         assert torch.equal(a, b)
