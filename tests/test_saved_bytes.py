@@ -255,8 +255,10 @@ def test_recompute_saved_input_recomputes_a_torch_norm(rid, device):
     acts_saved, grads_saved = _norm_linear_compiled(rid, False, device, torch_norm=True)
     acts_rebuilt, grads_rebuilt = _norm_linear_compiled(rid, True, device, torch_norm=True)
     assert acts_saved and not acts_rebuilt, (acts_saved, acts_rebuilt)
+    # inductor recomputes the torch norm in a kernel of its own, whose reduction order may differ
+    # from the forward's (an ulp of the input can move an FP8 code): close, not bitwise
     for a, b in zip(grads_saved, grads_rebuilt):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(b, a, rtol=0.05, atol=1e-3)
 
 
 def _shape(node):
