@@ -111,10 +111,10 @@ def test_shared_input_saved_once_and_bitwise(rid):
     x = torch.empty(TOKENS, IN)
     one, plan = plan_bytes(rid, lin[0], x.requires_grad_())
     inp = _proto_bytes(plan.saved_input())
-    copies = 3 if rid == "delayed" else 1  # delayed scaling: each module's own input scale
     # `h * 2.0` saves nothing (a Python scalar); the grad_outputs `gs` are left out
-    assert got == 3 * (one - inp) + copies * inp, (rid, got, one, inp, sorted(seen.values(), key=str))
+    assert got == 3 * (one - inp) + inp, (rid, got, one, inp, sorted(seen.values(), key=str))
     grads = [h.grad] + [m.weight.grad for m in lin]
+    state = [[b.clone() for _, b in sorted(m.named_buffers())] for m in lin]
 
     ref_lin, ref_h, ref_fwd, _ = _qkv(rid, share=False)
     with recipe_ctx(RECIPES[rid]):
@@ -123,6 +123,9 @@ def test_shared_input_saved_once_and_bitwise(rid):
     assert torch.equal(loss, ref_loss)
     for g, r in zip(grads, [ref_h.grad] + [m.weight.grad for m in ref_lin]):
         assert torch.equal(g, r)
+    for bs, r in zip(state, ref_lin):  # delayed: every reader recorded the input's amax
+        for b, (name, rb) in zip(bs, sorted(r.named_buffers())):
+            assert torch.equal(b, rb), (rid, name)
 
 
 def test_shared_input_not_reused_after_in_place_write_or_autocast_exit():
@@ -174,15 +177,17 @@ def test_weight_requantized_in_backward_is_bitwise_the_forward_one(rid):
                            b[k].view(torch.uint8) if b[k].dtype.itemsize == 1 else b[k]), (rid, k)
 
 
-def test_compiled_qkv_saves_quantized_input_once():
+@pytest.mark.parametrize("rid", ["current", "delayed"])
+def test_compiled_qkv_saves_quantized_input_once(rid):
     """Under inductor (the ops inlined), the q/k/v Linears' quantizes of one input are one: the
     backward graph gets one quantized input, not three (AOT's CSE does not merge Triton quantize
-    launches on the GPU; the shared quantize does not depend on it)."""
-    lin, h, fwd, _ = _qkv("current")
+    launches on the GPU; the shared quantize does not depend on it); delayed scaling's state
+    after the step is the unshared eager run's."""
+    lin, h, fwd, _ = _qkv(rid)
     hits = shared_input.stats["hits"]
 
     def step(backend):
-        with recipe_ctx(RECIPES["current"]):
+        with recipe_ctx(RECIPES[rid]):
             loss = torch.compile(fwd, backend=backend)()
         loss.backward()
 
@@ -190,6 +195,13 @@ def test_compiled_qkv_saves_quantized_input_once():
     assert shared_input.stats["hits"] - hits == 2
     acts = [t for t in saved if t.dtype == torch.float8_e4m3fn and TOKENS in t.shape]
     assert len(acts) == 1, [(t.shape, t.dtype) for t in saved]
+    state = [[b.clone() for _, b in sorted(m.named_buffers())] for m in lin]
+    ref_lin, _, ref_fwd, _ = _qkv(rid, share=False)
+    with recipe_ctx(RECIPES[rid]):
+        ref_fwd().backward()
+    for bs, r in zip(state, ref_lin):
+        for b, (name, rb) in zip(bs, sorted(r.named_buffers())):
+            assert torch.equal(b, rb), (rid, name)
 
 
 class _TorchRMSNorm(torch.nn.Module):

@@ -59,18 +59,24 @@ def rebuild(proto: TensorProto, buffers: Sequence[torch.Tensor], names=None) -> 
     return proto.quantizer.make_tensor(dict(zip(names, buffers)), proto.shape, proto.dtype, internal=True)
 
 
-def _quantize_shared(plan: LinearPlan, inp: torch.Tensor, quantizers, quantize) -> List[QuantizedTensorStorage]:
+def _quantize_shared(plan: LinearPlan, inp: torch.Tensor, quantizers, quantize,
+                     amax: Optional[torch.Tensor] = None) -> List[QuantizedTensorStorage]:
     """The input quantized by `quantizers` (one storage each, `quantize()` makes them), shared with
-    the other Linears that read the same tensor with the same quantizers (custom_ops/shared_input.py;
-    stateless recipes only)."""
+    the other Linears that read the same tensor with the same quantizers (custom_ops/shared_input.py).
+    `amax` (delayed scaling): where `quantize()` records the input's amax; a Linear that reuses
+    another's quantize gets that amax written there."""
     keys = [(RecipeKey.base(plan.key), q) for q in quantizers]
     found = [shared_input.lookup(inp, k) for k in keys]
     if all(b is not None for b in found):
+        if amax is not None:
+            amax.copy_(found[0][-1])
+            found[0] = found[0][:-1]
         shape = (plan.input_rows, plan.in_shape[-1])
         return [rebuild(TensorProto(shape, plan.act_dtype, q), b) for q, b in zip(quantizers, found)]
     made = quantize()
-    for k, xq in zip(keys, made):
-        shared_input.store(inp, k, xq.get_buffers().values())
+    for i, (k, xq) in enumerate(zip(keys, made)):
+        extra = [amax] if amax is not None and i == 0 else []
+        shared_input.store(inp, k, list(xq.get_buffers().values()) + extra)
     return made
 
 
@@ -93,10 +99,12 @@ def _quantize_input(plan: LinearPlan, inp: torch.Tensor, x2d: torch.Tensor, fp8_
     def reads(i):  # backward's usage reads `x` through a fusible op (recompute_tags.recomputable_read)
         return recomputable_read(x) if i else x
 
-    if plan.delayed:  # scaled by this module's state, never shared; the first quantize records the amax
-        with recomputed_in_backward(rebuilt):
-            made = [q.with_scale_state(fp8_scale, amaxes if i == 0 else None, 0).quantize(reads(i), internal=True)
-                    for i, q in enumerate(usages)]
+    if plan.delayed:  # the first quantize records the amax; a Linear reusing it copies that amax
+        def quantize():
+            with recomputed_in_backward(rebuilt):
+                return [q.with_scale_state(fp8_scale, amaxes if i == 0 else None, 0).quantize(reads(i), internal=True)
+                        for i, q in enumerate(usages)]
+        made = _quantize_shared(plan, inp, usages, quantize, amax=amaxes[:1])
     else:
         def quantize():
             bound = usages

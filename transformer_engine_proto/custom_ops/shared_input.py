@@ -4,8 +4,11 @@ A Hugging Face Llama's q/k/v (and gate/up) projections are separate Linears read
 bf16 saves that tensor once for backward; without sharing each Linear op quantizes it again and
 saves its own columnwise copy. Here the Linear op's body asks `lookup` for the quantized input of
 (this source tensor, quantizer, rows) and `store`s the one it makes, so later calls on the same
-tensor reuse the buffers: one quantize and one saved copy per format and usage. Only stateless
-recipes share (a delayed-scaling input is scaled by its own module's state).
+tensor reuse the buffers: one quantize and one saved copy per format and usage. Under delayed
+scaling the copy is scaled by the first reader's input scale and each reader records its amax, as
+TE's fused QKV projection has one input scale: Linears fed the same tensors keep equal histories,
+so their own scales would be the same (they differ only if their histories were made to differ,
+as by loading other checkpoints into them).
 
 Sharing happens only inside a `scope`, which the two callers of the body open:
 - the eager path (`custom_ops/eager_path.py`): the source is the tensor the op was called with; entries
