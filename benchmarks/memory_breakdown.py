@@ -12,6 +12,7 @@ grads, optimizer state, the allocator's cache of earlier steps) is one line.
 from __future__ import annotations
 
 import gc
+import linecache
 import os
 import sys
 from collections import defaultdict
@@ -34,12 +35,14 @@ def _where(frames) -> str:
         name = f.get("filename", "")
         if "/torch/" in name and "torchinductor" not in name:
             continue
-        return f"{os.path.basename(name)}:{f.get('line')} {f.get('name')}"
+        text = linecache.getline(name, f.get("line") or 0).strip()  # generated code: the kernel or op
+        return f"{os.path.basename(name)}:{f.get('line')} {f.get('name')}" + (f" `{text[:60]}`" if text else "")
     return "torch"
 
 
 def peak_blocks(trace):
-    """(peak bytes over the step's allocations, {addr: (size, frames)} alive at the peak)."""
+    """(peak bytes over the step's allocations, {addr: (size, frames)} alive at the peak, the
+    frames of the allocation that reached it)."""
     live, total, peak, peak_at = {}, 0, 0, -1
     for i, e in enumerate(trace):
         if e["action"] == "alloc":
@@ -55,7 +58,7 @@ def peak_blocks(trace):
             alive[e["addr"]] = (e["size"], e.get("frames", []))
         elif e["action"] == "free_completed":
             alive.pop(e["addr"], None)
-    return peak, alive
+    return peak, alive, trace[peak_at].get("frames", []) if peak_at >= 0 else []
 
 
 def breakdown(variant, args, device):
@@ -88,7 +91,7 @@ def breakdown(variant, args, device):
     torch.cuda.synchronize()
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    peak, alive = peak_blocks(snap["device_traces"][device.index or 0])
+    peak, alive, peak_frames = peak_blocks(snap["device_traces"][device.index or 0])
     by_size = defaultdict(lambda: [0, set()])
     for size, frames in alive.values():
         entry = by_size[round(size / MIB, 1)]
@@ -102,7 +105,7 @@ def breakdown(variant, args, device):
     rest = sum(s for s, _ in alive.values()) / MIB - sum(float(r[2]) for r in rows[1:])
     rows.append([f"smaller than {args.min_mib} MiB in all", "", f"{rest:.0f}", ""])
     print(f"\n## {variant}: peak {(before + peak) / 2**30:.2f} GiB (max_memory_allocated "
-          f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB)\n")
+          f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB), reached at {_where(peak_frames)}\n")
     print(C.markdown_table(["blocks", "count", "MiB", "allocated at"], rows), flush=True)
     return {"variant": variant, "peak_gib": (before + peak) / 2**30, "before_mib": before / MIB,
             "rows": rows}

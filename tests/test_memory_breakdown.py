@@ -17,6 +17,9 @@ def test_peak_is_the_largest_live_total_and_lists_what_was_alive():
              {"action": "free_completed", "addr": 1, "size": 10},
              {"action": "alloc", "addr": 3, "size": 5, "frames": []},
              {"action": "free_completed", "addr": 2, "size": 20}]
-    peak, alive = mb.peak_blocks(trace)
+    peak, alive, at = mb.peak_blocks(trace)
     assert peak == 31 and {a: s for a, (s, _) in alive.items()} == {1: 10, 2: 20, 4: 1}
+    assert at == []  # the frames of the allocation that reached the peak (addr 4)
     assert mb._where(model) == "model.py:5 forward"  # torch's own frames are skipped
+    here = [{"filename": __file__, "line": 1, "name": "m"}]  # a readable file: its line's text
+    assert mb._where(here).startswith(f"{os.path.basename(__file__)}:1 m `\"\"\"benchmarks/memory_breakdown")
