@@ -220,6 +220,19 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
         x = next(saved_q)
     else:
         x = inp.reshape(-1, in_shape[-1]) if weight_requires_grad else None
+    # dy first: its bf16 copy (the lm_head's: 512 MiB on the Llama) may die before the weight's
+    # quantized copy is allocated
+    rows = plan.rows  # dy and x zero-padded to the recipe's row block for wgrad
+    dy_q = dy
+    delayed = plan.quantized and plan.delayed
+    grad_amax = torch.zeros(1, dtype=torch.float32, device=dy.device) if delayed else None
+    gq = plan.grad_quantizer()  # None for bias-only or both GEMMs in high precision
+    if gq is not None:
+        if plan.delayed:
+            gq = gq.with_scale_state(grad_fp8_scale, grad_amax)
+        dy_q = gq.quantize(pad_rows(dy, rows), internal=True)
+    elif delayed and call.delay_wgrad and plan.wgrad_q:  # only the deferred wgrad quantizes dy: its amax now
+        grad_amax = dy.abs().amax().float().reshape(1)
     if not input_requires_grad:
         w = None
     elif cache_mode == CACHE_USE and plan.dgrad_weight() is not None:
@@ -240,17 +253,6 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
         with recomputed_in_backward():
             w = w.dequantize(dtype=grad_out.dtype) if plan.dgrad_deq and input_requires_grad else w
             x = x.dequantize(dtype=grad_out.dtype) if plan.wgrad_deq and weight_requires_grad else x
-    rows = plan.rows  # dy and x zero-padded to the recipe's row block for wgrad
-    dy_q = dy
-    delayed = plan.quantized and plan.delayed
-    grad_amax = torch.zeros(1, dtype=torch.float32, device=dy.device) if delayed else None
-    gq = plan.grad_quantizer()  # None for bias-only or both GEMMs in high precision
-    if gq is not None:
-        if plan.delayed:
-            gq = gq.with_scale_state(grad_fp8_scale, grad_amax)
-        dy_q = gq.quantize(pad_rows(dy, rows), internal=True)
-    elif delayed and call.delay_wgrad and plan.wgrad_q:  # only the deferred wgrad quantizes dy: its amax now
-        grad_amax = dy.abs().amax().float().reshape(1)
     dgrad_q, wgrad_q = plan.dgrad_q and input_requires_grad, plan.wgrad_q and weight_requires_grad
     if wgrad_q and call.save_original_input:  # kept in backward, as the weight's quantize
         iq = plan.quantizers.input.with_usage(rowwise=False, columnwise=True)
