@@ -100,6 +100,17 @@ def _qkv(rid, share=True, seed=0):
     return lin, h, fwd, gs
 
 
+def _state(modules):
+    """Each module's buffers (the delayed-scaling state), copied, in name order."""
+    return [[b.clone() for _, b in sorted(m.named_buffers())] for m in modules]
+
+
+def _assert_same_state(rid, state, ref_modules):
+    for bs, r in zip(state, ref_modules):
+        for b, (name, rb) in zip(bs, sorted(r.named_buffers())):
+            assert torch.equal(b, rb), (rid, name)
+
+
 @pytest.mark.parametrize("rid", QUANTIZED_IDS)
 def test_shared_input_saved_once_and_bitwise(rid):
     lin, h, fwd, gs = _qkv(rid)
@@ -114,7 +125,7 @@ def test_shared_input_saved_once_and_bitwise(rid):
     # `h * 2.0` saves nothing (a Python scalar); the grad_outputs `gs` are left out
     assert got == 3 * (one - inp) + inp, (rid, got, one, inp, sorted(seen.values(), key=str))
     grads = [h.grad] + [m.weight.grad for m in lin]
-    state = [[b.clone() for _, b in sorted(m.named_buffers())] for m in lin]
+    state = _state(lin)
 
     ref_lin, ref_h, ref_fwd, _ = _qkv(rid, share=False)
     with recipe_ctx(RECIPES[rid]):
@@ -123,9 +134,7 @@ def test_shared_input_saved_once_and_bitwise(rid):
     assert torch.equal(loss, ref_loss)
     for g, r in zip(grads, [ref_h.grad] + [m.weight.grad for m in ref_lin]):
         assert torch.equal(g, r)
-    for bs, r in zip(state, ref_lin):  # delayed: every reader recorded the input's amax
-        for b, (name, rb) in zip(bs, sorted(r.named_buffers())):
-            assert torch.equal(b, rb), (rid, name)
+    _assert_same_state(rid, state, ref_lin)  # delayed: every reader recorded the input's amax
 
 
 def test_shared_input_not_reused_after_in_place_write_or_autocast_exit():
@@ -195,13 +204,11 @@ def test_compiled_qkv_saves_quantized_input_once(rid):
     assert shared_input.stats["hits"] - hits == 2
     acts = [t for t in saved if t.dtype == torch.float8_e4m3fn and TOKENS in t.shape]
     assert len(acts) == 1, [(t.shape, t.dtype) for t in saved]
-    state = [[b.clone() for _, b in sorted(m.named_buffers())] for m in lin]
+    state = _state(lin)
     ref_lin, _, ref_fwd, _ = _qkv(rid, share=False)
     with recipe_ctx(RECIPES[rid]):
         ref_fwd().backward()
-    for bs, r in zip(state, ref_lin):
-        for b, (name, rb) in zip(bs, sorted(r.named_buffers())):
-            assert torch.equal(b, rb), (rid, name)
+    _assert_same_state(rid, state, ref_lin)
 
 
 class _TorchRMSNorm(torch.nn.Module):
