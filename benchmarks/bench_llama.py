@@ -2,6 +2,7 @@
 
     python benchmarks/bench_llama.py --out out/          # hidden 2048, 4 layers, 4 x 2048 tokens (CUDA)
     python benchmarks/bench_llama.py --preset wide --out out/   # hidden 4096, ffn 11008, 2 layers
+    python benchmarks/bench_llama.py --preset llama,wide --profile --out out/   # both, one table each
     python benchmarks/bench_llama.py --profile --out out/       # + device time per step by kernel family
     python benchmarks/bench_llama.py --smoke             # tiny, CPU-friendly check
 
@@ -199,9 +200,9 @@ def parse_args(argv=None):
     p = C.script_parser(__doc__)
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
     p.add_argument("--modes", default=",".join(DEFAULT_MODES))
-    p.add_argument("--preset", choices=sorted(PRESETS), default="llama",
-                   help="model size (llama: hidden 2048, 4 layers; wide: hidden 4096, ffn 11008, 2 layers); "
-                        "--hidden etc. override it")
+    p.add_argument("--preset", default="llama",
+                   help="model size (llama: hidden 2048, 4 layers; wide: hidden 4096, ffn 11008, 2 layers), or "
+                        "several comma-separated, run in turn; --hidden etc. override it")
     C.add_model_args(p, **PRESETS["llama"], vocab=32768, seq=2048, batch=4)
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of the wiring)")
     p.add_argument("--profile", action="store_true", help="also split each step's time by kernel family")
@@ -209,12 +210,37 @@ def parse_args(argv=None):
     p.add_argument("--profile-top", type=int, default=25, help="kernels listed per variant with --profile")
     C.add_run_args(p, "bench_llama", warmup_ms=100.0, rep_ms=600.0)
     preset, _ = p.parse_known_args(argv)
-    p.set_defaults(**PRESETS[preset.preset])
+    names = C.names(preset.preset)
+    unknown = [n for n in names if n not in PRESETS]
+    if not names or unknown:
+        p.error(f"--preset: unknown {unknown or preset.preset!r}; known: {sorted(PRESETS)}")
+    p.set_defaults(**PRESETS[names[0]])
     return p.parse_args(argv)
 
 
-def main(argv=None):
+def preset_args(argv=None) -> list:
+    """One argument namespace per preset that `--preset` names (sizes given explicitly win in each);
+    with several, each writes its outputs under `<name>_<preset>`."""
     args = parse_args(argv)
+    names = C.names(args.preset)
+    if len(names) == 1:
+        return [args]
+    argv = list(sys.argv[1:] if argv is None else argv)
+    each = [parse_args(argv + ["--preset", n]) for n in names]  # the last --preset wins
+    for a, n in zip(each, names):
+        a.name = f"{a.name}_{n}"
+    return each
+
+
+def main(argv=None):
+    """Every preset's table (and outputs) in turn; the results of all, each with its preset."""
+    results = []
+    for args in preset_args(argv):
+        results += [dict(r, preset=args.preset) for r in run_preset(args)]
+    return results
+
+
+def run_preset(args):
     device = C.device_from_arg(args.device)
     if args.smoke:
         args.hidden, args.ffn, args.layers, args.heads, args.vocab, args.seq, args.batch = 64, 128, 2, 4, 256, 32, 2

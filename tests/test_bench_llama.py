@@ -52,6 +52,23 @@ def test_wide_preset_sets_the_model_and_explicit_sizes_win():
     assert bench_llama.parse_args([]).hidden == 2048
 
 
+def test_several_presets_run_in_turn_each_with_its_sizes_and_outputs(tmp_path):
+    each = bench_llama.preset_args(["--preset", "llama,wide", "--layers", "1", "--name", "b"])
+    assert [(a.preset, a.hidden, a.layers, a.name) for a in each] == [("llama", 2048, 1, "b_llama"),
+                                                                      ("wide", 4096, 1, "b_wide")]
+    results = bench_llama.main(["--smoke", "--preset", "llama,wide", "--variants", "bf16", "--modes", "eager",
+                                "--cpu-warmup", "0", "--cpu-reps", "1", "--out", str(tmp_path)])
+    assert [(r["preset"], r["variant"]) for r in results] == [("llama", "bf16"), ("wide", "bf16")]
+    assert {p.name for p in tmp_path.glob("*.json")} == {"bench_llama_llama.json", "bench_llama_wide.json"}
+
+
+def test_unknown_preset_is_named(capsys):
+    import pytest
+    with pytest.raises(SystemExit):
+        bench_llama.parse_args(["--preset", "llama,tall"])
+    assert "--preset: unknown ['tall']" in capsys.readouterr().err
+
+
 def test_profile_splits_the_step_by_family():
     """`--profile` adds each variant's time per step by kernel family (norms swapped: `+norms`)."""
     (r,) = bench_llama.main(["--smoke", "--variants", "te:current+norms", "--modes", "eager", "--cpu-warmup", "0",
