@@ -1,0 +1,91 @@
+"""The library's norm kernels against the kernel inductor generates for the same norm (CUDA).
+
+    python benchmarks/bench_norm.py --out out/     # the Llama's activations: 8192 x 2048 and 8192 x 4096
+    python benchmarks/bench_norm.py --smoke        # tiny, CPU check of the wiring
+
+Rows: RMSNorm and LayerNorm, forward, backward, and forward fused with per-tensor FP8 current
+scaling of its output (both usages, as the Linear after the norm reads them). `inductor` is the
+library's reference of the same computation (`kernels/reference/norm.py`, torch ops) under
+`torch.compile`: the kernels inductor generates for it, amax, scale and casts fused where it can.
+`te` is the kernel `te.RMSNorm` / `te.LayerNorm` (and a LayerNormLinear's fused norm + quantize)
+run, the same one eager and compiled (`kernels/triton/norm.py`). Ratio: inductor ms / te ms; each
+te output is first checked against inductor's (the normalized output to about one ulp).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _p in (_HERE, os.path.dirname(_HERE)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+import _common as C  # noqa: E402
+import torch  # noqa: E402
+
+from transformer_engine_proto.kernels import kernel  # noqa: E402
+from transformer_engine_proto.kernels.reference import norm as ref  # noqa: E402
+
+E4M3 = torch.float8_e4m3fn
+SHAPES = ((8192, 2048), (8192, 4096))
+
+
+def cases(m: int, k: int, normalization: str, device):
+    """(name, inputs, reference fn, library kernel name) of one normalization at (m, k)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(m, k, generator=g).to(device, torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(k, generator=g)).to(device, torch.bfloat16)
+    b = (0.1 * torch.randn(k, generator=g)).to(device, torch.bfloat16) if normalization == "LayerNorm" else None
+    fwd = (x, w, b, 1e-5, normalization, False)
+    _, mu, rs = ref.norm_fwd(*fwd)
+    bwd = (torch.randn_like(x), x, mu, rs, w, normalization, False, b is not None)
+    fused = fwd + (E4M3, True, True)
+    return [("fwd", fwd, ref.norm_fwd, "norm_fwd"), ("bwd", bwd, ref.norm_bwd, "norm_bwd"),
+            ("fwd + fp8 current rw+cw", fused, ref.norm_fp8_current_quantize, "norm_fp8_current_quantize")]
+
+
+def close(a, b) -> bool:
+    """The first outputs (y or dx) agree to about one ulp of their dtype."""
+    eps = torch.finfo(a[0].dtype).eps
+    return torch.allclose(a[0].float(), b[0].float(), rtol=2 * eps, atol=2 * eps)
+
+
+def run(args, device) -> list:
+    results = []
+    for m, k in ((64, 128),) if args.smoke else SHAPES:
+        for normalization in ("RMSNorm", "LayerNorm"):
+            for what, inputs, reference, name in cases(m, k, normalization, device):
+                torch._dynamo.reset()
+                compiled = torch.compile(reference, fullgraph=True)
+                lib = kernel(name, device)
+                ok = close(lib(*inputs), compiled(*inputs))
+                timing = dict(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, cpu_warmup=args.cpu_warmup,
+                              cpu_reps=args.cpu_reps)
+                ind_ms = C.bench_ms(lambda f=compiled, a=inputs: f(*a), device, **timing)
+                te_ms = C.bench_ms(lambda f=lib, a=inputs: f(*a), device, **timing)
+                results.append(dict(shape=f"{m}x{k}", norm=normalization, op=what, inductor_ms=ind_ms, te_ms=te_ms,
+                                    close=ok))
+                print(f"{m}x{k} {normalization:9s} {what:24s} inductor {ind_ms * 1e3:8.1f} us  te {te_ms * 1e3:8.1f} us"
+                      f"  {'close' if ok else 'DIFFERENT'}", flush=True)
+    return results
+
+
+def main(argv=None):
+    p = C.script_parser(__doc__)
+    p.add_argument("--smoke", action="store_true", help="one tiny shape (CPU check of the wiring)")
+    C.add_run_args(p, "bench_norm", warmup_ms=25.0, rep_ms=100.0)
+    args = p.parse_args(argv)
+    device = C.device_from_arg(args.device)
+    results = run(args, device)
+    rows = [[r["shape"], r["norm"], r["op"], f"{r['inductor_ms'] * 1e3:.1f}", f"{r['te_ms'] * 1e3:.1f}",
+             f"{r['inductor_ms'] / r['te_ms']:.2f}x", "yes" if r["close"] else "NO"] for r in results]
+    print(f"\n## te norm kernels vs inductor's ({device})\n")
+    print(C.markdown_table(["shape", "norm", "op", "inductor us", "te us", "te speed vs inductor", "close"], rows))
+    if args.out:
+        C.write_json(args.out, args.name, dict(env=C.environment(device), results=results))
+    return results
+
+
+if __name__ == "__main__":
+    main()
