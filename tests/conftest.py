@@ -30,6 +30,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_slow)
 
 
+@pytest.fixture(autouse=True)
+def _cpu_cases_see_no_gpu(request, monkeypatch):
+    """A CPU case (neither `cuda` nor `slow`, which qa/L1_gpu.sh runs on the GPU host as they are)
+    runs on a GPU host as CI runs it: with no GPU visible, so a module it builds without a device
+    lands on the CPU (TE's default device is CUDA where there is one) beside the case's inputs."""
+    if torch.cuda.is_available() and not {"cuda", "slow"} & set(request.keywords):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
 # The library reads its switches (TE_PROTO_KERNELS, TE_PROTO_FAST_LAUNCH, TE_PROTO_TRITON_SOFT_CAST,
 # TE_PROTO_NATIVE_BLOCK_GEMM) once; tests flip them with the Python setters. After every test each
 # setter is put back to None (follow the environment variable), so no test leaks its choice.
