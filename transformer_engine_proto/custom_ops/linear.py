@@ -99,21 +99,17 @@ def _quantize_input(plan: LinearPlan, inp: torch.Tensor, x2d: torch.Tensor, fp8_
     def reads(i):  # backward's usage reads `x` through a fusible op (recompute_tags.recomputable_read)
         return recomputable_read(x) if i else x
 
-    if plan.delayed:  # the first quantize records the amax; a Linear reusing it copies that amax
-        def quantize():
-            with recomputed_in_backward(rebuilt):
-                return [q.with_scale_state(fp8_scale, amaxes if i == 0 else None, 0).quantize(reads(i), internal=True)
-                        for i, q in enumerate(usages)]
-        made = _quantize_shared(plan, inp, usages, quantize, amax=amaxes[:1])
-    else:
-        def quantize():
-            bound = usages
-            if split and iq.takes_existing_amax():
-                amax = kernel("amax", x.device)(x)
-                bound = [q.with_existing_amax(amax) for q in usages]
-            with recomputed_in_backward(rebuilt):
-                return [q.quantize(reads(i), internal=True) for i, q in enumerate(bound)]
-        made = _quantize_shared(plan, inp, usages, quantize)
+    def quantize():
+        bound = usages
+        if plan.delayed:  # the first quantize records the amax; a Linear reusing it copies that amax
+            bound = [q.with_scale_state(fp8_scale, amaxes if i == 0 else None, 0) for i, q in enumerate(usages)]
+        elif split and iq.takes_existing_amax():
+            amax = kernel("amax", x.device)(x)
+            bound = [q.with_existing_amax(amax) for q in usages]
+        with recomputed_in_backward(rebuilt):
+            return [q.quantize(reads(i), internal=True) for i, q in enumerate(bound)]
+
+    made = _quantize_shared(plan, inp, usages, quantize, amax=amaxes[:1] if plan.delayed else None)
     return made[0], made[-1]
 
 
