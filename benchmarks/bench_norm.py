@@ -23,6 +23,7 @@ for _p in (_HERE, os.path.dirname(_HERE)):
 
 import _common as C  # noqa: E402
 import torch  # noqa: E402
+from bench_quantize import close  # noqa: E402
 
 from transformer_engine_proto.kernels import kernel  # noqa: E402
 from transformer_engine_proto.kernels.reference import norm as ref  # noqa: E402
@@ -43,12 +44,6 @@ def cases(m: int, k: int, normalization: str, device):
     fused = fwd + (E4M3, True, True)
     return [("fwd", fwd, ref.norm_fwd, "norm_fwd"), ("bwd", bwd, ref.norm_bwd, "norm_bwd"),
             ("fwd + fp8 current rw+cw", fused, ref.norm_fp8_current_quantize, "norm_fp8_current_quantize")]
-
-
-def close(a, b) -> bool:
-    """The first outputs (y or dx) agree to about one ulp of their dtype."""
-    eps = torch.finfo(a[0].dtype).eps
-    return torch.allclose(a[0].float(), b[0].float(), rtol=2 * eps, atol=2 * eps)
 
 
 def run(args, device) -> list:
