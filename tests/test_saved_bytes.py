@@ -71,7 +71,7 @@ def plan_bytes(rid, m, x, save_original_input=False):
 @pytest.mark.parametrize("rid", RECIPE_IDS)
 def test_linear_saves_what_its_plan_says(rid, input_rg, weight_rg, save_original_input):
     torch.manual_seed(0)
-    m = te.Linear(IN, OUT, bias=False, save_original_input=save_original_input, device="cpu")
+    m = te.Linear(IN, OUT, bias=False, save_original_input=save_original_input)
     m.weight.requires_grad_(weight_rg)
     x = torch.randn(TOKENS, IN, requires_grad=input_rg)
     with recipe_ctx(RECIPES[rid]):
@@ -88,7 +88,7 @@ def _qkv(rid, share=True, seed=0):
     """Three Linears reading one (non-leaf) tensor, as HF Llama's q/k/v; `share=False` feeds each
     its own copy of the input (the reference: nothing to share)."""
     torch.manual_seed(seed)
-    lin = [te.Linear(IN, OUT, bias=False, device="cpu") for _ in range(3)]
+    lin = [te.Linear(IN, OUT, bias=False) for _ in range(3)]
     h = torch.randn(TOKENS, IN, requires_grad=True)
     gs = [torch.randn(TOKENS, OUT) for _ in range(3)]  # the grad_outputs (constants: not counted)
 
@@ -140,7 +140,7 @@ def test_shared_input_saved_once_and_bitwise(rid):
 def test_shared_input_not_reused_after_in_place_write_or_autocast_exit():
     recipe = RECIPES["current"]
     torch.manual_seed(0)
-    a, b = te.Linear(IN, OUT, device="cpu"), te.Linear(IN, OUT, device="cpu")
+    a, b = te.Linear(IN, OUT), te.Linear(IN, OUT)
     x = torch.randn(TOKENS, IN, requires_grad=True) * 1.0
     with recipe_ctx(recipe):
         a(x)
@@ -159,7 +159,7 @@ def test_shared_input_not_reused_after_in_place_write_or_autocast_exit():
 
 def test_shared_input_entry_dies_with_its_tensor():
     with recipe_ctx(RECIPES["current"]):
-        m = te.Linear(IN, OUT, device="cpu")
+        m = te.Linear(IN, OUT)
         x = torch.randn(TOKENS, IN) * 1.0
         m(x)
         assert shared_input._local.entries
@@ -308,7 +308,9 @@ def _amax_passes(graph, shape):
     return out
 
 
-def check_rebuilt_input_graphs(rid, device):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("rid", ["current", "delayed"])
+def test_recompute_saved_input_rebuilds_only_the_columnwise_bytes(rid, device):
     """With the input rebuilt in backward, the forward allocates no columnwise FP8 input (IN, TOKENS):
     it writes only the rowwise bytes fprop reads; backward casts the columnwise copy with the
     forward's scale, so it takes no amax of the input (current scaling saves the amax instead)."""
@@ -318,17 +320,6 @@ def check_rebuilt_input_graphs(rid, device):
     assert not _fp8_buffers(fw, (IN, TOKENS))
     assert _fp8_buffers(bw, (IN, TOKENS))
     assert not _amax_passes(bw, (TOKENS, IN)), _amax_passes(bw, (TOKENS, IN))
-
-
-@pytest.mark.parametrize("rid", ["current", "delayed"])
-def test_recompute_saved_input_rebuilds_only_the_columnwise_bytes(rid):
-    check_rebuilt_input_graphs(rid, "cpu")
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("rid", ["current", "delayed"])
-def test_recompute_saved_input_rebuilds_only_the_columnwise_bytes_cuda(rid):
-    check_rebuilt_input_graphs(rid, "cuda")
 
 
 @pytest.mark.cuda
@@ -348,7 +339,7 @@ def test_kept_weight_gives_the_requantized_bytes(rid, monkeypatch):
     quantizes the weight again: the same bytes, so the same gradients bit for bit."""
     def run(keep: bool):
         torch.manual_seed(0)
-        m = te.Linear(IN, OUT, device="cpu")
+        m = te.Linear(IN, OUT)
         x = torch.randn(TOKENS, IN, requires_grad=True)
         with monkeypatch.context() as mp:
             if not keep:  # the flag `linear` sets under torch.compile
@@ -361,7 +352,7 @@ def test_kept_weight_gives_the_requantized_bytes(rid, monkeypatch):
     seen_again, *again = run(False)
     for a, b in zip(kept, again):
         assert torch.equal(a, b)
-    m = te.Linear(IN, OUT, device="cpu")
+    m = te.Linear(IN, OUT)
     x = torch.randn(TOKENS, IN, requires_grad=True)
     _, plan = plan_bytes(rid, m, x)
     again = linear_plan.make_plan(plan.key, plan.in_shape, plan.weight_shape, plan.act_dtype, plan.weight_dtype,
