@@ -101,6 +101,20 @@ def bench_ms(fn: Callable[[], object], device: torch.device, *, warmup_ms: float
     return float(statistics.median(times))
 
 
+def device_ms(fn: Callable[[], object], device: torch.device, *, rep_ms: float = 100.0, **cpu_timing) -> float:
+    """Median device milliseconds of one `fn()` call: on CUDA, `fn` captured in a CUDA graph and
+    replayed (`triton.testing.do_bench_cudagraph`), so the host's launch cost is out of the
+    measurement, as in a compiled step whose launches run ahead of the GPU. Inputs are not flushed
+    from L2 between calls. CPU: `bench_ms`."""
+    if device.type != "cuda":
+        return bench_ms(fn, device, **cpu_timing)
+    from triton.testing import do_bench_cudagraph
+
+    fn()  # allocations and compiles happen before capture
+    torch.cuda.synchronize(device)
+    return float(do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
+
+
 def _cuda_events_ms(fn, warmup_ms: float, rep_ms: float) -> float:
     fn()
     torch.cuda.synchronize()
