@@ -284,6 +284,12 @@ def run_alt_config(table, key, cfg, device, monkeypatch):
                 for usage in USAGES:
                     assert_bitwise(tri_f8.fp8_quantize_current(x, fp8_dtype, *usage),
                                    ref_f8.fp8_quantize_current(x, fp8_dtype, *usage), f"current {cfg}")
+                    scale, amax_ref = torch.tensor([3.7], device=device), torch.zeros(1, device=device)
+                    amax_tri = amax_ref.clone()
+                    ref = ref_f8.fp8_quantize_delayed(x, scale, amax_ref, fp8_dtype, *usage)
+                    assert_bitwise(tri_f8.fp8_quantize_delayed(x, scale, amax_tri, fp8_dtype, *usage), ref,
+                                   f"delayed {cfg}")
+                    assert_bitwise((amax_tri,), (amax_ref,), f"delayed amax {cfg}")
             elif table is tri_bw.CONFIG:
                 dim, usage = key[0], key[1:]
                 assert_bitwise(tri_bw.fp8_blockwise_quantize(x, fp8_dtype, dim, *usage),
