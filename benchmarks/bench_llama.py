@@ -25,7 +25,8 @@ Every variant runs in this process, so the ratios compare like with like.
 `--profile` runs a few more steps of each variant under torch.profiler and splits the device time
 per step (CPU: the ops' self time) into kernel families by name (`kernel_family`): GEMM, quantize
 (amax / cast / transpose, our Triton kernels and inductor's fused casts), norm, other. A kernel
-that fuses a norm with its quantize counts as quantize.
+that fuses a norm with its quantize counts as quantize. On CUDA it also lists the quantize and norm
+launches by (kernel, grid): launches per step and mean time, i.e. what each tensor shape costs.
 """
 from __future__ import annotations
 
@@ -81,6 +82,24 @@ def kernel_ms(prof, steps: int, cuda: bool) -> dict:
             continue
         out[e.key] = out.get(e.key, 0.0) + us / 1e3 / steps
     return out
+
+
+def launches_by_grid(prof, steps: int, families=("quantize", "norm")) -> list:
+    """The launches of `families`' kernels grouped by (kernel, grid), largest time first: [name,
+    grid, launches per step, mean us, ms per step]. Shows whether a family's time is bytes (few
+    large grids) or per-launch cost (many small ones). CUDA only (the trace's grid of a kernel)."""
+    import json
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    groups = {}
+    for e in events:
+        if e.get("cat") == "kernel" and kernel_family(e["name"]) in families:
+            groups.setdefault((e["name"], str(e.get("args", {}).get("grid"))), []).append(e["dur"])
+    rows = [[name, grid, len(d) / steps, sum(d) / len(d), sum(d) / 1e3 / steps] for (name, grid), d in groups.items()]
+    return sorted(rows, key=lambda r: -r[4])
 
 
 def family_ms(per_kernel: dict) -> dict:
@@ -188,6 +207,8 @@ def run_variant(variant, mode, args, device, dtype):
         per_kernel = kernel_ms(prof, args.profile_steps, device.type == "cuda")
         res["family_ms"] = family_ms(per_kernel)
         res["top_kernels"] = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:args.profile_top]
+        if device.type == "cuda":
+            res["launches"] = launches_by_grid(prof, args.profile_steps)[:args.profile_top]
     res.update(C.compile_stats())
     if variant.endswith("+policy"):  # which GEMMs the policy kept in the recipe's format
         import transformer_engine_proto as te
@@ -280,6 +301,11 @@ def run_preset(args):
             print(f"\n#### {r['mode']} {r['variant']}: top kernels, ms per step\n")
             print(C.markdown_table(["kernel", "family", "ms"], [[name[:110], kernel_family(name), f"{ms:.3f}"]
                                                                  for name, ms in r["top_kernels"]]))
+            if r.get("launches"):
+                print(f"\n#### {r['mode']} {r['variant']}: quantize and norm launches by grid\n")
+                print(C.markdown_table(["kernel", "grid", "launches / step", "mean us", "ms / step"],
+                                       [[name[:70], grid, f"{n:.1f}", f"{us:.1f}", f"{ms:.3f}"]
+                                        for name, grid, n, us, ms in r["launches"]]))
     if args.out:
         C.write_json(args.out, args.name, dict(env=C.environment(device), args=vars(args), results=results))
         plt = C.try_pyplot()

@@ -75,3 +75,29 @@ def test_profile_splits_the_step_by_family():
                              "--cpu-reps", "1", "--profile", "--profile-steps", "1"])
     assert set(r["family_ms"]) == set(bench_llama.FAMILIES) and r["family_ms"]["gemm"] > 0
     assert all(v >= 0 for v in r["family_ms"].values())
+
+
+def test_launches_grouped_by_kernel_and_grid():
+    """`launches_by_grid` groups the trace's quantize / norm kernels by (name, grid), per step,
+    largest time first, and leaves the other families out."""
+    import json
+
+    def kernel(name, grid, dur):
+        return {"cat": "kernel", "name": name, "dur": dur, "args": {"grid": grid}}
+
+    events = [kernel("_cast_transpose_packed_kernel", [2048, 1, 1], 20.0),
+              kernel("_cast_transpose_packed_kernel", [2048, 1, 1], 30.0),
+              kernel("_cast_transpose_packed_kernel", [32768, 1, 1], 300.0),
+              kernel("_amax_kernel", [1024, 1, 1], 10.0),
+              kernel("nvjet_sm90_gemm", [2, 66, 1], 900.0),
+              {"cat": "cpu_op", "name": "aten::abs", "dur": 5.0}]
+
+    class Trace:
+        def export_chrome_trace(self, path):
+            with open(path, "w") as f:
+                json.dump({"traceEvents": events}, f)
+
+    rows = bench_llama.launches_by_grid(Trace(), steps=2)
+    assert rows == [["_cast_transpose_packed_kernel", "[32768, 1, 1]", 0.5, 300.0, 0.15],
+                    ["_cast_transpose_packed_kernel", "[2048, 1, 1]", 1.0, 25.0, 0.025],
+                    ["_amax_kernel", "[1024, 1, 1]", 0.5, 10.0, 0.005]]
