@@ -93,7 +93,8 @@ def launches_by_grid(prof, steps: int, families=("quantize", "norm")) -> list:
 
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
+        with open(f.name) as trace:
+            events = json.load(trace)["traceEvents"]
     groups = {}
     for e in events:
         if e.get("cat") == "kernel" and kernel_family(e["name"]) in families:

@@ -45,9 +45,9 @@ from .launch import fast_launch
 # Launch configurations: a row longer than MAX_BLOCK is looped over in chunks; ROWS (rows per
 # tile) is chosen so that a tile holds about TILE elements, with a warp per 1024 of them (at
 # least 4). Backward runs at most about MAX_PROGRAMS programs: two per SM of an H100 / H200, so
-# few partial rows of dgamma are summed afterwards. Picked by device-time sweeps on an H200 at
-# hidden 1024-8192 (benchmarks/bench_norm.py compares them with inductor's kernels). Tunable,
-# like float8.CONFIG.
+# few partial rows of dgamma are summed afterwards. Picked by device-time sweeps on an H200
+# (forward at hidden 1024-8192, backward at 2048 and 4096; benchmarks/bench_norm.py compares the
+# kernels with inductor's). Tunable, like float8.CONFIG.
 CONFIG = {
     "fwd": dict(MAX_BLOCK=8192, TILE=2048),
     "bwd": dict(MAX_BLOCK=8192, TILE=4096, MAX_PROGRAMS=264),
