@@ -2,6 +2,7 @@
 
     python benchmarks/bench_norm.py --out out/     # the Llama's activations: 8192 x 2048 and 8192 x 4096
     python benchmarks/bench_norm.py --smoke        # tiny, CPU check of the wiring
+    python benchmarks/bench_norm.py --sweep --out out/   # also time the kernels' launch configurations
 
 Rows: RMSNorm and LayerNorm, forward, backward, and forward fused with per-tensor FP8 current
 scaling of its output (both usages, as the Linear after the norm reads them). `inductor` is the
@@ -16,6 +17,7 @@ normalized output to about one ulp).
 """
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -70,9 +72,52 @@ def run(args, device) -> list:
     return results
 
 
+# launch configurations `--sweep` tries (entries of `kernels/triton/norm.CONFIG` per direction)
+SWEEP = {
+    "fwd": [dict(TILE=t, WARP_ELEMS=w) for t in (1024, 2048, 4096, 8192) for w in (512, 1024, 2048)],
+    "bwd": [dict(TILE=t, WARP_ELEMS=w, MAX_PROGRAMS=p) for t in (2048, 4096, 8192) for w in (512, 1024)
+            for p in (132, 264, 528)],
+}
+
+
+def sweep(args, device) -> list:
+    """Device time of te's forward and backward norm kernels per launch configuration (`SWEEP`),
+    at the benchmark's shapes: the library's configuration against the fastest one tried. The
+    library's CONFIG is left as it was. (On CPU the kernels are the reference's, which have no
+    configuration: a check of the wiring.)"""
+    try:
+        tri_norm = importlib.import_module("transformer_engine_proto.kernels.triton.norm")
+    except ImportError as e:
+        print(f"--sweep needs the Triton kernels: {e}")
+        return []
+    rows = []
+    for m, k in ((64, 128),) if args.smoke else SHAPES:
+        for normalization in ("RMSNorm", "LayerNorm"):
+            for what, inputs, _, name in cases(m, k, normalization, device)[:2]:
+                lib, default = kernel(name, device), tri_norm.CONFIG[what]
+                fn = (lambda f=lib, a=inputs: f(*a))
+                timed = []
+                for candidate in SWEEP[what][:2] if args.smoke else SWEEP[what]:
+                    tri_norm.CONFIG[what] = {**default, **candidate}
+                    try:
+                        timed.append((C.device_ms(fn, device, rep_ms=args.rep_ms / 2), candidate))
+                    except Exception as e:  # noqa: BLE001 (a tile the device cannot hold: skipped)
+                        print(f"  {m}x{k} {normalization} {what} {candidate}: failed ({type(e).__name__})")
+                    finally:
+                        tri_norm.CONFIG[what] = default
+                library_ms = C.device_ms(fn, device, rep_ms=args.rep_ms / 2)
+                best_ms, best = min(timed, key=lambda t: t[0])
+                rows.append(dict(shape=f"{m}x{k}", norm=normalization, op=what, library_ms=library_ms,
+                                 best_ms=best_ms, best=best))
+                print(f"{m}x{k} {normalization:9s} {what} library {library_ms * 1e3:8.1f} us  best "
+                      f"{best_ms * 1e3:8.1f} us  {best}", flush=True)
+    return rows
+
+
 def main(argv=None):
     p = C.script_parser(__doc__)
     p.add_argument("--smoke", action="store_true", help="one tiny shape (CPU check of the wiring)")
+    p.add_argument("--sweep", action="store_true", help="also time the kernels' launch configurations")
     C.add_run_args(p, "bench_norm", warmup_ms=25.0, rep_ms=100.0)
     args = p.parse_args(argv)
     device = C.device_from_arg(args.device)
@@ -83,9 +128,16 @@ def main(argv=None):
     print(f"\n## te norm kernels vs inductor's ({device})\n")
     print(C.markdown_table(["shape", "norm", "op", "inductor us", "te us", "te speed vs inductor",
                             "te eager call us", "close"], rows))
+    swept = sweep(args, device) if args.sweep else []
+    if swept:
+        print(f"\n## te norm kernels: launch configurations ({device}, `kernels/triton/norm.CONFIG`)\n")
+        print(C.markdown_table(["shape", "norm", "op", "library us", "best us", "best vs library", "best"],
+                               [[r["shape"], r["norm"], r["op"], f"{r['library_ms'] * 1e3:.1f}",
+                                 f"{r['best_ms'] * 1e3:.1f}", f"{r['library_ms'] / r['best_ms']:.2f}x",
+                                 ", ".join(f"{k}={v}" for k, v in r["best"].items())] for r in swept]))
     if args.out:
-        C.write_json(args.out, args.name, dict(env=C.environment(device), results=results))
-    return results
+        C.write_json(args.out, args.name, dict(env=C.environment(device), results=results, sweep=swept))
+    return results + swept
 
 
 if __name__ == "__main__":

@@ -43,14 +43,14 @@ from .dequant import OUT_KIND, out_buffer, round_out
 from .launch import fast_launch
 
 # Launch configurations: a row longer than MAX_BLOCK is looped over in chunks; ROWS (rows per
-# tile) is chosen so that a tile holds about TILE elements, with a warp per 1024 of them (at
-# least 4). Backward runs at most about MAX_PROGRAMS programs: two per SM of an H100 / H200, so
-# few partial rows of dgamma are summed afterwards. Picked by device-time sweeps on an H200
-# (forward at hidden 1024-8192, backward at 2048 and 4096; benchmarks/bench_norm.py compares the
-# kernels with inductor's). Tunable, like float8.CONFIG.
+# tile) is chosen so that a tile holds about TILE elements, with a warp per WARP_ELEMS of them
+# (4 to 16 warps). Backward runs at most about MAX_PROGRAMS programs: two per SM of an H100 /
+# H200, so few partial rows of dgamma are summed afterwards. Picked by device-time sweeps on an
+# H200 (forward at hidden 1024-8192, backward at 2048 and 4096; `benchmarks/bench_norm.py
+# --sweep` runs them and compares the kernels with inductor's). Tunable, like float8.CONFIG.
 CONFIG = {
-    "fwd": dict(MAX_BLOCK=8192, TILE=2048),
-    "bwd": dict(MAX_BLOCK=8192, TILE=4096, MAX_PROGRAMS=264),
+    "fwd": dict(MAX_BLOCK=8192, TILE=2048, WARP_ELEMS=1024),
+    "bwd": dict(MAX_BLOCK=8192, TILE=4096, WARP_ELEMS=1024, MAX_PROGRAMS=264),
 }
 
 
@@ -58,7 +58,7 @@ def _tile(k: int, cfg) -> dict:
     block = min(next_power_of_2(k), cfg["MAX_BLOCK"])
     rows = max(1, cfg["TILE"] // block)
     return dict(BLOCK=block, ROWS=rows, NCHUNK=cdiv(k, block),
-                num_warps=min(16, max(4, rows * block // 1024)))
+                num_warps=min(16, max(4, rows * block // cfg.get("WARP_ELEMS", 1024))))
 
 
 @triton.jit
