@@ -218,9 +218,10 @@ def test_interp_k_larger_than_a_block(kind, with_bias):
 
 
 # chunked with 2 rows per tile; chunked with 1 row and several tiles per bwd program; several tiles
-ALT = [dict(fwd=dict(MAX_BLOCK=64, TILE=128), bwd=dict(MAX_BLOCK=64, TILE=128, MAX_PROGRAMS=512)),
-       dict(fwd=dict(MAX_BLOCK=32, TILE=32), bwd=dict(MAX_BLOCK=32, TILE=32, MAX_PROGRAMS=3)),
-       dict(fwd=dict(MAX_BLOCK=512, TILE=64), bwd=dict(MAX_BLOCK=512, TILE=64, MAX_PROGRAMS=2))]
+W = dict(WARP_ELEMS=1024)
+ALT = [dict(fwd=dict(MAX_BLOCK=64, TILE=128, **W), bwd=dict(MAX_BLOCK=64, TILE=128, MAX_PROGRAMS=512, **W)),
+       dict(fwd=dict(MAX_BLOCK=32, TILE=32, **W), bwd=dict(MAX_BLOCK=32, TILE=32, MAX_PROGRAMS=3, **W)),
+       dict(fwd=dict(MAX_BLOCK=512, TILE=64, **W), bwd=dict(MAX_BLOCK=512, TILE=64, MAX_PROGRAMS=2, **W))]
 
 
 @interp

@@ -58,7 +58,7 @@ def _tile(k: int, cfg) -> dict:
     block = min(next_power_of_2(k), cfg["MAX_BLOCK"])
     rows = max(1, cfg["TILE"] // block)
     return dict(BLOCK=block, ROWS=rows, NCHUNK=cdiv(k, block),
-                num_warps=min(16, max(4, rows * block // cfg.get("WARP_ELEMS", 1024))))
+                num_warps=min(16, max(4, rows * block // cfg["WARP_ELEMS"])))
 
 
 @triton.jit
