@@ -51,9 +51,14 @@ def cases(m: int, k: int, normalization: str, device):
             ("fwd + fp8 current rw+cw", fused, ref.norm_fp8_current_quantize, "norm_fp8_current_quantize")]
 
 
+def shapes(args):
+    """The (M, K) shapes a run times: one tiny shape with --smoke."""
+    return ((64, 128),) if args.smoke else SHAPES
+
+
 def run(args, device) -> list:
     results = []
-    for m, k in ((64, 128),) if args.smoke else SHAPES:
+    for m, k in shapes(args):
         for normalization in ("RMSNorm", "LayerNorm"):
             for what, inputs, reference, name in cases(m, k, normalization, device):
                 torch._dynamo.reset()
@@ -91,7 +96,7 @@ def sweep(args, device) -> list:
         print(f"--sweep needs the Triton kernels: {e}")
         return []
     rows = []
-    for m, k in ((64, 128),) if args.smoke else SHAPES:
+    for m, k in shapes(args):
         for normalization in ("RMSNorm", "LayerNorm"):
             for what, inputs, _, name in cases(m, k, normalization, device)[:2]:
                 lib, default = kernel(name, device), tri_norm.CONFIG[what]
