@@ -1,8 +1,10 @@
-"""Where an eager Llama step's host time goes: cProfile of `bench_llama.py`'s training step.
+"""Where a Llama step's host time goes: cProfile of `bench_llama.py`'s training step.
 
     python benchmarks/host_profile.py --variants bf16,te:current,te:delayed --out out/
+    python benchmarks/host_profile.py --mode default --variants bf16,torchao:tensorwise,te:delayed
 
-An eager FP8 step whose device-kernel time (bench_llama.py --profile) is below its wall time is
+A step (eager, or compiled with `--mode default`: the compiled graphs' launches are host work
+too) whose device-kernel time (bench_llama.py --profile) is below its wall time is
 host-bound: the GPU waits for Python. For each variant this prints the wall time per step, the host
 time per step (the same steps, the clock stopped before the final synchronize), single
 synchronized steps (median and min: on a shared host the min is the code's cost) and the functions
@@ -31,9 +33,9 @@ import torch  # noqa: E402
 def profile_variant(variant: str, args, device, dtype, log) -> dict:
     C.reset_compile_state(device)
     model, recipe = L.make_variant(variant, args, device, dtype)
-    step = L.training_step(model, recipe, variant, "eager", args, device)
+    step = L.training_step(model, recipe, variant, args.mode, args, device)
 
-    for _ in range(3):
+    for _ in range(3):  # compiles, when compiled
         step()
     C.synchronize(device)
     t0 = time.perf_counter()
@@ -61,9 +63,9 @@ def profile_variant(variant: str, args, device, dtype, log) -> dict:
     stats = pstats.Stats(prof, stream=text)
     stats.sort_stats("tottime").print_stats(args.top)
     stats.sort_stats("cumulative").print_stats(args.top)
-    log(f"\n## {variant}: wall {wall * 1e3:.2f} ms/step, host {host * 1e3:.2f} ms/step "
+    log(f"\n## {variant} ({args.mode}): wall {wall * 1e3:.2f} ms/step, host {host * 1e3:.2f} ms/step "
         f"(cProfile below: {args.steps} steps)\n\n{text.getvalue()}")
-    return dict(variant=variant, wall_ms=wall * 1e3, host_ms=host * 1e3,
+    return dict(variant=variant, mode=args.mode, wall_ms=wall * 1e3, host_ms=host * 1e3,
                 step_median_ms=per_step[len(per_step) // 2] if per_step else None,
                 step_min_ms=per_step[0] if per_step else None)
 
@@ -71,6 +73,8 @@ def profile_variant(variant: str, args, device, dtype, log) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variants", default="bf16,te:current,te:delayed")
+    p.add_argument("--mode", default="eager", choices=("eager", "default", "reduce-overhead"),
+                   help="eager, or torch.compile's mode")
     p.add_argument("--preset", default="llama", choices=sorted(L.PRESETS))
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--top", type=int, default=40)

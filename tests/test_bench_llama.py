@@ -4,6 +4,7 @@ import argparse
 import os
 import sys
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -101,3 +102,16 @@ def test_launches_grouped_by_kernel_and_grid():
     assert rows == [["_cast_transpose_packed_kernel", "[32768, 1, 1]", 0.5, 300.0, 0.15],
                     ["_cast_transpose_packed_kernel", "[2048, 1, 1]", 1.0, 25.0, 0.025],
                     ["_amax_kernel", "[1024, 1, 1]", 0.5, 10.0, 0.005]]
+
+
+@pytest.mark.slow  # an inductor compile of the smoke Llama: 1.5 min on CPU
+def test_host_profile_of_a_compiled_step(tmp_path):
+    """host_profile.py --mode default: the compiled step's host time and its cProfile, per variant."""
+    import host_profile
+
+    (r,) = host_profile.main(["--smoke", "--mode", "default", "--variants", "te:delayed", "--steps", "2",
+                              "--step-times", "2", "--top", "5", "--out", str(tmp_path)])
+    assert r["mode"] == "default" and r["variant"] == "te:delayed"
+    assert 0 < r["host_ms"] <= r["wall_ms"] and r["step_min_ms"] <= r["step_median_ms"]
+    text = (tmp_path / "host_profile.txt").read_text()
+    assert "te:delayed (default)" in text and "tottime" in text
