@@ -221,6 +221,35 @@ def test_delayed_scaling_follows_te_rule(algo, margin, fmt, hist_len):
     assert sx != 1.0 and sg != 1.0  # the scales did move
 
 
+def test_delayed_update_at_exit_reaches_a_module_built_inside_the_block():
+    """Autocast finds the GEMMs to update once, at entry; a module built inside the block still
+    gets its forward half at that block's exit, as one built before."""
+    recipe = R.DelayedScaling()
+    before = Linear(16, 16)
+    x = torch.randn(8, 16) * 3
+    with autocast(recipe=recipe):
+        before(x)
+        inside = Linear(16, 16)
+        inside(x)
+    for m in (before, inside):
+        expected = [E4M3_MAX / x.abs().max().item(), E4M3_MAX / m.weight.detach().abs().max().item()]
+        torch.testing.assert_close(m.gemm.fp8_scale, torch.tensor(expected), rtol=0, atol=0)
+        assert m.gemm.amax_recorded.item() == 0 and not m.gemm.amax_history[0].any()  # the roll
+
+
+def test_delayed_update_skips_gemms_updated_elsewhere():
+    """A GEMM whose scales something else updates (FSDP2's pre-all-gather hook) keeps its state
+    through autocast's entry and exit."""
+    m, other = Linear(16, 16), Linear(16, 16)
+    other.gemm.scales_updated_by_autocast = False
+    x = torch.randn(8, 16)
+    with autocast(recipe=R.DelayedScaling()):
+        m(x)
+        other(x)
+    assert m.gemm.fp8_scale.ne(1).all() and other.gemm.fp8_scale.eq(1).all()
+    assert other.gemm.amax_recorded.item() == 1 and other.gemm.amax_history[0].ne(0).all()
+
+
 class _BufferWrites(torch.utils._python_dispatch.TorchDispatchMode):
     """Names of the given buffers that an in-place op writes while the mode is active."""
 

@@ -50,6 +50,7 @@ class _ThreadState(threading.local):
     class attributes are shared by all threads."""
 
     modules: "weakref.WeakSet" = weakref.WeakSet()  # modules to prepare on autocast entry
+    registrations = 0  # modules registered so far: a block's exit sees whether `modules` grew
     lock = threading.RLock()  # guards `modules` and the preparation of modules
 
     def __init__(self):
@@ -70,6 +71,7 @@ class _ThreadState(threading.local):
     def register_module(cls, module) -> None:
         with cls.lock:
             cls.modules.add(module)
+            cls.registrations += 1
 
 
 FP8GlobalState = _ThreadState()
@@ -167,18 +169,23 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[_
     # (the last backward's amax, before this forward reads the scale), its forward half on exit
     advance = (enabled and isinstance(entered, _recipe.DelayedScaling) and torch.is_grad_enabled()
                and not saved.enabled)
+    # the GEMMs whose delayed-scaling scales autocast moves (all but those FSDP2's pre-all-gather hook
+    # updates itself), found once for the entry's and the exit's update
+    updated, registrations = [], FP8GlobalState.registrations
     if enabled:
         with FP8GlobalState.lock:
             named_gemms = []
             for module in list(FP8GlobalState.modules):
                 for gemm in module.prepare_for_recipe(recipe, entered, key):
                     named_gemms.append((module.name, gemm))
+                    if gemm.scales_updated_by_autocast:
+                        updated.append(gemm)
             if isinstance(entered, _recipe.DelayedScaling):
                 from .custom_ops.delayed_scaling import poll_nonfinite
 
                 poll_nonfinite(named_gemms)
             if advance:
-                _update_delayed_scaling(entered, forward_half=False, grad_half=True)
+                _update_delayed_scaling(entered, updated, forward_half=False, grad_half=True)
     FP8GlobalState.state = _State(enabled=bool(enabled), recipe=recipe if enabled else None, entered=entered,
                                   key=key, group=amax_reduction_group,
                                   policy="" if gemm_policy is None else policy_key(gemm_policy),
@@ -192,14 +199,16 @@ def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[_
         shared_input.clear()  # quantized inputs shared within the forward
         if advance:
             with FP8GlobalState.lock:
-                _update_delayed_scaling(entered, forward_half=True, grad_half=False)
+                if registrations != FP8GlobalState.registrations:  # modules built inside the block
+                    updated = [g for m in list(FP8GlobalState.modules) for g, _ in m.gemm_weights()
+                               if g.scales_updated_by_autocast]
+                _update_delayed_scaling(entered, updated, forward_half=True, grad_half=False)
 
 
-def _update_delayed_scaling(recipe, forward_half: bool, grad_half: bool) -> None:
-    """One half of delayed scaling's update for every live module's GEMMs (one launch per device)."""
+def _update_delayed_scaling(recipe, gemms: list, forward_half: bool, grad_half: bool) -> None:
+    """One half of delayed scaling's update for `gemms` (one launch per device)."""
     from .custom_ops.delayed_scaling import update_delayed_scaling
 
-    gemms = [g for module in list(FP8GlobalState.modules) for g in module.delayed_scaling_gemms()]
     update_delayed_scaling(gemms, recipe, forward_half, grad_half)
 
 

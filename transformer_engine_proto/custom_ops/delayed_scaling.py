@@ -10,6 +10,7 @@ stay that module's.
 from __future__ import annotations
 
 import functools
+import operator
 import warnings
 from typing import Callable, List, Sequence, Tuple
 
@@ -30,6 +31,7 @@ DEFAULT_HISTORY_LEN = 1024
 _NONFINITE_ROLES = ("input", "weight", "grad")
 _STATE = ("fp8_scale", "amax_history", "grad_fp8_scale", "grad_amax_history", "grad_amax_pending", "grad_amax_seen",
           "nonfinite_amax_count", "amax_recorded")
+_state_of = operator.itemgetter(*_STATE)  # a buffer dict's state tuple, in `_STATE`'s order
 _nonfinite_warned = False  # one warning per process (the counters keep counting)
 
 
@@ -115,8 +117,7 @@ class DelayedScalingState:
     def update_state(self) -> tuple:
         """The eight buffers `delayed_scaling_update` takes, in its order (`_STATE`; read from the
         buffer dict, not through `nn.Module.__getattr__`: autocast asks every GEMM at each exit and entry)."""
-        buffers = self._buffers
-        return tuple(buffers[name] for name in _STATE)
+        return _state_of(self._buffers)
 
     def record_amax(self, amax: torch.Tensor, first: int = 0) -> None:
         """History slot 0, columns first.. (0 input, 1 weight), takes the max with `amax`, except
@@ -160,7 +161,7 @@ def poll_nonfinite(named_gemms: Sequence[Tuple[str, "DelayedScalingState"]]) -> 
         return
     seen, on_cuda = [], {}
     for name, gemm in named_gemms:
-        count = gemm.nonfinite_amax_count
+        count = gemm._buffers["nonfinite_amax_count"]  # the buffer dict: no nn.Module.__getattr__ per GEMM
         if count.device.type == "cpu":
             seen.append((name, count.tolist()))  # a host read of 3 ints, no tensor op
         elif count.device.type == "cuda":  # meta / other devices: nothing to read without a sync
@@ -201,11 +202,12 @@ def update_delayed_scaling(states: Sequence[DelayedScalingState], recipe: R.Dela
     GEMMs on one CUDA device in one launch (`delayed_scaling_update_many`, TE's multi-tensor
     update); the others one by one."""
     builtin = _builtin_rules(recipe)
+    compiling = torch.compiler.is_compiling()
     by_device = {}
     for g in states:
         state = g.update_state()
         scale, history, grad_history = state[0], state[1], state[3]
-        device = _eager_device(scale)
+        device = None if compiling or traced(scale) else scale.device  # `_eager_device(scale)`, is_compiling read once
         if builtin and device is not None and device.type == "cuda" and history.is_contiguous() \
                 and grad_history.is_contiguous() and history.shape[0] >= recipe.amax_history_len:
             by_device.setdefault(device, []).append(state)

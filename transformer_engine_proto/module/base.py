@@ -97,18 +97,13 @@ class TransformerEngineBaseModule(DelayedWgrad, GemmOwner, nn.Module, metaclass=
     def prepare_for_recipe(self, recipe, entered, key: str) -> list:
         """Autocast entry: `recipe` is the user's object (TE's fp8_meta["recipe"]); the GEMMs
         prepare for `entered`, its fields at entry (`RecipeKey.recipe(key)`). Returns them (the
-        non-finite poll reads their counters)."""
-        self._last_recipe = recipe
+        non-finite poll and the delayed-scaling update use them)."""
+        self.__dict__["_last_recipe"] = recipe  # a plain attribute: no nn.Module.__setattr__ lookups per entry
         gemms = []
         for gemm, weight in self.gemm_weights():
             gemm.prepare_for_recipe(entered, weight, key)
             gemms.append(gemm)
         return gemms
-
-    def delayed_scaling_gemms(self) -> list:
-        """This module's GEMMs whose delayed-scaling update autocast runs (`update_delayed_scaling`):
-        all but those FSDP2's pre-all-gather updates itself."""
-        return [gemm for gemm, _ in self.gemm_weights() if gemm.scales_updated_by_autocast]
 
     def _check_input(self, inp: torch.Tensor, features: int, what: str = "input") -> None:
         if not isinstance(inp, torch.Tensor):
