@@ -26,7 +26,9 @@ Every variant runs in this process, so the ratios compare like with like.
 per step (CPU: the ops' self time) into kernel families by name (`kernel_family`): GEMM, quantize
 (amax / cast / transpose, our Triton kernels and inductor's fused casts), norm, other. A kernel
 that fuses a norm with its quantize counts as quantize. On CUDA it also lists the quantize and norm
-launches by (kernel, grid): launches per step and mean time, i.e. what each tensor shape costs.
+launches by (kernel, grid): launches per step and mean time, i.e. what each tensor shape costs; and
+the GPU's idle time between kernels, with the places of the longest gaps (where the GPU waits for
+the host: a step whose wall time exceeds its kernels' time has them).
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ import gc
 import os
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 for _p in (_HERE, os.path.dirname(_HERE)):
@@ -84,10 +86,8 @@ def kernel_ms(prof, steps: int, cuda: bool) -> dict:
     return out
 
 
-def launches_by_grid(prof, steps: int, families=("quantize", "norm")) -> list:
-    """The launches of `families`' kernels grouped by (kernel, grid), largest time first: [name,
-    grid, launches per step, mean us, ms per step]. Shows whether a family's time is bytes (few
-    large grids) or per-launch cost (many small ones). CUDA only (the trace's grid of a kernel)."""
+def kernel_events(prof) -> list:
+    """The device kernels of a CUDA profile (its chrome trace's "kernel" events), in start order."""
     import json
     import tempfile
 
@@ -95,12 +95,41 @@ def launches_by_grid(prof, steps: int, families=("quantize", "norm")) -> list:
         prof.export_chrome_trace(f.name)
         with open(f.name) as trace:
             events = json.load(trace)["traceEvents"]
+    return sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+
+
+def launches_by_grid(events: list, steps: int, families=("quantize", "norm")) -> list:
+    """The launches of `families`' kernels grouped by (kernel, grid), largest time first: [name,
+    grid, launches per step, mean us, ms per step]. Shows whether a family's time is bytes (few
+    large grids) or per-launch cost (many small ones)."""
     groups = {}
     for e in events:
-        if e.get("cat") == "kernel" and kernel_family(e["name"]) in families:
+        if kernel_family(e["name"]) in families:
             groups.setdefault((e["name"], str(e.get("args", {}).get("grid"))), []).append(e["dur"])
     rows = [[name, grid, len(d) / steps, sum(d) / len(d), sum(d) / 1e3 / steps] for (name, grid), d in groups.items()]
     return sorted(rows, key=lambda r: -r[4])
+
+
+def idle_gaps(events: list, steps: int, longer_than_us: float = 30.0, top: int = 10) -> dict:
+    """Where the GPU ran no kernel between the first and the last of `events`: the idle ms per
+    step, those of gaps longer than `longer_than_us` (the GPU waiting for the host rather than for
+    one launch), and the longest places as [kernel before, kernel after, gaps per step, us per step]."""
+    idle = long_idle = 0.0
+    places = {}
+    end = None
+    prev = None
+    for e in events:
+        if end is not None and e["ts"] > end:
+            gap = e["ts"] - end
+            idle += gap
+            if gap > longer_than_us:
+                long_idle += gap
+                n, total = places.get((prev["name"][:60], e["name"][:60]), (0, 0.0))
+                places[(prev["name"][:60], e["name"][:60])] = (n + 1, total + gap)
+        if end is None or e["ts"] + e["dur"] >= end:
+            end, prev = e["ts"] + e["dur"], e
+    rows = sorted(([a, b, n / steps, total / steps] for (a, b), (n, total) in places.items()), key=lambda r: -r[3])
+    return dict(idle_ms=idle / 1e3 / steps, long_idle_ms=long_idle / 1e3 / steps, places=rows[:top])
 
 
 def family_ms(per_kernel: dict) -> dict:
@@ -148,10 +177,16 @@ def make_variant(variant: str, args, device, dtype):
     return model, recipe
 
 
-def training_step(model, recipe, variant: str, mode: str, args, device, losses: Optional[list] = None):
+STEP_PARTS = ("entry", "forward", "exit", "backward", "clip", "optimizer")
+
+
+def training_step(model, recipe, variant: str, mode: str, args, device, losses: Optional[list] = None,
+                  mark: Optional[Callable[[str], None]] = None):
     """The step every Llama benchmark times (a closure): forward under the variant's autocast on a
     fixed batch, backward, grad clipping, an AdamW step; `mode` "eager" runs `model` itself, else
-    `torch.compile(model, mode=...)`. Appends each loss to `losses` when given."""
+    `torch.compile(model, mode=...)`. Appends each loss to `losses` when given; calls `mark(part)`
+    as the step starts and after each of `STEP_PARTS` (autocast entry, ...)."""
+    mark = mark or (lambda part: None)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
@@ -160,14 +195,21 @@ def training_step(model, recipe, variant: str, mode: str, args, device, losses: 
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
 
     def step():
+        mark("start")
         if mode == "reduce-overhead":
             torch.compiler.cudagraph_mark_step_begin()
         with C.te_autocast(recipe, variant):
+            mark("entry")
             loss = fwd(input_ids=ids, labels=ids).loss
+            mark("forward")
+        mark("exit")
         loss.backward()
+        mark("backward")
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        mark("clip")
         opt.step()
         opt.zero_grad(set_to_none=True)
+        mark("optimizer")
         if losses is not None:
             losses.append(loss.detach())
 
@@ -209,7 +251,9 @@ def run_variant(variant, mode, args, device, dtype):
         res["family_ms"] = family_ms(per_kernel)
         res["top_kernels"] = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:args.profile_top]
         if device.type == "cuda":
-            res["launches"] = launches_by_grid(prof, args.profile_steps)[:args.profile_top]
+            events = kernel_events(prof)
+            res["launches"] = launches_by_grid(events, args.profile_steps)[:args.profile_top]
+            res["idle"] = idle_gaps(events, args.profile_steps)
     res.update(C.compile_stats())
     if variant.endswith("+policy"):  # which GEMMs the policy kept in the recipe's format
         import transformer_engine_proto as te
@@ -307,6 +351,13 @@ def run_preset(args):
                 print(C.markdown_table(["kernel", "grid", "launches / step", "mean us", "ms / step"],
                                        [[name[:70], grid, f"{n:.1f}", f"{us:.1f}", f"{ms:.3f}"]
                                         for name, grid, n, us, ms in r["launches"]]))
+            if r.get("idle"):
+                idle = r["idle"]
+                print(f"\n#### {r['mode']} {r['variant']}: GPU idle {idle['idle_ms']:.3f} ms per step, "
+                      f"{idle['long_idle_ms']:.3f} of it in gaps > 30 us (the profiler slows the host: "
+                      f"more than without it)\n")
+                print(C.markdown_table(["kernel before", "kernel after", "gaps / step", "us / step"],
+                                       [[a, b, f"{n:.1f}", f"{us:.1f}"] for a, b, n, us in idle["places"]]))
     if args.out:
         C.write_json(args.out, args.name, dict(env=C.environment(device), args=vars(args), results=results))
         plt = C.try_pyplot()

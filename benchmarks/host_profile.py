@@ -7,8 +7,10 @@ A step (eager, or compiled with `--mode default`: the compiled graphs' launches 
 too) whose device-kernel time (bench_llama.py --profile) is below its wall time is
 host-bound: the GPU waits for Python. For each variant this prints the wall time per step, the host
 time per step (the same steps, the clock stopped before the final synchronize), single
-synchronized steps (median and min: on a shared host the min is the code's cost) and the functions
-with the most own time under cProfile, so the host cost can be cut where it is.
+synchronized steps (median and min: on a shared host the min is the code's cost), the host's and
+(CUDA) the GPU's time for each part of the step (autocast entry, forward, exit, backward, clipping,
+optimizer) and the functions with the most own time under cProfile, so the host cost can be cut
+where it is.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import cProfile
 import io
 import os
 import pstats
+import statistics
 import sys
 import time
 
@@ -30,10 +33,42 @@ import bench_llama as L  # noqa: E402
 import torch  # noqa: E402
 
 
+class PartClock:
+    """`training_step`'s `mark`: while `on`, each mark's host time and (CUDA) an event recorded on
+    the stream, so a step's parts get the host's time and the GPU's (event to event: the part's
+    kernels plus the GPU's idle time in it)."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.on = False
+        self.steps = []
+
+    def __call__(self, part: str) -> None:
+        if not self.on:
+            return
+        if part == "start":
+            self.steps.append([])
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        self.steps[-1].append((part, time.perf_counter(), event))
+
+    def medians(self) -> dict:
+        """{part: (GPU ms or None, host ms)}, medians over the recorded steps."""
+        out = {}
+        for i, part in enumerate(L.STEP_PARTS, start=1):
+            host = [(s[i][1] - s[i - 1][1]) * 1e3 for s in self.steps]
+            gpu = [s[i - 1][2].elapsed_time(s[i][2]) for s in self.steps] if self.cuda else None
+            out[part] = (statistics.median(gpu) if gpu else None, statistics.median(host))
+        return out
+
+
 def profile_variant(variant: str, args, device, dtype, log) -> dict:
     C.reset_compile_state(device)
     model, recipe = L.make_variant(variant, args, device, dtype)
-    step = L.training_step(model, recipe, variant, args.mode, args, device)
+    clock = PartClock(device)
+    step = L.training_step(model, recipe, variant, args.mode, args, device, mark=clock)
 
     for _ in range(3):  # compiles, when compiled
         step()
@@ -53,6 +88,14 @@ def profile_variant(variant: str, args, device, dtype, log) -> dict:
         C.synchronize(device)
         per_step.append((time.perf_counter() - t) * 1e3)
     per_step.sort()
+    # the step's parts, steps back to back (as in a run): where the GPU time exceeds the host's, the
+    # GPU ran the part's kernels (or waited in it); where the host's exceeds it, the GPU waited for the host
+    clock.on = True
+    for _ in range(args.step_times):
+        step()
+    C.synchronize(device)
+    clock.on = False
+    parts = clock.medians()
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(args.steps):
@@ -63,9 +106,12 @@ def profile_variant(variant: str, args, device, dtype, log) -> dict:
     stats = pstats.Stats(prof, stream=text)
     stats.sort_stats("tottime").print_stats(args.top)
     stats.sort_stats("cumulative").print_stats(args.top)
-    log(f"\n## {variant} ({args.mode}): wall {wall * 1e3:.2f} ms/step, host {host * 1e3:.2f} ms/step "
-        f"(cProfile below: {args.steps} steps)\n\n{text.getvalue()}")
-    return dict(variant=variant, mode=args.mode, wall_ms=wall * 1e3, host_ms=host * 1e3,
+    table = C.markdown_table(["part", "GPU ms (events)", "host ms"],
+                             [[p, "-" if g is None else f"{g:.3f}", f"{h:.3f}"] for p, (g, h) in parts.items()])
+    log(f"\n## {variant} ({args.mode}): wall {wall * 1e3:.2f} ms/step, host {host * 1e3:.2f} ms/step\n\n"
+        f"The step's parts, medians of {args.step_times} steps:\n\n{table}\n\n"
+        f"cProfile of {args.steps} steps:\n\n{text.getvalue()}")
+    return dict(variant=variant, mode=args.mode, wall_ms=wall * 1e3, host_ms=host * 1e3, parts=parts,
                 step_median_ms=per_step[len(per_step) // 2] if per_step else None,
                 step_min_ms=per_step[0] if per_step else None)
 

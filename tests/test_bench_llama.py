@@ -78,30 +78,61 @@ def test_profile_splits_the_step_by_family():
     assert all(v >= 0 for v in r["family_ms"].values())
 
 
+def _kernel(name, grid, dur, ts=0.0):
+    return {"cat": "kernel", "name": name, "dur": dur, "ts": ts, "args": {"grid": grid}}
+
+
 def test_launches_grouped_by_kernel_and_grid():
     """`launches_by_grid` groups the trace's quantize / norm kernels by (name, grid), per step,
     largest time first, and leaves the other families out."""
+    events = [_kernel("_cast_transpose_packed_kernel", [2048, 1, 1], 20.0),
+              _kernel("_cast_transpose_packed_kernel", [2048, 1, 1], 30.0),
+              _kernel("_cast_transpose_packed_kernel", [32768, 1, 1], 300.0),
+              _kernel("_amax_kernel", [1024, 1, 1], 10.0),
+              _kernel("nvjet_sm90_gemm", [2, 66, 1], 900.0)]
+    rows = bench_llama.launches_by_grid(events, steps=2)
+    assert rows == [["_cast_transpose_packed_kernel", "[32768, 1, 1]", 0.5, 300.0, 0.15],
+                    ["_cast_transpose_packed_kernel", "[2048, 1, 1]", 1.0, 25.0, 0.025],
+                    ["_amax_kernel", "[1024, 1, 1]", 0.5, 10.0, 0.005]]
+
+
+def test_kernel_events_of_a_trace_in_start_order():
     import json
 
-    def kernel(name, grid, dur):
-        return {"cat": "kernel", "name": name, "dur": dur, "args": {"grid": grid}}
-
-    events = [kernel("_cast_transpose_packed_kernel", [2048, 1, 1], 20.0),
-              kernel("_cast_transpose_packed_kernel", [2048, 1, 1], 30.0),
-              kernel("_cast_transpose_packed_kernel", [32768, 1, 1], 300.0),
-              kernel("_amax_kernel", [1024, 1, 1], 10.0),
-              kernel("nvjet_sm90_gemm", [2, 66, 1], 900.0),
-              {"cat": "cpu_op", "name": "aten::abs", "dur": 5.0}]
+    events = [_kernel("b", [1, 1, 1], 1.0, ts=5.0), {"cat": "cpu_op", "name": "aten::abs", "dur": 5.0, "ts": 0.0},
+              _kernel("a", [1, 1, 1], 1.0, ts=2.0)]
 
     class Trace:
         def export_chrome_trace(self, path):
             with open(path, "w") as f:
                 json.dump({"traceEvents": events}, f)
 
-    rows = bench_llama.launches_by_grid(Trace(), steps=2)
-    assert rows == [["_cast_transpose_packed_kernel", "[32768, 1, 1]", 0.5, 300.0, 0.15],
-                    ["_cast_transpose_packed_kernel", "[2048, 1, 1]", 1.0, 25.0, 0.025],
-                    ["_amax_kernel", "[1024, 1, 1]", 0.5, 10.0, 0.005]]
+    assert [e["name"] for e in bench_llama.kernel_events(Trace())] == ["a", "b"]
+
+
+def test_idle_gaps_between_kernels():
+    """Idle time is where no kernel runs (an overlapping kernel covers its neighbour's gap); the
+    long gaps are named by the kernels around them, per step."""
+    events = [_kernel("gemm", [1, 1, 1], 100.0, ts=0.0),
+              _kernel("side", [1, 1, 1], 10.0, ts=20.0),       # inside gemm: no gap
+              _kernel("cast", [1, 1, 1], 10.0, ts=105.0),      # 5 us after gemm ends
+              _kernel("update", [1, 1, 1], 5.0, ts=215.0),     # 100 us after cast: a long gap
+              _kernel("norm", [1, 1, 1], 5.0, ts=260.0)]       # 40 us after update: a long gap
+    idle = bench_llama.idle_gaps(events, steps=1)
+    assert idle["idle_ms"] == (5 + 100 + 40) / 1e3 and idle["long_idle_ms"] == 140 / 1e3
+    assert idle["places"] == [["cast", "update", 1.0, 100.0], ["update", "norm", 1.0, 40.0]]
+
+
+def test_host_profile_times_each_part_of_an_eager_step(tmp_path):
+    """host_profile.py: each part of the step timed on the host (CPU: no GPU column), the cProfile logged."""
+    import host_profile
+
+    (r,) = host_profile.main(["--smoke", "--variants", "te:delayed", "--steps", "1", "--step-times", "3",
+                              "--top", "5", "--out", str(tmp_path)])
+    assert list(r["parts"]) == list(bench_llama.STEP_PARTS)
+    assert all(gpu is None and host > 0 for gpu, host in r["parts"].values()), r["parts"]
+    text = (tmp_path / "host_profile.txt").read_text()
+    assert "| optimizer |" in text and "tottime" in text
 
 
 @pytest.mark.slow  # an inductor compile of the smoke Llama: 1.5 min on CPU
