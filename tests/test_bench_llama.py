@@ -146,3 +146,16 @@ def test_host_profile_of_a_compiled_step(tmp_path):
     assert 0 < r["host_ms"] <= r["wall_ms"] and r["step_min_ms"] <= r["step_median_ms"]
     text = (tmp_path / "host_profile.txt").read_text()
     assert "te:delayed (default)" in text and "tottime" in text
+
+
+def test_trace_profile_times_dynamo_per_library_function():
+    """trace_profile.py: one traced forward per Linear shows up in the inliner's table, with the
+    library's instructions counted apart from the model's."""
+    import trace_profile
+
+    (r,) = trace_profile.main(["--variants", "te:delayed", "--repeats", "1", "--functions", "200", "--hidden", "32",
+                               "--ffn", "64", "--layers", "1", "--heads", "2", "--vocab", "64", "--seq", "8"])
+    calls = {(name.split(":")[0], name.split(":")[-1]): n for name, n, _, _ in r["functions"]}
+    assert calls[("transformer_engine_proto/module/quantized_gemm.py", "forward")] == 7 + 1  # + lm_head
+    assert r["instructions"] > r["library_instructions"] > 0 and r["tracing_s"] > 0
+    assert all(inc >= exc >= 0 for _, _, inc, exc in r["functions"])
