@@ -124,8 +124,9 @@ def idle_gaps(events: list, steps: int, longer_than_us: float = 30.0, top: int =
             idle += gap
             if gap > longer_than_us:
                 long_idle += gap
-                n, total = places.get((prev["name"][:60], e["name"][:60]), (0, 0.0))
-                places[(prev["name"][:60], e["name"][:60])] = (n + 1, total + gap)
+                where = (prev["name"][:60], e["name"][:60])
+                n, total = places.get(where, (0, 0.0))
+                places[where] = (n + 1, total + gap)
         if end is None or e["ts"] + e["dur"] >= end:
             end, prev = e["ts"] + e["dur"], e
     rows = sorted(([a, b, n / steps, total / steps] for (a, b), (n, total) in places.items()), key=lambda r: -r[3])
