@@ -23,7 +23,12 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
                                                            b.nan_to_num(nan=-7.0, posinf=math.inf, neginf=-math.inf))
 
 
+_PARTS = ("fp8_scale", "amax_history", "grad_fp8_scale", "grad_amax_history", "grad_amax_pending", "grad_amax_seen",
+          "nonfinite_amax_count", "amax_recorded")
+
+
 def _state(rows: int, seed: int, device, nonfinite: bool):
+    """A GEMM's (state, handoff) (`reference.delayed_scaling`'s layout, 1024 history rows)."""
     g = torch.Generator().manual_seed(seed)
     hist = torch.rand(1024, 2, generator=g) * 10.0 ** torch.randint(-6, 4, (1024, 2), generator=g)
     ghist = torch.rand(1024, 1, generator=g) * 1e-3
@@ -34,9 +39,18 @@ def _state(rows: int, seed: int, device, nonfinite: bool):
         pending[0] = float("inf") if seed % 3 else float("nan")
         hist[0, 1] = float("nan")  # loaded from a checkpoint, say: the max over it is NaN
     recorded = torch.tensor([float(seed % 4 < 2)])  # a forward recorded amaxes on seeds 0, 1 only
-    tensors = [torch.rand(2, generator=g) + 0.5, hist, torch.rand(1, generator=g) + 0.5, ghist, pending, seen,
-               torch.tensor([0, 0, 5], dtype=torch.int64), recorded]
-    return [t.to(device) for t in tensors]
+    parts = [torch.rand(2, generator=g) + 0.5, hist, torch.rand(1, generator=g) + 0.5, ghist, pending, seen,
+             torch.tensor([0.0, 0.0, 5.0]), recorded]
+    state, handoff = reference.delayed_scaling.new_state(1024), torch.zeros(3)
+    for view, part in zip(_parts((state, handoff)), parts):
+        view.copy_(part)
+    return state.to(device), handoff.to(device)
+
+
+def _parts(state_and_handoff):
+    """The state's parts in `_PARTS`' order (views)."""
+    views = reference.delayed_scaling.views(*state_and_handoff)
+    return [views[n] for n in _PARTS]
 
 
 @pytest.mark.parametrize("device", _DEVICES)
@@ -56,10 +70,8 @@ def test_one_launch_update_is_the_reference_bit_for_bit(device, rows, most_recen
         args = (rows, most_recent, fwd_max, bwd_max, margin, forward_half, grad_half)
         reference.delayed_scaling.delayed_scaling_update(*expect, *args)
         fused(*got, *args)
-        for name, e, o in zip(["scale", "history", "grad scale", "grad history", "pending", "seen", "count",
-                               "recorded"], expect, got):
-            assert _same(e, o.cpu()), f"{name} differs (seed {seed})"
-        before = _state(rows, seed, "cpu", nonfinite)
+        assert _same(expect[0], got[0].cpu()) and _same(expect[1], got[1].cpu()), f"seed {seed}"
+        expect, before = _parts(expect), _parts(_state(rows, seed, "cpu", nonfinite))
         if forward_half and seed % 4 < 2:  # recorded: slot 0 free for the next amax and the rest rolled
             assert (expect[1][0] == 0).all() and expect[7].item() == 0  # the flag is cleared
             if rows > 1:
@@ -91,10 +103,9 @@ def test_one_launch_for_many_gemms_is_the_reference_bit_for_bit(device, halves):
         fused(got, *args)
     assert any(key[0] == got[0][0].data_ptr() for key in _TABLES)
     for (seed, nonfinite), e_state, g_state in zip(states, expect, got):
-        for name, e, o in zip(["scale", "history", "grad scale", "grad history", "pending", "seen", "count",
-                               "recorded"], e_state, g_state):
+        for name, e, o in zip(_PARTS, _parts(e_state), _parts(g_state)):
             assert _same(e, o.cpu()), f"{name} differs (seed {seed}, nonfinite {nonfinite})"
-    moved = [not _same(e[0], _state(16, s, "cpu", n)[0]) for (s, n), e in zip(states, expect)]
+    moved = [not _same(_parts(e)[0], _parts(_state(16, s, "cpu", n))[0]) for (s, n), e in zip(states, expect)]
     assert any(moved) if halves[0] else not any(moved)  # the forward half moved the recorded ones only
 
 
@@ -149,23 +160,31 @@ def test_one_launch_amax_records_are_the_reference_bit_for_bit(device, cols):
     values = [0.0, 3.5, 1e-30, float("inf"), float("nan"), 7.25]
     for a in values:
         for b in values:
-            history = torch.tensor([[2.0, 0.5], [9.0, 9.0]])
-            count = torch.tensor([1, 0, 4], dtype=torch.int64)
+            state = _record_state()
             amax = torch.tensor([a, b])[: cols.stop - cols.start]
-            recorded = torch.zeros(1)
-            expect = (history.clone(), count.clone(), recorded.clone())
-            got = (history.to(device), count.to(device), recorded.to(device))
-            reference.delayed_scaling.delayed_record_amax(expect[0], amax, expect[1], expect[2], cols.start)
-            delayed_record_amax(got[0], amax.to(device), got[1], got[2], cols.start)
-            assert _same(expect[0], got[0].cpu()) and torch.equal(expect[1], got[1].cpu()), (a, b, cols)
-            assert expect[2].item() == 1 and got[2].item() == 1  # the next update moves the forward scales
+            scales = torch.tensor([4.0, 0.25, 8.0])
+            expect, got = state.clone(), state.to(device)
+            reference.delayed_scaling.delayed_record_amax(expect, amax, scales, cols.start)
+            delayed_record_amax(got, amax.to(device), scales.to(device), cols.start)
+            assert _same(expect, got.cpu()), (a, b, cols)
+            assert expect[3].item() == 1  # `amax_recorded`: the next update moves the forward scales
+            assert expect[:3].tolist() == [4.0, 0.25, 8.0]  # the scales given
             for gen, seen in ((0.0, 0.0), (1.0, 0.0), (1.0, 1.0)):
-                state = [torch.tensor([b, gen]), torch.tensor([seen])]
-                expect = [t.clone() for t in state]
-                got = [t.to(device) for t in state]
-                reference.delayed_scaling.delayed_record_grad_amax(*expect, torch.tensor([a]))
-                delayed_record_grad_amax(*got, torch.tensor([a], device=device))
-                assert all(_same(e, o.cpu()) for e, o in zip(expect, got)), (a, b, gen, seen)
+                handoff = torch.tensor([b, gen, seen])
+                expect, got = handoff.clone(), handoff.to(device)
+                reference.delayed_scaling.delayed_record_grad_amax(expect, torch.tensor([a]))
+                delayed_record_grad_amax(got, torch.tensor([a], device=device))
+                assert _same(expect, got.cpu()) and expect[2].item() == seen, (a, b, gen, seen)
+
+
+def _record_state(device="cpu"):
+    """A two-row state with history [[2, 0.5, 1], [9, 9, 9]] and counters [1, 0, 4]."""
+    state = reference.delayed_scaling.new_state(2)
+    views = reference.delayed_scaling.views(state, torch.zeros(3))
+    views["amax_history"].copy_(torch.tensor([[2.0, 0.5], [9.0, 9.0]]))
+    views["grad_amax_history"].copy_(torch.tensor([[1.0], [9.0]]))
+    views["nonfinite_amax_count"].copy_(torch.tensor([1.0, 0.0, 4.0]))
+    return state.to(device)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_on_gpu)])
@@ -178,21 +197,20 @@ def test_record_ops_are_functional_and_equal_the_in_place_records(device):
 
     ops = torch.ops.te_proto
     for first, amax in ((0, [3.5, float("nan")]), (1, [float("inf")]), (0, [1e-30, 7.25])):
-        history = torch.tensor([[2.0, 0.5], [9.0, 9.0]], device=device)
-        count = torch.tensor([1, 0, 4], dtype=torch.int64, device=device)
-        recorded = torch.zeros(1, device=device)
+        state = _record_state(device)
         amax = torch.tensor(amax, device=device)
-        inputs = [t.clone() for t in (history, count, recorded)]
-        got = ops.delayed_record_amax(history, amax, count, recorded, first)
-        assert all(torch.equal(a, b) for a, b in zip(inputs, (history, count, recorded))), "inputs written"
-        kernel("delayed_record_amax", history.device)(history, amax, count, recorded, first)
-        assert all(_same(g.float(), e.float()) for g, e in zip(got, (history, count, recorded))), first
-        torch.library.opcheck(ops.delayed_record_amax.default, (history, amax, count, recorded, first))
-    for pending, seen, amax in (([2.0, 0.0], [0.0], [5.0]), ([2.0, 1.0], [0.0], [1.0]), ([2.0, 1.0], [0.0], [3.0])):
-        pending, seen, amax = (torch.tensor(v, device=device) for v in (pending, seen, amax))
-        before = pending.clone()
-        got = ops.delayed_record_grad_amax(pending, seen, amax)
-        assert torch.equal(pending, before), "pending written"
-        kernel("delayed_record_grad_amax", pending.device)(pending, seen, amax)
-        assert torch.equal(got, pending)
-        torch.library.opcheck(ops.delayed_record_grad_amax.default, (before, seen, amax))
+        scales = torch.tensor([2.0, 3.0, 5.0], device=device)
+        before = state.clone()
+        got = ops.delayed_record_amax(state, amax, scales, first)
+        assert torch.equal(state, before), "input written"
+        kernel("delayed_record_amax", state.device)(state, amax, scales, first)
+        assert _same(got, state), first
+        torch.library.opcheck(ops.delayed_record_amax.default, (before, amax, scales, first))
+    for handoff, amax in (([2.0, 0.0, 0.0], [5.0]), ([2.0, 1.0, 0.0], [1.0]), ([2.0, 1.0, 0.0], [3.0])):
+        handoff, amax = (torch.tensor(v, device=device) for v in (handoff, amax))
+        before = handoff.clone()
+        got = ops.delayed_record_grad_amax(handoff, amax)
+        assert torch.equal(handoff, before), "handoff written"
+        kernel("delayed_record_grad_amax", handoff.device)(handoff, amax)
+        assert torch.equal(got, handoff)
+        torch.library.opcheck(ops.delayed_record_grad_amax.default, (before, amax))

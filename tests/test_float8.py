@@ -114,7 +114,11 @@ def test_quantizer_bound_to_a_slot_of_shared_buffers():
     with pytest.raises(ValueError, match="slot 2 is not an element of scale"):
         q.with_scale_state(scales, torch.zeros(2), 2).quantize(x)
     with pytest.raises(ValueError, match="slot 1 is not an element of amax_out"):
-        q.with_scale_state(scales, torch.zeros(1), 1).quantize(x)
+        q.with_scale_state(scales, torch.zeros((1, 2)), 1).quantize(x)
+    # a one-element amax is its own slot: backward's gradient reads scale slot 2, records into its (1,)
+    grad_amax = torch.zeros(1)
+    got = q.with_scale_state(torch.tensor([4.0, 0.5, 2.0]), grad_amax, 2).quantize(x)
+    assert got._scale_inv.item() == 0.5 and grad_amax.item() == 200.0
     with pytest.raises(RuntimeError, match="scale/amax"):  # only a bound copy may leave the amax out
         Float8Quantizer(torch.ones(1), None).quantize(x)
 

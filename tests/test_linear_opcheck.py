@@ -58,9 +58,10 @@ def _opcheck(op, args):
 
 def _delayed_state(recipe):
     if not isinstance(recipe, R.DelayedScaling):
-        return None, None, []
-    # non-trivial scales so a wrong slot or a missing bind shows up as different numbers
-    return torch.tensor([96.0, 12.0]), torch.tensor([2048.0]), [torch.tensor([3.0, 1.0]), torch.tensor([1.0])]
+        return None, []
+    # non-trivial scales (input, weight, gradient) so a wrong slot or a missing bind shows up as different
+    # numbers; the handoff: [pending amax, its generation, the generation folded]
+    return torch.tensor([96.0, 12.0, 2048.0]), [torch.tensor([3.0, 1.0, 1.0])]
 
 
 def _cache_buffers(recipe, plan, weight, fp8_scale):
@@ -89,13 +90,13 @@ def fwd_args(recipe, *, bias, input_rg, weight_rg, cache_mode=L.CACHE_OFF, save_
     x = torch.randn(TOKENS, IN, generator=g, dtype=dtype).requires_grad_(input_rg)
     w = (torch.randn(OUT, IN, generator=g, dtype=dtype) * 0.1).requires_grad_(weight_rg)
     b = torch.randn(OUT, generator=g, dtype=dtype).requires_grad_() if bias else None
-    fp8_scale, grad_fp8_scale, grad_amax_state = _delayed_state(recipe)
+    fp8_scale, grad_amax_state = _delayed_state(recipe)
     fuse = fuse_wgrad_accumulation and weight_rg
     call = L.LinearCall(input_rg, weight_rg, bias, save_original_input, fuse, cache_mode)
     plan = linear_plan.plan_of(key, x, w, call)
     cache = _cache_buffers(recipe, plan, w, fp8_scale) if recipe is not None else []
     main_grad = torch.zeros(OUT, IN, dtype=torch.float32) if fuse else None
-    return (x, w, b, fp8_scale, grad_fp8_scale, grad_amax_state, cache, main_grad, key, call.flags, [])
+    return (x, w, b, fp8_scale, grad_amax_state, cache, main_grad, key, call.flags, [])
 
 
 GRAD_COMBOS = list(itertools.product([False, True], repeat=3))  # (bias, input_rg, weight_rg)
@@ -173,7 +174,7 @@ def bwd_args(recipe, *, bias, input_rg, weight_rg, cache_mode=L.CACHE_OFF, save_
     """Run linear_fwd for real, then assemble linear_bwd's argument list as `_backward` does."""
     a = fwd_args(recipe, bias=bias, input_rg=input_rg, weight_rg=weight_rg, cache_mode=cache_mode,
                  save_original_input=save_original_input, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
-    (x, w, b, scales, grad_fp8_scale, _grad_amax_state, cache, main_grad, key, flags, _prequantized) = a
+    (x, w, b, scales, _grad_amax_state, cache, main_grad, key, flags, _prequantized) = a
     call = L.LinearCall.of(flags)
     with torch.no_grad():
         _, amaxes, saved, _ = torch.ops.te_proto.linear_fwd(*a)
@@ -183,8 +184,8 @@ def bwd_args(recipe, *, bias, input_rg, weight_rg, cache_mode=L.CACHE_OFF, save_
     raw_w = w.detach() if plan.saves_raw_weight() else None
     used_cache = cache if call.cache_mode == L.CACHE_USE and call.input_requires_grad else []
     grad_out = torch.randn(TOKENS, OUT, generator=torch.Generator().manual_seed(1), dtype=x.dtype)
-    return (grad_out, [s.detach() for s in saved], raw_inp, raw_w, used_cache, scales, grad_fp8_scale,
-            weight_amax, main_grad, key, list(x.shape), list(w.shape), w.dtype, flags)
+    return (grad_out, [s.detach() for s in saved], raw_inp, raw_w, used_cache, scales, weight_amax, main_grad, key,
+            list(x.shape), list(w.shape), w.dtype, flags)
 
 
 BWD_CASES = [
@@ -222,7 +223,7 @@ def test_norm_quantize_and_prequantized_linear_opcheck(fp8_harness, rid):
     torch.library.opcheck(norm_quantize_fwd, (x, g, b, 1e-5, "LayerNorm", False, key, True))
     ln, _, _, bufs = norm_quantize_fwd(x.detach(), g.detach(), b.detach(), 1e-5, "LayerNorm", False, key, True)
     w = torch.randn(32, 64, requires_grad=True)
-    args = (ln.requires_grad_(), w, None, None, None, [], [], None, key, L.LinearCall(True, True).flags, bufs)
+    args = (ln.requires_grad_(), w, None, None, [], [], None, key, L.LinearCall(True, True).flags, bufs)
     torch.library.opcheck(linear_fwd, args)
 
 

@@ -62,7 +62,7 @@ def plan_bytes(rid, m, x, save_original_input=False):
     if plan.saves_raw_input():
         n += _bytes(x)
     if plan.quantized and plan.delayed:
-        n += _bytes(m.gemm.fp8_scale) + _bytes(m.gemm.grad_fp8_scale)
+        n += _bytes(m.gemm.delayed_state[:3])  # the snapshot of the scales (input, weight, gradient)
     return n, plan
 
 

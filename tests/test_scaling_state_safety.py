@@ -170,14 +170,18 @@ def test_the_counter_is_checkpointed_and_buffer_checkpoints_load():
     loaded.load_state_dict(model.state_dict())
     assert torch.equal(loaded.gemm.nonfinite_amax_count, model.gemm.nonfinite_amax_count)
     old = {"weight": model.weight.detach(), "bias": model.bias.detach()}
-    old.update({f"gemm.{n}": b for n, b in model.gemm.named_buffers() if not n.startswith("weight_cache")})
-    for drop in (None, "gemm.nonfinite_amax_count"):
-        sd = {k: v for k, v in old.items() if k != drop}
+    # the state as the GEMM's own entries: one per part (the counter int64), or the two packed buffers
+    parts = {f"gemm.{n}": getattr(model.gemm, n).clone() for n in delayed_scaling._VIEWS}
+    parts["gemm.nonfinite_amax_count"] = parts["gemm.nonfinite_amax_count"].long()
+    packed = {f"gemm.{n}": b for n, b in model.gemm.named_buffers() if not n.startswith("weight_cache")}
+    assert set(packed) == {"gemm.delayed_state", "gemm.grad_amax_handoff"}
+    for entries, drop in ((parts, None), (parts, "gemm.nonfinite_amax_count"), (packed, None)):
+        sd = {**old, **{k: v for k, v in entries.items() if k != drop}}
         fresh = te.Linear(32, 32)
         fresh.load_state_dict(sd)  # strict
         assert torch.equal(fresh.gemm.fp8_scale, model.gemm.fp8_scale)
-        want = torch.zeros(3, dtype=torch.int64) if drop else model.gemm.nonfinite_amax_count
-        assert torch.equal(fresh.gemm.nonfinite_amax_count, want)
+        want = [0, 0, 0] if drop else [1, 0, 2]
+        assert fresh.gemm.nonfinite_amax_count.tolist() == want
 
 
 def _scaling_buffers(model):

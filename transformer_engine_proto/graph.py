@@ -43,8 +43,7 @@ def _state_buffers(callables):
             for m in c.modules():
                 if isinstance(m, QuantizedGemm) and id(m) not in seen:
                     seen.add(id(m))
-                    out += [m.fp8_scale, m.amax_history, m.grad_fp8_scale, m.grad_amax_history,
-                            m.grad_amax_pending, m.grad_amax_seen]
+                    out += list(m.update_state())
     return out
 
 

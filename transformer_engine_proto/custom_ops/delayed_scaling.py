@@ -1,16 +1,17 @@
 """Delayed scaling, in one place: a GEMM's scaling state, its update, its amax records, the gradient
 amax's way from backward to the next forward, its checkpoint form and its non-finite report.
 
-The state lives in buffers so torch.compile sees it as graph inputs it may mutate (no host sync).
-Columns of the forward buffers: input, weight. The gradient has its own buffers because backward
-reads its scale after forward has already recorded this step's amaxes. `DelayedScalingState` is a
-mixin of the module that owns one GEMM (`QuantizedGemm`), so the buffer names (and checkpoints)
-stay that module's.
+The state lives in buffers so torch.compile sees it as graph inputs it may mutate (no host sync):
+two per GEMM, because each buffer has one writer inside the step. `delayed_state` (the forward's)
+packs the scales, the amax histories and the counters, so a compiled forward touches one buffer and
+its ops index it by slot (`layout` below); `grad_amax_handoff` (backward's) carries the gradient
+amax to the next forward. The familiar names (`fp8_scale`, `amax_history`, ...) are views of them.
+`DelayedScalingState` is a mixin of the module that owns one GEMM (`QuantizedGemm`), so the buffer
+names (and checkpoints) stay that module's.
 """
 from __future__ import annotations
 
 import functools
-import operator
 import warnings
 from typing import Callable, List, Sequence, Tuple
 
@@ -18,6 +19,7 @@ import torch
 
 from .. import recipe as R
 from ..kernels import kernel
+from ..kernels.reference import delayed_scaling as layout
 from ..kernels.reference.common import FP8_MAX, traced
 from ..kernels.reference.delayed_scaling import fold_pending_grad_amax as _fold
 from ..kernels.reference.delayed_scaling import only_where, update_from_history
@@ -29,10 +31,16 @@ __all__ = ["DelayedScalingState", "DEFAULT_HISTORY_LEN", "record_grad_amax", "fo
 
 DEFAULT_HISTORY_LEN = 1024
 _NONFINITE_ROLES = ("input", "weight", "grad")
-_STATE = ("fp8_scale", "amax_history", "grad_fp8_scale", "grad_amax_history", "grad_amax_pending", "grad_amax_seen",
+# the views of the two buffers, by their names before packing (checkpoints and users read these)
+_VIEWS = ("fp8_scale", "amax_history", "grad_fp8_scale", "grad_amax_history", "grad_amax_pending", "grad_amax_seen",
           "nonfinite_amax_count", "amax_recorded")
-_state_of = operator.itemgetter(*_STATE)  # a buffer dict's state tuple, in `_STATE`'s order
 _nonfinite_warned = False  # one warning per process (the counters keep counting)
+
+
+def _view(name: str) -> property:
+    def get(self):
+        return layout.views(self._buffers["delayed_state"], self._buffers["grad_amax_handoff"])[name]
+    return property(get, doc=f"`{name}`: a view of the packed state (`layout.views`)")
 
 
 class DelayedScalingState:
@@ -42,46 +50,60 @@ class DelayedScalingState:
         # not in this module's state dict: the owning TE module checkpoints them in TE's layout
         # (its `_extra_state`, module/fp8_state.py)
         buffer = functools.partial(self.register_buffer, persistent=False)
-        buffer("fp8_scale", torch.ones(2, device=device))
-        buffer("amax_history", torch.zeros(DEFAULT_HISTORY_LEN, 2, device=device))
-        buffer("grad_fp8_scale", torch.ones(1, device=device))
-        buffer("grad_amax_history", torch.zeros(DEFAULT_HISTORY_LEN, 1, device=device))
+        buffer("delayed_state", layout.new_state(DEFAULT_HISTORY_LEN, device))
         # backward's gradient amax waits here until the next forward folds it into the history
-        # (`record_grad_amax`): [amax, generation], and the generation last folded
-        buffer("grad_amax_pending", torch.zeros(2, device=device))
-        buffer("grad_amax_seen", torch.zeros(1, device=device))
-        # inf/NaN amaxes skipped per role (input, weight, grad): counted in-graph, reported once by
-        # `poll_nonfinite` at autocast entry
-        buffer("nonfinite_amax_count", torch.zeros(3, dtype=torch.int64, device=device))
-        # set when a forward records its amaxes, cleared by the update: only a GEMM that ran moves
-        # its forward scales (as TE, which updates the modules that ran in the autocast block)
-        buffer("amax_recorded", torch.zeros(1, device=device))
+        # (`record_grad_amax`): [amax, generation, the generation last folded]
+        buffer("grad_amax_handoff", torch.zeros(3, device=device))
+
+    # scales (input, weight | gradient), histories (rows, 2 | 1), the pending gradient amax and the
+    # generation last folded, inf/NaN amaxes skipped per role (input, weight, grad: counted in-graph,
+    # reported once by `poll_nonfinite` at autocast entry) and the flag a forward sets when it records
+    # its amaxes (only a GEMM that ran moves its forward scales, as TE updates the modules that ran)
+    fp8_scale, amax_history, grad_fp8_scale, grad_amax_history = (_view(n) for n in _VIEWS[:4])
+    grad_amax_pending, grad_amax_seen, nonfinite_amax_count, amax_recorded = (_view(n) for n in _VIEWS[4:])
 
     def grad_amax_state(self) -> List[torch.Tensor]:
         """The buffers backward writes the gradient amax into (`record_grad_amax`)."""
-        return [self.grad_amax_pending, self.grad_amax_seen]
+        return [self._buffers["grad_amax_handoff"]]
 
     # ---- eager: sizes -------------------------------------------------------------------------
+    def history_rows(self) -> int:
+        return layout.history_rows(self._buffers["delayed_state"])
+
     def ensure_history_len(self, recipe: R.DelayedScaling) -> None:
         """Grow the histories to the recipe's length (eager: a new buffer shape), keeping their amaxes."""
-        if recipe.amax_history_len > self.amax_history.shape[0]:
-            with torch.inference_mode(False):  # state, not an inference tensor: training updates it in place
-                self.amax_history = _longer(self.amax_history, recipe.amax_history_len)
-                self.grad_amax_history = _longer(self.grad_amax_history, recipe.amax_history_len)
+        if recipe.amax_history_len > self.history_rows():
+            self._resize_history(recipe.amax_history_len)
+
+    def _resize_history(self, rows: int) -> None:
+        old = self._buffers["delayed_state"]
+        with torch.no_grad(), torch.inference_mode(False):  # state, not an inference tensor: training updates it
+            new = layout.new_state(rows, old.device)
+            keep = min(rows, layout.history_rows(old))
+            new[:layout.HEADER].copy_(old[:layout.HEADER])
+            layout.history(new)[:keep].copy_(layout.history(old)[:keep])
+        self._buffers["delayed_state"] = new
 
     def load_state(self, name: str, saved: torch.Tensor) -> None:
-        """State buffer `name` from a checkpoint's tensor (any device / dtype); a history takes the
-        checkpoint's length."""
-        mine = getattr(self, name)
+        """State `name` (one of the views) from a checkpoint's tensor (any device / dtype); a history
+        takes the checkpoint's length (both histories: they share the rows)."""
         with torch.no_grad(), torch.inference_mode(False):
-            if saved.dim() == 2 and saved.shape[1:] == mine.shape[1:] and saved.shape[0] != mine.shape[0]:
-                setattr(self, name, mine.new_zeros(saved.shape))
-            getattr(self, name).copy_(saved)
+            if name in ("amax_history", "grad_amax_history") and saved.dim() == 2 \
+                    and saved.shape[0] != self.history_rows():
+                self._resize_history(saved.shape[0])
+            getattr(self, name).copy_(saved.reshape(getattr(self, name).shape))
 
     def _load_buffer_checkpoint(self, state_dict, prefix: str) -> None:
-        """Checkpoints written when this state was in the module's own state dict (`gemm.fp8_scale`,
-        ...): their entries are taken out of `state_dict` and loaded."""
-        for name in _STATE:
+        """Checkpoints that carry this state as the module's own entries (`gemm.fp8_scale`, ...,
+        or the packed buffers): their entries are taken out of `state_dict` and loaded."""
+        for name in ("delayed_state", "grad_amax_handoff"):
+            saved = state_dict.pop(prefix + name, None)
+            if isinstance(saved, torch.Tensor):
+                with torch.no_grad(), torch.inference_mode(False):
+                    if saved.shape != self._buffers[name].shape:
+                        self._resize_history(layout.history_rows(saved))
+                    self._buffers[name].copy_(saved)
+        for name in _VIEWS:
             saved = state_dict.pop(prefix + name, None)
             if isinstance(saved, torch.Tensor):
                 self.load_state(name, saved)
@@ -98,8 +120,8 @@ class DelayedScalingState:
         the backward). Both run eagerly, so no compiled graph holds them: TE's built-in rules are
         the `delayed_scaling_update` kernel (one launch on CUDA). Traced (FSDP2's pre-all-gather
         hook under torch.compile), or with the recipe's own functions, the rules run as torch ops."""
-        if _builtin_rules(recipe) and _eager_device(self.fp8_scale) is not None:
-            kernel("delayed_scaling_update", self.fp8_scale.device)(
+        if _builtin_rules(recipe) and _eager_device(self._buffers["delayed_state"]) is not None:
+            kernel("delayed_scaling_update", self._buffers["delayed_state"].device)(
                 *self.update_state(), *_kernel_args(recipe, forward_half, grad_half))
             return
         fwd_max, bwd_max = FP8_MAX[recipe.fp8_format.fwd_dtype], FP8_MAX[recipe.fp8_format.bwd_dtype]
@@ -110,27 +132,36 @@ class DelayedScalingState:
             self.amax_recorded.zero_()
         if grad_half:
             new_grad = self.grad_amax_pending[1:2] != self.grad_amax_seen
-            fold_pending_grad_amax(self.grad_amax_history, self.grad_amax_state(), self.nonfinite_amax_count[2:3])
+            fold_pending_grad_amax(self.grad_amax_history, [self.grad_amax_pending, self.grad_amax_seen],
+                                   self.nonfinite_amax_count[2:3])
             only_where(new_grad, [self.grad_fp8_scale, self.grad_amax_history[:L]],
                        lambda s, h: update_from_history(s, h, recipe, bwd_max), pin=saved_state)
 
     def update_state(self) -> tuple:
-        """The eight buffers `delayed_scaling_update` takes, in its order (`_STATE`; read from the
-        buffer dict, not through `nn.Module.__getattr__`: autocast asks every GEMM at each exit and entry)."""
-        return _state_of(self._buffers)
+        """The two buffers `delayed_scaling_update` takes (read from the buffer dict, not through
+        `nn.Module.__getattr__`: autocast asks every GEMM at each exit and entry)."""
+        return self._buffers["delayed_state"], self._buffers["grad_amax_handoff"]
 
-    def record_amax(self, amax: torch.Tensor, first: int = 0) -> None:
+    def forward_scales(self) -> torch.Tensor:
+        """The scales this forward quantizes with (`layout`: slots 0 input, 1 weight, 2 gradient).
+        Traced, the state pinned (`saved_state`), as backward must read the forward's scales after
+        autocast's exit has rewritten the buffer; eager, the buffer itself (the op snapshots it)."""
+        state = self._buffers["delayed_state"]
+        return saved_state(state) if torch.compiler.is_compiling() else state
+
+    def record_amax(self, amax: torch.Tensor, first: int = 0, scales=None) -> None:
         """History slot 0, columns first.. (0 input, 1 weight), takes the max with `amax`, except
         where `amax` is inf/NaN: that one is counted instead (`reference.delayed_scaling.keep_finite`).
-        Eager: one launch; traced, the graph op `te_proto::delayed_record_amax` (`_written`)."""
-        state = (self.amax_history, self.nonfinite_amax_count, self.amax_recorded)
+        Eager: one launch; traced, the graph op `te_proto::delayed_record_amax` (`_written`), which
+        also writes `scales` (the pinned `forward_scales()`: the same values) back into the state,
+        so the forward graph computes the pinned scales even where only backward reads them."""
+        state = self._buffers["delayed_state"]
         device = _eager_device(amax)
         if device is not None:
-            kernel("delayed_record_amax", device)(state[0], amax, state[1], state[2], first)
+            kernel("delayed_record_amax", device)(state, amax, state, first)
             return
-        written = torch.ops.te_proto.delayed_record_amax.default(state[0], amax, state[1], state[2], first)
-        for buf, new in zip(state, written):
-            buf.copy_(new)
+        state.copy_(torch.ops.te_proto.delayed_record_amax.default(
+            state, amax, state if scales is None else scales, first))
 
     def reduce_pending_amaxes(self, all_reduce_max: Callable[[torch.Tensor], None]) -> None:
         """Reduce (max, across ranks) the amaxes not yet consumed by an update: the forward's
@@ -155,13 +186,13 @@ def poll_nonfinite(named_gemms: Sequence[Tuple[str, "DelayedScalingState"]]) -> 
     and starts the next one: the counters of every GEMM on the device stacked into one pinned
     copy, so a step pays three launches whatever the number of GEMMs. The warning comes one or
     two autocast entries after the step, which is enough to say the run has seen a NaN/inf;
-    `nonfinite_amax_count` (state dict) has the counts."""
+    `nonfinite_amax_count` (a view of each GEMM's state) has the counts."""
     global _nonfinite_warned
     if _nonfinite_warned:
         return
     seen, on_cuda = [], {}
     for name, gemm in named_gemms:
-        count = gemm._buffers["nonfinite_amax_count"]  # the buffer dict: no nn.Module.__getattr__ per GEMM
+        count = layout.counts(gemm._buffers["delayed_state"])  # the buffer dict: no nn.Module.__getattr__ per GEMM
         if count.device.type == "cpu":
             seen.append((name, count.tolist()))  # a host read of 3 ints, no tensor op
         elif count.device.type == "cuda":  # meta / other devices: nothing to read without a sync
@@ -205,19 +236,18 @@ def update_delayed_scaling(states: Sequence[DelayedScalingState], recipe: R.Dela
     compiling = torch.compiler.is_compiling()
     by_device = {}
     for g in states:
-        state = g.update_state()
-        scale, history, grad_history = state[0], state[1], state[3]
-        device = None if compiling or traced(scale) else scale.device  # `_eager_device(scale)`, is_compiling read once
-        if builtin and device is not None and device.type == "cuda" and history.is_contiguous() \
-                and grad_history.is_contiguous() and history.shape[0] >= recipe.amax_history_len:
-            by_device.setdefault(device, []).append(state)
+        state, handoff = g.update_state()
+        device = None if compiling or traced(state) else state.device  # `_eager_device(state)`, is_compiling read once
+        if builtin and device is not None and device.type == "cuda" and state.is_contiguous() \
+                and layout.history_rows(state) >= recipe.amax_history_len:
+            by_device.setdefault(device, []).append((state, handoff))
         elif device is not None and device.type == "cpu":
             # a host read, no sync: only GEMMs with a new amax run the rules (as torch ops, dozens)
-            fwd = forward_half and bool(g.amax_recorded.item())
-            grad = grad_half and bool(g.grad_amax_pending[1] != g.grad_amax_seen[0])
+            fwd = forward_half and bool(state[layout.RECORDED] > 0)
+            grad = grad_half and bool(handoff[1] != handoff[2])
             if fwd or grad:
                 g.update_scales(recipe, fwd, grad)
-        elif not scale.is_meta:  # meta: no values yet
+        elif not state.is_meta:  # meta: no values yet
             g.update_scales(recipe, forward_half, grad_half)
     for device, gemm_states in by_device.items():
         kernel("delayed_scaling_update_many", device)(gemm_states, *_kernel_args(recipe, forward_half, grad_half))
@@ -237,63 +267,62 @@ def _kernel_args(recipe: R.DelayedScaling, forward_half: bool, grad_half: bool) 
 
 # ---- the gradient amax crosses from backward to the next forward -----------------------------
 def record_grad_amax(state: Sequence[torch.Tensor], amax: torch.Tensor) -> None:
-    """Backward's half of the handoff. `state` is (pending (2,): [amax, generation], written only
-    here; seen (1,): the generation the last forward folded, written only by
-    `fold_pending_grad_amax`). Each buffer has one writer, so no buffer is mutated by both the
-    forward and the backward graph (the default AOT partitioner, used by the `cudagraphs` backend,
-    rejects that). The first backward after a fold starts a new generation; later ones (a module
-    applied twice, micro-batches on the weight cache) take the max."""
-    pending, seen = state
+    """Backward's half of the handoff. `state` is [the GEMM's `grad_amax_handoff`]: [pending amax,
+    pending generation], written only here, and the generation the last forward folded, written
+    only by `fold_pending_grad_amax`. The buffer has no other writer, so no buffer is mutated by
+    both the forward and the backward graph (the default AOT partitioner, used by the `cudagraphs`
+    backend, rejects that). The first backward after a fold starts a new generation; later ones (a
+    module applied twice, micro-batches on the weight cache) take the max."""
+    handoff, = state
     device = _eager_device(amax)
     if device is not None:
-        kernel("delayed_record_grad_amax", device)(pending, seen, amax)
+        kernel("delayed_record_grad_amax", device)(handoff, amax)
     else:
-        pending.copy_(torch.ops.te_proto.delayed_record_grad_amax.default(pending, seen, amax))
+        handoff.copy_(torch.ops.te_proto.delayed_record_grad_amax.default(handoff, amax))
 
 
 def fold_pending_grad_amax(history: torch.Tensor, state: Sequence[torch.Tensor], count: torch.Tensor) -> None:
     """Forward's half: move an amax recorded since the last fold into history slot 0 (an inf/NaN
-    one is counted in `count`, not kept)."""
+    one is counted in `count`, not kept). `state`: (pending, seen), views of the handoff."""
     _fold(history, *state, count)
 
 
 # ---- the records as graph ops -----------------------------------------------------------------
-# Traced, each record is one functional op whose outputs are copied back into the buffers. Inductor
+# Traced, each record is one functional op whose output is copied back into its buffer. Inductor
 # traces the op's body (`inline_in_inductor`): on CUDA the record's one Triton launch on the whole
-# buffers, which inductor writes in place (no copy is left), where the reference's ops would add a
+# buffer, which inductor writes in place (no copy is left), where the reference's ops would add a
 # slice scatter and a few small generated kernels per GEMM. Other backends keep the op opaque and
 # run its eager body, so none of them sees a user Triton kernel in its graph (torch's `cudagraphs`
 # backend fails on one).
-def _written(state: Sequence[torch.Tensor], write: Callable) -> List[torch.Tensor]:
-    """`state` after `write(*state)`: while inductor traces the op's body the tensors themselves
-    (functional tensors: the write is recorded, the inputs stay as they were), else fresh copies
-    (the op is functional)."""
-    out = list(state) if traced(state[0]) else [t.clone() for t in state]
-    write(*out)
+def _written(buffer: torch.Tensor, write: Callable) -> torch.Tensor:
+    """`buffer` after `write(buffer)`: while inductor traces the op's body the tensor itself (a
+    functional tensor: the write is recorded, the input stays as it was), else a fresh copy (the
+    op is functional)."""
+    out = buffer if traced(buffer) else buffer.clone()
+    write(out)
     return out
 
 
 @torch.library.custom_op("te_proto::delayed_record_amax", mutates_args=())
-def _record_amax_op(history: torch.Tensor, amax: torch.Tensor, count: torch.Tensor, recorded: torch.Tensor,
-                    first: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _record_amax_op(state: torch.Tensor, amax: torch.Tensor, scales: torch.Tensor, first: int) -> torch.Tensor:
     record = kernel("delayed_record_amax", amax.device)
-    return tuple(_written((history, count, recorded), lambda h, c, r: record(h, amax, c, r, first)))
+    return _written(state, lambda s: record(s, amax, scales, first))
 
 
 @_record_amax_op.register_fake
-def _(history, amax, count, recorded, first):
-    return torch.empty_like(history), torch.empty_like(count), torch.empty_like(recorded)
+def _(state, amax, scales, first):
+    return torch.empty_like(state)
 
 
 @torch.library.custom_op("te_proto::delayed_record_grad_amax", mutates_args=())
-def _record_grad_amax_op(pending: torch.Tensor, seen: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+def _record_grad_amax_op(handoff: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     record = kernel("delayed_record_grad_amax", amax.device)
-    return _written((pending,), lambda p: record(p, seen, amax))[0]
+    return _written(handoff, lambda h: record(h, amax))
 
 
 @_record_grad_amax_op.register_fake
-def _(pending, seen, amax):
-    return torch.empty_like(pending)
+def _(handoff, amax):
+    return torch.empty_like(handoff)
 
 
 inline_in_inductor(torch.ops.te_proto.delayed_record_amax.default, _record_amax_op._init_fn)
@@ -305,10 +334,3 @@ def _eager_device(t: torch.Tensor):
     None: the rules as graph ops for torch.compile to trace (AOT traces a compiled backward
     outside dynamo, where `is_compiling()` can be False, so the tensor itself is asked too)."""
     return None if torch.compiler.is_compiling() or traced(t) else t.device
-
-
-def _longer(history: torch.Tensor, rows: int) -> torch.Tensor:
-    """`history` extended with zero rows to `rows` (the recorded amaxes kept)."""
-    out = history.new_zeros(rows, history.shape[1])
-    out[: history.shape[0]] = history
-    return out

@@ -38,8 +38,9 @@ from .row_padding import pad_rows, unpad_rows
 
 __all__ = ["linear", "LinearCall", "CACHE_OFF", "CACHE_FILL", "CACHE_USE"]
 
-# Delayed scaling state: fp8_scale (2,) for input/weight, used in forward only; grad_fp8_scale (1,)
-# is saved for backward, which records the grad amax into `grad_amax_state` (delayed_scaling.py).
+# Delayed scaling: `fp8_scale` holds the scales in slots 0 input, 1 weight, 2 gradient (the GEMM's
+# packed state, pinned, or any tensor of at least three); backward records the gradient amax into
+# `grad_amax_state` (delayed_scaling.py).
 
 
 def _split(buffers: Sequence[torch.Tensor], named_protos):
@@ -116,7 +117,7 @@ def _quantize_input(plan: LinearPlan, inp: torch.Tensor, x2d: torch.Tensor, fp8_
 # ---- forward ----------------------------------------------------------------------------------
 @torch.library.custom_op("te_proto::linear_fwd", mutates_args=())
 def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-               fp8_scale: Optional[torch.Tensor], grad_fp8_scale: Optional[torch.Tensor],
+               fp8_scale: Optional[torch.Tensor],
                grad_amax_state: List[torch.Tensor], weight_cache: List[torch.Tensor],
                main_grad: Optional[torch.Tensor], key: str, flags: int,
                inp_quantized: List[torch.Tensor]
@@ -172,8 +173,8 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
 
 @linear_fwd.register_fake
-def _linear_fwd_fake(inp, weight, bias, fp8_scale, grad_fp8_scale, grad_amax_state, weight_cache, main_grad, key,
-                     flags, inp_quantized):
+def _linear_fwd_fake(inp, weight, bias, fp8_scale, grad_amax_state, weight_cache, main_grad, key, flags,
+                     inp_quantized):
     plan = plan_of(key, inp, weight, LinearCall.of(flags), inp_quantized)
     cache_mode = plan.call.cache_mode
     out = inp.new_empty(tuple(inp.shape[:-1]) + (weight.shape[0],))
@@ -200,7 +201,7 @@ def _amax_count(plan: LinearPlan) -> int:
 @torch.library.custom_op("te_proto::linear_bwd", mutates_args=())
 def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[torch.Tensor],
                weight: Optional[torch.Tensor], weight_cache: List[torch.Tensor],
-               fp8_scale: Optional[torch.Tensor], grad_fp8_scale: Optional[torch.Tensor],
+               fp8_scale: Optional[torch.Tensor],
                weight_amax: Optional[torch.Tensor], main_grad: Optional[torch.Tensor], key: str,
                in_shape: List[int], weight_shape: List[int], weight_dtype: torch.dtype, flags: int
                ) -> List[torch.Tensor]:
@@ -225,7 +226,7 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
     gq = plan.grad_quantizer()  # None for bias-only or both GEMMs in high precision
     if gq is not None:
         if plan.delayed:
-            gq = gq.with_scale_state(grad_fp8_scale, grad_amax)
+            gq = gq.with_scale_state(fp8_scale, grad_amax, 2)
         dy_q = gq.quantize(pad_rows(dy, rows), internal=True)
     elif delayed and call.delay_wgrad and plan.wgrad_q:  # only the deferred wgrad quantizes dy: its amax now
         grad_amax = dy.abs().amax().float().reshape(1)
@@ -282,8 +283,8 @@ def backward_tail(grads: List[torch.Tensor], dy: torch.Tensor, bias_requires_gra
 
 
 @linear_bwd.register_fake
-def _linear_bwd_fake(grad_out, saved, inp, weight, weight_cache, fp8_scale, grad_fp8_scale, weight_amax, main_grad,
-                     key, in_shape, weight_shape, weight_dtype, flags):
+def _linear_bwd_fake(grad_out, saved, inp, weight, weight_cache, fp8_scale, weight_amax, main_grad, key, in_shape,
+                     weight_shape, weight_dtype, flags):
     call = LinearCall.of(flags)
     plan = make_plan(key, tuple(in_shape), tuple(weight_shape), grad_out.dtype, weight_dtype, call, False)
     return fake_backward_grads(grad_out, call, in_shape, weight_shape, weight_dtype, plan.quantized and plan.delayed)
@@ -339,9 +340,9 @@ def _setup_context(ctx, inputs, output):
     ctx.n_prequantized = len(a["inp_quantized"])
     # The buffers backward writes into (grad amax state, main_grad) are kept by reference, not
     # saved, so a module applied twice before its backwards does not trip autograd's version check.
-    fp8_scale, grad_fp8_scale = _scales_for_backward(a["fp8_scale"], a["grad_fp8_scale"])
+    fp8_scale = scales_for_backward(a["fp8_scale"])
     weight_amax = amaxes if plan.reuses_weight_amax else None  # backward quantizes the weight with it
-    state = (raw_inp, raw_w, fp8_scale, grad_fp8_scale, weight_amax)
+    state = (raw_inp, raw_w, fp8_scale, weight_amax)
     ctx.has = tuple(t is not None for t in state)
     ctx.grad_amax_state, ctx.main_grad = list(a["grad_amax_state"]), a["main_grad"]
     tensors = [t for t in state if t is not None]
@@ -351,17 +352,14 @@ def _setup_context(ctx, inputs, output):
                     weight_dtype=a["weight"].dtype, flags=a["flags"])
 
 
-def _scales_for_backward(fp8_scale, grad_fp8_scale):
-    """The delayed-scaling scales backward reads. Eager, a snapshot (the update at autocast exit
-    rewrites the buffers in place): one copy of both, backward reads views. Traced, the scales are
-    values already pinned for backward (`saved_state`), kept as they are: a snapshot would cost a
-    small generated kernel per backward quantize that reads it."""
-    if fp8_scale is not None and traced(fp8_scale):
-        return fp8_scale, grad_fp8_scale
-    if fp8_scale is not None and grad_fp8_scale is not None:
-        snapshot = torch.cat([fp8_scale, grad_fp8_scale])
-        return snapshot[:-1], snapshot[-1:]
-    return tuple(None if t is None else t.clone() for t in (fp8_scale, grad_fp8_scale))
+def scales_for_backward(fp8_scale):
+    """The delayed-scaling scales backward reads. Eager, a snapshot of slots 0-2 (the update at
+    autocast exit rewrites the state in place). Traced, the scales are values already pinned for
+    backward (`saved_state`), kept as they are: a snapshot would cost a small generated kernel per
+    backward quantize that reads it."""
+    if fp8_scale is None or traced(fp8_scale):
+        return fp8_scale
+    return fp8_scale[:3].clone()
 
 
 def _backward(ctx, grad_out, _grad_amaxes, _grad_saved, _grad_cache):
@@ -369,12 +367,12 @@ def _backward(ctx, grad_out, _grad_amaxes, _grad_saved, _grad_cache):
     saved, tensors = tensors[:ctx.n_saved], tensors[ctx.n_saved:]
     cache, tensors = tensors[:ctx.n_cache], tensors[ctx.n_cache:]
     it = iter(tensors)
-    raw_inp, raw_w, scales, grad_fp8_scale, weight_amax = (next(it) if h else None for h in ctx.has)
+    raw_inp, raw_w, scales, weight_amax = (next(it) if h else None for h in ctx.has)
     main_grad = ctx.main_grad
     backward_op = getattr(ctx, "backward_op", linear_bwd)
     dy = grad_out.contiguous()
     op_args = dict(saved=saved, inp=raw_inp, weight=raw_w, weight_cache=cache, fp8_scale=scales,
-                   grad_fp8_scale=grad_fp8_scale, weight_amax=weight_amax, main_grad=main_grad, **ctx.args)
+                   weight_amax=weight_amax, main_grad=main_grad, **ctx.args)
     call, deferred = ctx.call, None
     if call.delay_wgrad and call.weight_requires_grad:
         call, deferred = _split_backward(ctx, dy)
@@ -422,8 +420,7 @@ inline_in_inductor(torch.ops.te_proto.linear_bwd.default, linear_bwd._init_fn)
 _linear_fwd_call = eager_function(linear_fwd, _setup_context, _backward, linear_bwd._init_fn, non_differentiable=(1,))
 
 
-def linear(inp, weight, bias=None, *, key: str, fp8_scale=None, grad_fp8_scale=None, grad_amax_state=(),
-           weight_cache=(),
+def linear(inp, weight, bias=None, *, key: str, fp8_scale=None, grad_amax_state=(), weight_cache=(),
            main_grad=None, cache_mode: int = CACHE_OFF, save_original_input: bool = False,
            fuse_wgrad_accumulation: bool = False, inp_quantized=(), wgrad_store=None):
     """y = inp @ weight.T + bias through the custom ops. Returns (y, amaxes, new_weight_cache).
@@ -433,8 +430,8 @@ def linear(inp, weight, bias=None, *, key: str, fp8_scale=None, grad_fp8_scale=N
     # eager step is host-bound); compiled graphs quantize it again in backward (no copy kept)
     flags = call_flags(inp, weight, bias, cache_mode, save_original_input, fuse_wgrad_accumulation,
                        keep_quantized_weight=not torch.compiler.is_compiling(), delay_wgrad=wgrad_store is not None)
-    args = (inp, weight, bias, fp8_scale, grad_fp8_scale, list(grad_amax_state), list(weight_cache), main_grad, key,
-            flags, list(inp_quantized))
+    args = (inp, weight, bias, fp8_scale, list(grad_amax_state), list(weight_cache), main_grad, key, flags,
+            list(inp_quantized))
     out, amaxes, _, cache = _linear_fwd_call(*args)
     if wgrad_store is not None and out.grad_fn is not None:
         out.grad_fn.wgrad_store = wgrad_store  # the op's autograd node is its backward's ctx

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..custom_ops.linear import backward_tail, fake_backward_grads, finish_backward
+from ..custom_ops.linear import backward_tail, fake_backward_grads, finish_backward, scales_for_backward
 from ..custom_ops.linear_call import LinearCall, call_flags
 from ..custom_ops.recipe_key import RecipeKey
 from ..gemm import gemm
@@ -188,7 +188,7 @@ def _kept(t, source: torch.Tensor):
 # ---- forward ----------------------------------------------------------------------------------------
 @torch.library.custom_op("te_proto_debug::linear_fwd", mutates_args=(), tags=_TAGS)
 def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-               fp8_scale: Optional[torch.Tensor], grad_fp8_scale: Optional[torch.Tensor],
+               fp8_scale: Optional[torch.Tensor],
                grad_amax_state: List[torch.Tensor], main_grad: Optional[torch.Tensor], layer_name: str, key: str,
                flags: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     call = LinearCall.of(flags)
@@ -222,7 +222,7 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
 
 
 @linear_fwd.register_fake
-def _linear_fwd_fake(inp, weight, bias, fp8_scale, grad_fp8_scale, grad_amax_state, main_grad, layer_name, key, flags):
+def _linear_fwd_fake(inp, weight, bias, fp8_scale, grad_amax_state, main_grad, layer_name, key, flags):
     delayed = _delayed(RecipeKey.quantizers(key).input)
     return (inp.new_empty(tuple(inp.shape[:-1]) + (weight.shape[0],)),
             inp.new_empty(2 if delayed else 0, dtype=torch.float32), torch.empty(1, dtype=torch.int64, device="cpu"))
@@ -270,13 +270,13 @@ def _linear_bwd_fake(grad_out, token, grad_fp8_scale, layer_name, key, in_shape,
                                _delayed(RecipeKey.quantizers(key).input))
 
 
-_FWD_ARGS = ("inp", "weight", "bias", "fp8_scale", "grad_fp8_scale", "grad_amax_state", "main_grad", "layer_name",
-             "key", "flags")
+_FWD_ARGS = ("inp", "weight", "bias", "fp8_scale", "grad_amax_state", "main_grad", "layer_name", "key", "flags")
 
 
 def _setup_context(ctx, inputs, output):
     a = dict(zip(_FWD_ARGS, inputs))
-    state_tensors = (a["grad_fp8_scale"], a["main_grad"])
+    scales = scales_for_backward(a["fp8_scale"])  # slot 2: the gradient's
+    state_tensors = (None if scales is None else scales[2:3], a["main_grad"])
     ctx.has = tuple(t is not None for t in state_tensors)
     ctx.grad_amax_state = list(a["grad_amax_state"])  # written by backward: by reference (custom_ops/linear.py)
     ctx.save_for_backward(output[2], *[t for t in state_tensors if t is not None])
@@ -292,18 +292,18 @@ def _backward(ctx, grad_out, _grad_amaxes, _grad_token):
     args = ctx.args
     grads = linear_bwd(grad_out.contiguous(), token, grad_fp8_scale, **args)
     dgrad, wgrad, dbias = finish_backward(ctx.call, grads, ctx.grad_amax_state, main_grad)
-    return (dgrad, wgrad, dbias, None, None, [None] * len(ctx.grad_amax_state)) + (None,) * (len(_FWD_ARGS) - 6)
+    return (dgrad, wgrad, dbias, None, [None] * len(ctx.grad_amax_state)) + (None,) * (len(_FWD_ARGS) - 5)
 
 
 linear_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def debug_linear(inp, weight, bias=None, *, layer_name: str, key: str, fp8_scale=None, grad_fp8_scale=None,
-                 grad_amax_state=(), weight_cache=(), main_grad=None, cache_mode: int = 0,
-                 save_original_input: bool = False, fuse_wgrad_accumulation: bool = False):
+def debug_linear(inp, weight, bias=None, *, layer_name: str, key: str, fp8_scale=None, grad_amax_state=(),
+                 weight_cache=(), main_grad=None, cache_mode: int = 0, save_original_input: bool = False,
+                 fuse_wgrad_accumulation: bool = False):
     """`custom_ops.linear.linear`'s signature and results (y, amaxes, new weight cache) on the debug path.
     The quantized-weight cache is neither read nor filled: the weight is quantized every call."""
     flags = call_flags(inp, weight, bias, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
-    out, amaxes, _ = linear_fwd(inp, weight, bias, fp8_scale, grad_fp8_scale, list(grad_amax_state), main_grad,
-                                layer_name, key, flags)
+    out, amaxes, _ = linear_fwd(inp, weight, bias, fp8_scale, list(grad_amax_state), main_grad, layer_name, key,
+                                flags)
     return out, amaxes, []

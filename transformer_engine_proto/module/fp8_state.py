@@ -4,7 +4,7 @@ TE keeps a module's FP8 state outside its parameters: `module.fp8_meta["scaling_
 `["scaling_bwd"]` hold `scale` and `amax_history` with three forward slots per GEMM (input,
 weight, output) and two backward slots (grad_output, grad_input), and checkpoints carry them in
 the module's `_extra_state` (a pickled dict in a uint8 tensor). Here each GEMM's state lives in its
-`QuantizedGemm` (non-persistent buffers, custom_ops/delayed_scaling.py); this mixin presents it in
+`QuantizedGemm` (two non-persistent buffers, custom_ops/delayed_scaling.py); this mixin presents it in
 TE's layout, so a TE checkpoint loads here, ours loads in TE, and a converted model's state dict
 (without its `_extra_state` entries) loads into the unconverted model with `strict=True`.
 """
@@ -69,7 +69,8 @@ class FP8StateCheckpoint:
         cpu = lambda ts, dim=0: torch.cat([t.detach() for t in ts], dim).cpu()  # noqa: E731
         return {"scale_fwd": cpu(fwd_scale), "amax_history_fwd": cpu(_same_rows(fwd_hist), 1),
                 "scale_bwd": cpu(bwd_scale), "amax_history_bwd": cpu(_same_rows(bwd_hist), 1),
-                "te_proto": {name: torch.stack([t.detach() for t in ts]).cpu() for name, ts in ours.items()}}
+                "te_proto": {name: _checkpoint_form(name, torch.stack([t.detach() for t in ts]).cpu())
+                             for name, ts in ours.items()}}
 
     def get_extra_state(self) -> torch.Tensor:
         if any(g.fp8_scale.is_meta for g, _ in self.gemm_weights()):
@@ -119,6 +120,11 @@ class FP8StateCheckpoint:
             for name in _OURS:
                 if name in ours:
                     gemm.load_state(name, ours[name][i])
+
+
+def _checkpoint_form(name: str, t: torch.Tensor) -> torch.Tensor:
+    """The counters are kept as float32 in the packed state (exact to 2**24) and checkpointed as int64."""
+    return t.to(torch.int64) if name == "nonfinite_amax_count" else t
 
 
 def _data_only(recipe):

@@ -27,7 +27,6 @@ from ..capabilities import default_device
 from ..custom_ops import linear_ops
 from ..custom_ops.delayed_scaling import DEFAULT_HISTORY_LEN, DelayedScalingState
 from ..custom_ops.recipe_key import RecipeKey
-from ..custom_ops.saved_state import saved_state
 from ..debug import debug_gemm as _debug_gemm  # precision debug tools: the debug GEMM path
 from ..distributed import amax_reduction as _amax_reduction
 from ..distributed import fsdp as _fsdp
@@ -202,12 +201,12 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
             inp, inp_quantized, sp_amax = self._gather_input(
                 inp, weight, key, delayed, sequence_gather, not debugging and not save_original_input)
         op_key = self.op_key(key, inp, weight)
+        scales = self._forward_scale() if delayed else None
         if isinstance(weight, QuantizedTensor) and RecipeKey.high_precision_gemms(op_key) & {"fprop", "dgrad"}:
             weight = dequantized_weight(weight)  # what a high-precision fprop / dgrad reads, as in TE
         out, amaxes, new_cache = (debug_linear or linear_ops.linear)(
             inp, weight, bias, key=op_key,
-            fp8_scale=self._forward_scale() if delayed else None,
-            grad_fp8_scale=saved_state(self.grad_fp8_scale) if delayed else None,  # pinned as the forward scale
+            fp8_scale=scales,
             grad_amax_state=self.grad_amax_state() if delayed else (),
             weight_cache=cache, main_grad=main_grad, cache_mode=cache_mode,
             save_original_input=save_original_input, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
@@ -215,9 +214,9 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
             **({"wgrad_store": wgrad_store} if wgrad_store is not None else {}),
         )
         if record:
-            self.record_amax(amaxes.detach())
+            self.record_amax(amaxes.detach(), scales=scales)
             if sp_amax is not None:  # the input was quantized before its gather: record its amax
-                self.record_amax(sp_amax.detach())
+                self.record_amax(sp_amax.detach(), scales=scales)
         for buf, new in zip(cache, new_cache):
             buf.copy_(new.detach())
         if fused_wgrad:
@@ -225,21 +224,16 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         return out
 
     def _forward_scale(self) -> torch.Tensor:
-        """The input / weight scales of this forward. Autocast's exit rewrites the buffer before
-        backward reads the value: traced, it is pinned (`saved_state`); in an eager `te.checkpoint`,
-        the first forward keeps a copy and the recompute takes it back."""
+        """The scales of this forward (slots 0 input, 1 weight, 2 gradient: `forward_scales`):
+        pinned when traced; in an eager `te.checkpoint`, the first forward keeps a copy and the
+        recompute takes it back."""
         scales = checkpoint_scales()
         if scales is None or torch.compiler.is_compiling():
-            pinned = saved_state(self.fp8_scale)
-            if torch.compiler.is_dynamo_compiling():
-                # written back (the same values), so the forward graph computes the pinned value and
-                # the partitioner saves it, also where only backward reads it (fprop in bf16)
-                self.fp8_scale.copy_(pinned)
-            return pinned
+            return self.forward_scales()
         if in_activation_recompute_phase():
             return scales.popleft()
-        scales.append(self.fp8_scale.clone())
-        return self.fp8_scale
+        scales.append(self.delayed_state[:3].clone())
+        return self.delayed_state
 
     def _weight_cache(self, recipe, key: str, weight, is_first_microbatch, dgrad: bool = True):
         """(cache mode, cache buffers) of this call. A weight FSDP2 gathered already quantized
@@ -264,11 +258,11 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
     def _check_history_len(self, recipe: R.DelayedScaling, weight) -> None:
         """The histories hold the recipe's `amax_history_len` (grown eagerly; under torch.compile
         the buffers must have been allocated at autocast entry)."""
-        if recipe.amax_history_len > self.amax_history.shape[0]:
+        if recipe.amax_history_len > self.history_rows():
             if torch.compiler.is_dynamo_compiling():
                 raise RuntimeError(
                     f"amax_history_len={recipe.amax_history_len} exceeds the allocated history "
-                    f"({self.amax_history.shape[0]}); enter autocast outside torch.compile first"
+                    f"({self.history_rows()}); enter autocast outside torch.compile first"
                 )
             self.prepare_for_recipe(recipe, weight, get_fp8_recipe_key())
 

@@ -8,6 +8,11 @@ inf/NaN one is counted, not kept. As in TE, only state that saw a new amax moves
 forward half when a forward recorded one since its last update (`amax_recorded`), the gradient half
 when a backward did (its pending generation is new).
 `custom_ops/delayed_scaling.py` applies them to a module's buffers; `quantization.py` to TE-layout state.
+
+The layout of a GEMM's state is here too, as the kernels index it: one float32 buffer, the forward's
+(`new_state`): the scales (input, weight, gradient), the `amax_recorded` flag, the non-finite
+counters (input, weight, gradient), one pad, then the history rows, each [input, weight, gradient];
+and backward's handoff (3,): [pending gradient amax, its generation, the generation last folded].
 """
 from __future__ import annotations
 
@@ -17,6 +22,37 @@ import torch
 
 from .. import register_kernel
 from .common import true_div
+
+SCALES, RECORDED, COUNTS, HEADER = 0, 3, 4, 8  # offsets in the state; history row r starts at HEADER + 3 r
+COLUMNS = 3  # a history row: input, weight, gradient
+
+
+def new_state(history_rows: int, device=None) -> torch.Tensor:
+    """A fresh state: scales 1, everything else 0."""
+    state = torch.zeros(HEADER + COLUMNS * history_rows, dtype=torch.float32, device=device)
+    state[SCALES:SCALES + 3] = 1.0
+    return state
+
+
+def history_rows(state: torch.Tensor) -> int:
+    return (state.shape[0] - HEADER) // COLUMNS
+
+
+def history(state: torch.Tensor) -> torch.Tensor:
+    """The (rows, 3) history view of a state."""
+    return state[HEADER:].view(-1, COLUMNS)
+
+
+def counts(state: torch.Tensor) -> torch.Tensor:
+    return state[COUNTS:COUNTS + 3]
+
+
+def views(state: torch.Tensor, handoff: torch.Tensor) -> dict:
+    """The state's parts by their names (views: writes reach the buffers)."""
+    h = history(state)
+    return {"fp8_scale": state[0:2], "grad_fp8_scale": state[2:3], "amax_recorded": state[RECORDED:RECORDED + 1],
+            "nonfinite_amax_count": counts(state), "amax_history": h[:, 0:2], "grad_amax_history": h[:, 2:3],
+            "grad_amax_pending": handoff[0:2], "grad_amax_seen": handoff[2:3]}
 
 
 def history_amax(history: torch.Tensor, algo) -> torch.Tensor:
@@ -99,23 +135,25 @@ def update_scale_and_roll(scale: torch.Tensor, history: torch.Tensor, algo, fp8_
 
 
 @register_kernel("delayed_record_amax")
-def delayed_record_amax(history: torch.Tensor, amax: torch.Tensor, count: torch.Tensor, recorded: torch.Tensor,
-                        first: int = 0) -> None:
-    """A forward's amaxes into history slot 0, columns `first`.. (the whole buffers are passed, so a
-    compiled graph launches the kernel on its inputs, with no slice to scatter back): the max with
-    what the slot holds, except an inf/NaN amax, which is counted in `count` (per column) instead;
-    and `recorded` set, so the next update moves the forward scales."""
+def delayed_record_amax(state: torch.Tensor, amax: torch.Tensor, scales: torch.Tensor, first: int = 0) -> None:
+    """A forward's amaxes into history slot 0, columns `first`.. (the whole buffer is passed, so a
+    compiled graph launches the kernel on its input, with no slice to scatter back): the max with
+    what the slot holds, except an inf/NaN amax, which is counted (per column) instead; the
+    `amax_recorded` flag set, so the next update moves the forward scales; and the scales taken from
+    `scales` (slots 0-2: the values the forward pinned, equal to the state's own)."""
     cols = slice(first, first + amax.shape[0])
-    slot = history[0, cols]
-    keep_finite(slot, torch.maximum(slot, amax), slot, count[cols])
-    recorded.fill_(1.0)
+    slot = history(state)[0, cols]
+    keep_finite(slot, torch.maximum(slot, amax), slot, counts(state)[cols])
+    state[RECORDED] = 1.0
+    state[SCALES:SCALES + 3] = scales[SCALES:SCALES + 3]
 
 
 @register_kernel("delayed_record_grad_amax")
-def delayed_record_grad_amax(pending: torch.Tensor, seen: torch.Tensor, amax: torch.Tensor) -> None:
-    """Backward's gradient amax into `pending` ([amax, generation]) for the next forward's fold:
-    the first backward after a fold (generation == `seen`) starts a new generation with `amax`,
-    later ones (a module applied twice, micro-batches) take the max."""
+def delayed_record_grad_amax(handoff: torch.Tensor, amax: torch.Tensor) -> None:
+    """Backward's gradient amax into the handoff's pending [amax, generation] for the next forward's
+    fold: the first backward after a fold (generation == the one folded) starts a new generation
+    with `amax`, later ones (a module applied twice, micro-batches) take the max."""
+    pending, seen = handoff[0:2], handoff[2:3]
     fresh = pending[1:2] == seen
     new_amax = torch.where(fresh, amax, torch.maximum(pending[0:1], amax))
     new_gen = torch.where(fresh, 1.0 - seen, pending[1:2])
@@ -123,32 +161,32 @@ def delayed_record_grad_amax(pending: torch.Tensor, seen: torch.Tensor, amax: to
 
 
 @register_kernel("delayed_scaling_update")
-def delayed_scaling_update(fp8_scale: torch.Tensor, amax_history: torch.Tensor, grad_fp8_scale: torch.Tensor,
-                           grad_amax_history: torch.Tensor, grad_amax_pending: torch.Tensor,
-                           grad_amax_seen: torch.Tensor, nonfinite_count: torch.Tensor, amax_recorded: torch.Tensor,
-                           history_len: int, most_recent: bool, fwd_max: float, bwd_max: float, margin: int,
-                           forward_half: bool, grad_half: bool) -> None:
+def delayed_scaling_update(state: torch.Tensor, handoff: torch.Tensor, history_len: int, most_recent: bool,
+                           fwd_max: float, bwd_max: float, margin: int, forward_half: bool, grad_half: bool) -> None:
     """One GEMM's update with TE's built-in rules, in place (the spec of the one-launch Triton
     kernel). The forward half, when a forward recorded its amaxes since the last one
     (`amax_recorded`, then cleared): the scales from the history, then the roll. The gradient half,
-    when backward left a new amax pending: the fold (an inf/NaN amax counted in
-    `nonfinite_count[2]` and left out), the scale from the history, the roll."""
+    when backward left a new amax pending: the fold (an inf/NaN amax counted in the gradient's
+    counter and left out), the scale from the history, the roll."""
     algo = "most_recent" if most_recent else "max"
+    v = views(state, handoff)
     if forward_half:
-        only_where(amax_recorded > 0, [fp8_scale, amax_history[:history_len]],
+        only_where(v["amax_recorded"] > 0, [v["fp8_scale"], v["amax_history"][:history_len]],
                    lambda s, h: update_scale_and_roll(s, h, algo, fwd_max, margin))
-        amax_recorded.zero_()
+        v["amax_recorded"].zero_()
     if grad_half:
-        new_grad = grad_amax_pending[1:2] != grad_amax_seen
-        fold_pending_grad_amax(grad_amax_history, grad_amax_pending, grad_amax_seen, nonfinite_count[2:3])
-        only_where(new_grad, [grad_fp8_scale, grad_amax_history[:history_len]],
+        new_grad = v["grad_amax_pending"][1:2] != v["grad_amax_seen"]
+        fold_pending_grad_amax(v["grad_amax_history"], v["grad_amax_pending"], v["grad_amax_seen"],
+                               v["nonfinite_amax_count"][2:3])
+        only_where(new_grad, [v["grad_fp8_scale"], v["grad_amax_history"][:history_len]],
                    lambda s, h: update_scale_and_roll(s, h, algo, bwd_max, margin))
 
 
 @register_kernel("delayed_scaling_update_many")
 def delayed_scaling_update_many(states, history_len: int, most_recent: bool, fwd_max: float, bwd_max: float,
                                 margin: int, forward_half: bool, grad_half: bool) -> None:
-    """`delayed_scaling_update` of several GEMMs (each a tuple of its eight state tensors, in that
-    kernel's order) with one recipe; the Triton kernel does them in one launch."""
-    for state in states:
-        delayed_scaling_update(*state, history_len, most_recent, fwd_max, bwd_max, margin, forward_half, grad_half)
+    """`delayed_scaling_update` of several GEMMs (each a (state, handoff) pair) with one recipe; the
+    Triton kernel does them in one launch."""
+    for state, handoff in states:
+        delayed_scaling_update(state, handoff, history_len, most_recent, fwd_max, bwd_max, margin, forward_half,
+                               grad_half)

@@ -31,9 +31,9 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 def fp8_quantize_delayed(x, scale, amax_out, fp8_dtype, rowwise, columnwise, slot=0
                          ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor]:
     """Cast with scale[slot]; max-accumulate max |x| of every value (inf / NaN included) into
-    amax_out[slot] in place (amax_out None: no amax taken). A GEMM's input and weight read one
-    (2,) scale buffer and record into one (2,) amax buffer, slots 0 and 1; a one-element buffer
-    is its own slot 0."""
+    amax_out[slot] in place (amax_out None: no amax taken). A GEMM's quantizes read its scales
+    (slots 0 input, 1 weight, 2 gradient) and its forward records into one (2,) amax buffer, slots
+    0 and 1; a one-element buffer is its own element for any slot (backward's (1,) gradient amax)."""
     check_slot(scale, amax_out, slot)
     if amax_out is not None:
         amax = _element(amax_out, slot)
@@ -44,11 +44,11 @@ def fp8_quantize_delayed(x, scale, amax_out, fp8_dtype, rowwise, columnwise, slo
 
 
 def check_slot(scale: torch.Tensor, amax_out: Optional[torch.Tensor], slot: int) -> None:
-    """`slot` must index both buffers (a longer one 1-D)."""
+    """`slot` must index both buffers (a longer one 1-D; a one-element one is its own slot)."""
     for name, t in (("scale", scale), ("amax_out", amax_out)):
-        if t is not None and not (slot == 0 and t.numel() == 1 or t.dim() == 1 and 0 <= slot < t.numel()):
+        if t is not None and not (slot >= 0 and t.numel() == 1 or t.dim() == 1 and 0 <= slot < t.numel()):
             raise ValueError(f"fp8_quantize_delayed: slot {slot} is not an element of {name} (shape "
-                             f"{tuple(t.shape)}): expected a one-element tensor (slot 0) or a 1-D buffer")
+                             f"{tuple(t.shape)}): expected a one-element tensor or a 1-D buffer")
 
 
 def _element(t: torch.Tensor, slot: int) -> torch.Tensor:

@@ -13,10 +13,14 @@ import torch
 import triton
 import triton.language as tl
 
+from ..reference import delayed_scaling as layout
 from ._common import FLOAT32_MAX, next_power_of_2, triton_kernel
 from .launch import fast_launch
 
 _FMAX32 = tl.constexpr(FLOAT32_MAX)  # a jit function reads a module global only as a constexpr
+# the state's layout (`reference.delayed_scaling`), as constexprs
+_RECORDED, _COUNTS, _HEADER, _COLS = (tl.constexpr(v) for v in (layout.RECORDED, layout.COUNTS, layout.HEADER,
+                                                                 layout.COLUMNS))
 
 
 @triton.jit
@@ -74,7 +78,7 @@ def _update_state(scale_ptr, hist_ptr, hist_stride, gscale_ptr, ghist_ptr, ghist
         finite = tl.abs(folded) <= _FMAX32
         tl.debug_barrier()  # every warp has read the flags before they are written
         tl.store(seen_ptr, p_gen)
-        tl.store(count_ptr + 2, tl.load(count_ptr + 2) + (1 - finite.to(tl.int64)))
+        tl.store(count_ptr + 2, tl.load(count_ptr + 2) + (1.0 - finite.to(tl.float32)))
         gslot = tl.where(finite, folded, g0)
         if new_grad:
             _update_column(gscale_ptr, ghist_ptr, ghist_stride, gslot, L, BWD_MAX, MARGIN_MUL, MOST_RECENT, BLOCK)
@@ -82,15 +86,21 @@ def _update_state(scale_ptr, hist_ptr, hist_stride, gscale_ptr, ghist_ptr, ghist
             tl.store(ghist_ptr, gslot)
 
 
+@triton.jit
+def _update_gemm(state_ptr, handoff_ptr, L, FWD_MAX: tl.constexpr, BWD_MAX: tl.constexpr, MARGIN_MUL: tl.constexpr,
+                 MOST_RECENT: tl.constexpr, BLOCK: tl.constexpr, FORWARD_HALF: tl.constexpr, GRAD_HALF: tl.constexpr):
+    """`_update_state` on one GEMM's packed state and handoff (`layout`)."""
+    _update_state(state_ptr, state_ptr + _HEADER, _COLS, state_ptr + 2, state_ptr + _HEADER + 2, _COLS, handoff_ptr,
+                  handoff_ptr + 2, state_ptr + _COUNTS, state_ptr + _RECORDED, L, FWD_MAX, BWD_MAX, MARGIN_MUL,
+                  MOST_RECENT, BLOCK, FORWARD_HALF, GRAD_HALF)
+
+
 @fast_launch
 @triton.jit
-def _delayed_update_kernel(scale_ptr, hist_ptr, hist_stride, gscale_ptr, ghist_ptr, ghist_stride, pending_ptr,
-                           seen_ptr, count_ptr, recorded_ptr, L, FWD_MAX: tl.constexpr, BWD_MAX: tl.constexpr,
+def _delayed_update_kernel(state_ptr, handoff_ptr, L, FWD_MAX: tl.constexpr, BWD_MAX: tl.constexpr,
                            MARGIN_MUL: tl.constexpr, MOST_RECENT: tl.constexpr, BLOCK: tl.constexpr,
                            FORWARD_HALF: tl.constexpr, GRAD_HALF: tl.constexpr):
-    _update_state(scale_ptr, hist_ptr, hist_stride, gscale_ptr, ghist_ptr, ghist_stride, pending_ptr, seen_ptr,
-                  count_ptr, recorded_ptr, L, FWD_MAX, BWD_MAX, MARGIN_MUL, MOST_RECENT, BLOCK, FORWARD_HALF,
-                  GRAD_HALF)
+    _update_gemm(state_ptr, handoff_ptr, L, FWD_MAX, BWD_MAX, MARGIN_MUL, MOST_RECENT, BLOCK, FORWARD_HALF, GRAD_HALF)
 
 
 @fast_launch
@@ -98,35 +108,30 @@ def _delayed_update_kernel(scale_ptr, hist_ptr, hist_stride, gscale_ptr, ghist_p
 def _delayed_update_many_kernel(table_ptr, L, FWD_MAX: tl.constexpr, BWD_MAX: tl.constexpr,
                                 MARGIN_MUL: tl.constexpr, MOST_RECENT: tl.constexpr, BLOCK: tl.constexpr,
                                 FORWARD_HALF: tl.constexpr, GRAD_HALF: tl.constexpr):
-    """Program i updates GEMM i, whose eight state buffers' addresses are row i of the table."""
-    row = table_ptr + tl.program_id(0) * 8
+    """Program i updates GEMM i, whose state and handoff addresses are row i of the table."""
+    row = table_ptr + tl.program_id(0) * 2
     f32 = tl.pointer_type(tl.float32)
-    _update_state(tl.load(row).to(f32), tl.load(row + 1).to(f32), 2, tl.load(row + 2).to(f32),
-                  tl.load(row + 3).to(f32), 1, tl.load(row + 4).to(f32), tl.load(row + 5).to(f32),
-                  tl.load(row + 6).to(tl.pointer_type(tl.int64)), tl.load(row + 7).to(f32), L, FWD_MAX, BWD_MAX,
-                  MARGIN_MUL, MOST_RECENT, BLOCK, FORWARD_HALF, GRAD_HALF)
+    _update_gemm(tl.load(row).to(f32), tl.load(row + 1).to(f32), L, FWD_MAX, BWD_MAX, MARGIN_MUL, MOST_RECENT, BLOCK,
+                 FORWARD_HALF, GRAD_HALF)
 
 
-def _check_histories(amax_history: torch.Tensor, grad_amax_history: torch.Tensor) -> None:
-    if amax_history.shape[1:] != (2,) or grad_amax_history.shape[1:] != (1,) or amax_history.stride(1) != 1:
-        raise ValueError(f"delayed_scaling_update: histories must be (rows, 2) with contiguous rows and "
-                         f"(rows, 1), got {tuple(amax_history.shape)} (strides {amax_history.stride()}) and "
-                         f"{tuple(grad_amax_history.shape)}")
+def _check_state(state: torch.Tensor, handoff: torch.Tensor, history_len: int, name: str) -> None:
+    if (state.dim() != 1 or state.dtype != torch.float32 or not state.is_contiguous()
+            or layout.history_rows(state) < history_len or handoff.shape != (3,) or not handoff.is_contiguous()):
+        raise ValueError(f"{name}: a GEMM's state must be a contiguous float32 (8 + 3 * rows,) buffer holding "
+                         f"history_len={history_len} rows and its handoff a contiguous (3,), got "
+                         f"{tuple(state.shape)} {state.dtype} (strides {state.stride()}) and {tuple(handoff.shape)}")
 
 
 @triton_kernel("delayed_scaling_update")
-def delayed_scaling_update(fp8_scale: torch.Tensor, amax_history: torch.Tensor, grad_fp8_scale: torch.Tensor,
-                           grad_amax_history: torch.Tensor, grad_amax_pending: torch.Tensor,
-                           grad_amax_seen: torch.Tensor, nonfinite_count: torch.Tensor, amax_recorded: torch.Tensor,
-                           history_len: int, most_recent: bool, fwd_max: float, bwd_max: float, margin: int,
-                           forward_half: bool, grad_half: bool) -> None:
-    _check_histories(amax_history, grad_amax_history)
-    rows = min(history_len, amax_history.shape[0])
+def delayed_scaling_update(state: torch.Tensor, handoff: torch.Tensor, history_len: int, most_recent: bool,
+                           fwd_max: float, bwd_max: float, margin: int, forward_half: bool, grad_half: bool) -> None:
+    rows = min(history_len, layout.history_rows(state))
+    _check_state(state, handoff, rows, "delayed_scaling_update")
     _delayed_update_kernel[(1,)](
-        fp8_scale, amax_history, amax_history.stride(0), grad_fp8_scale, grad_amax_history,
-        grad_amax_history.stride(0), grad_amax_pending, grad_amax_seen, nonfinite_count, amax_recorded, rows,
-        FWD_MAX=float(fwd_max), BWD_MAX=float(bwd_max), MARGIN_MUL=2.0 ** -margin, MOST_RECENT=bool(most_recent),
-        BLOCK=next_power_of_2(rows), FORWARD_HALF=bool(forward_half), GRAD_HALF=bool(grad_half), num_warps=4)
+        state, handoff, rows, FWD_MAX=float(fwd_max), BWD_MAX=float(bwd_max), MARGIN_MUL=2.0 ** -margin,
+        MOST_RECENT=bool(most_recent), BLOCK=next_power_of_2(rows), FORWARD_HALF=bool(forward_half),
+        GRAD_HALF=bool(grad_half), num_warps=4)
 
 
 _TABLES = {}  # the address table of a set of GEMM states, on their device: built once per set
@@ -146,10 +151,8 @@ def _address_table(states) -> torch.Tensor:
 @triton_kernel("delayed_scaling_update_many")
 def delayed_scaling_update_many(states, history_len: int, most_recent: bool, fwd_max: float, bwd_max: float,
                                 margin: int, forward_half: bool, grad_half: bool) -> None:
-    for state in states:
-        _check_histories(state[1], state[3])
-        if state[1].stride(0) != 2 or state[3].stride(0) != 1 or state[1].shape[0] < history_len:
-            raise ValueError("delayed_scaling_update_many: histories must be contiguous and hold history_len rows")
+    for state, handoff in states:
+        _check_state(state, handoff, history_len, "delayed_scaling_update_many")
     rows = history_len
     _delayed_update_many_kernel[(len(states),)](
         _address_table(states), rows, FWD_MAX=float(fwd_max), BWD_MAX=float(bwd_max), MARGIN_MUL=2.0 ** -margin,
@@ -159,49 +162,51 @@ def delayed_scaling_update_many(states, history_len: int, most_recent: bool, fwd
 
 @fast_launch
 @triton.jit
-def _record_amax_kernel(history_ptr, col_stride, amax_ptr, count_ptr, recorded_ptr, first, N, BLOCK: tl.constexpr):
+def _record_amax_kernel(state_ptr, amax_ptr, scales_ptr, first, N, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
     m = i < N
-    slot = tl.load(history_ptr + (first + i) * col_stride, mask=m, other=0.0)
+    slot_ptr = state_ptr + _HEADER + first + i  # history row 0, columns first..
+    slot = tl.load(slot_ptr, mask=m, other=0.0)
     new = tl.maximum(slot, tl.load(amax_ptr + i, mask=m, other=0.0), propagate_nan=tl.PropagateNan.ALL)
     ok = tl.abs(new) <= _FMAX32  # finite (NaN compares False)
-    count = tl.load(count_ptr + first + i, mask=m, other=0)
+    count = tl.load(state_ptr + _COUNTS + first + i, mask=m, other=0.0)
+    s = tl.arange(0, 4)
+    scales = tl.load(scales_ptr + s, mask=s < 3)
     tl.debug_barrier()
-    tl.store(history_ptr + (first + i) * col_stride, tl.where(ok, new, slot), mask=m)
-    tl.store(count_ptr + first + i, count + (1 - ok.to(tl.int64)), mask=m)
-    tl.store(recorded_ptr, 1.0)
+    tl.store(slot_ptr, tl.where(ok, new, slot), mask=m)
+    tl.store(state_ptr + _COUNTS + first + i, count + (1.0 - ok.to(tl.float32)), mask=m)
+    tl.store(state_ptr + _RECORDED, 1.0)
+    tl.store(state_ptr + s, scales, mask=s < 3)
 
 
 @triton_kernel("delayed_record_amax")
-def delayed_record_amax(history: torch.Tensor, amax: torch.Tensor, count: torch.Tensor, recorded: torch.Tensor,
-                        first: int = 0) -> None:
+def delayed_record_amax(state: torch.Tensor, amax: torch.Tensor, scales: torch.Tensor, first: int = 0) -> None:
     n = amax.shape[0]
-    if (history.dim() != 2 or count.dim() != 1 or first + n > min(history.shape[1], count.shape[0])
-            or not (amax.is_contiguous() and count.is_contiguous())):
-        raise ValueError(f"delayed_record_amax: history (rows, columns), count (at least columns) and amax "
-                         f"(contiguous) must hold columns {first}..{first + n - 1}, got {tuple(history.shape)}, "
-                         f"{tuple(count.shape)}, {tuple(amax.shape)}")
-    _record_amax_kernel[(1,)](history, history.stride(1), amax, count, recorded, first, n,
-                              BLOCK=next_power_of_2(n), num_warps=1)
+    if (state.dim() != 1 or not state.is_contiguous() or first + n > layout.COLUMNS - 1 or not amax.is_contiguous()
+            or scales.shape[0] < 3 or not scales.is_contiguous()):
+        raise ValueError(f"delayed_record_amax: a contiguous state, amax (contiguous) for forward columns "
+                         f"{first}..{first + n - 1} of 0..1 and scales holding slots 0..2, got {tuple(state.shape)}, "
+                         f"{tuple(amax.shape)}, {tuple(scales.shape)}")
+    _record_amax_kernel[(1,)](state, amax, scales, first, n, BLOCK=next_power_of_2(n), num_warps=1)
 
 
 @fast_launch
 @triton.jit
-def _record_grad_amax_kernel(pending_ptr, seen_ptr, amax_ptr):
-    p_amax = tl.load(pending_ptr)
-    p_gen = tl.load(pending_ptr + 1)
-    seen = tl.load(seen_ptr)
+def _record_grad_amax_kernel(handoff_ptr, amax_ptr):
+    p_amax = tl.load(handoff_ptr)
+    p_gen = tl.load(handoff_ptr + 1)
+    seen = tl.load(handoff_ptr + 2)
     amax = tl.load(amax_ptr)
     fresh = p_gen == seen
     new_amax = tl.where(fresh, amax, tl.maximum(p_amax, amax, propagate_nan=tl.PropagateNan.ALL))
     tl.debug_barrier()
-    tl.store(pending_ptr, new_amax)
-    tl.store(pending_ptr + 1, tl.where(fresh, 1.0 - seen, p_gen))
+    tl.store(handoff_ptr, new_amax)
+    tl.store(handoff_ptr + 1, tl.where(fresh, 1.0 - seen, p_gen))
 
 
 @triton_kernel("delayed_record_grad_amax")
-def delayed_record_grad_amax(pending: torch.Tensor, seen: torch.Tensor, amax: torch.Tensor) -> None:
-    if pending.shape != (2,) or seen.shape != (1,) or amax.shape != (1,) or not pending.is_contiguous():
-        raise ValueError(f"delayed_record_grad_amax: pending (2,) contiguous, seen (1,) and amax (1,), got "
-                         f"{tuple(pending.shape)}, {tuple(seen.shape)}, {tuple(amax.shape)}")
-    _record_grad_amax_kernel[(1,)](pending, seen, amax, num_warps=1)
+def delayed_record_grad_amax(handoff: torch.Tensor, amax: torch.Tensor) -> None:
+    if handoff.shape != (3,) or amax.shape != (1,) or not handoff.is_contiguous():
+        raise ValueError(f"delayed_record_grad_amax: handoff (3,) contiguous and amax (1,), got "
+                         f"{tuple(handoff.shape)}, {tuple(amax.shape)}")
+    _record_grad_amax_kernel[(1,)](handoff, amax, num_warps=1)

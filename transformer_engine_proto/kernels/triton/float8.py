@@ -67,9 +67,9 @@ CONFIG = {
 
 @fast_launch
 @triton.jit
-def _amax_kernel(x_ptr, amax_ptr, N, slot, FINITE: tl.constexpr, BF16_BITS: tl.constexpr,
+def _amax_kernel(x_ptr, amax_ptr, N, amax_slot, FINITE: tl.constexpr, BF16_BITS: tl.constexpr,
                  BLOCK: tl.constexpr):
-    """max |x| into amax_ptr[slot] (int32 bits): of the finite values with FINITE, else of all."""
+    """max |x| into amax_ptr[amax_slot] (int32 bits): of the finite values with FINITE, else of all."""
     amax_ptr = amax_ptr.to(tl.pointer_type(tl.int32))  # the fp32 amax's bits (module docstring)
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
@@ -82,18 +82,18 @@ def _amax_kernel(x_ptr, amax_ptr, N, slot, FINITE: tl.constexpr, BF16_BITS: tl.c
         m = tl.max(abs_bits(x), axis=0)
     # a plain (possibly stale) read can only under-estimate the running max: skipping the
     # atomic when m <= it is safe, and spares most programs the contended atomic
-    cur = tl.load(amax_ptr + slot)
-    tl.atomic_max(amax_ptr + slot, m, mask=m > cur, sem="relaxed")
+    cur = tl.load(amax_ptr + amax_slot)
+    tl.atomic_max(amax_ptr + amax_slot, m, mask=m > cur, sem="relaxed")
 
 
 @triton.jit
-def _tensor_scale(scale_ptr, amax_ptr, scale_inv_ptr, pid, slot, FMAX: tl.constexpr,
+def _tensor_scale(scale_ptr, amax_ptr, scale_inv_ptr, pid, slot, amax_slot, FMAX: tl.constexpr,
                   CURRENT: tl.constexpr, MARGIN_MUL: tl.constexpr, POW2: tl.constexpr,
                   EPS: tl.constexpr):
-    """The tensor's scale: given (delayed: scale_ptr[slot]) or from the amax pass (current);
-    program 0 writes its reciprocal."""
+    """The tensor's scale: given (delayed: scale_ptr[slot]) or from the amax pass (current:
+    amax_ptr[amax_slot]); program 0 writes its reciprocal."""
     if CURRENT:
-        amax = tl.load(amax_ptr + slot).to(tl.float32, bitcast=True)
+        amax = tl.load(amax_ptr + amax_slot).to(tl.float32, bitcast=True)
         scale = scale_from_amax(amax, FMAX, MARGIN_MUL, POW2, EPS)
     else:
         scale = tl.load(scale_ptr + slot)
@@ -104,7 +104,7 @@ def _tensor_scale(scale_ptr, amax_ptr, scale_inv_ptr, pid, slot, FMAX: tl.conste
 @fast_launch
 @triton.jit
 def _cast_transpose_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, scale_inv_ptr, M, K, n_k, slot,
-                           FMAX: tl.constexpr, E4M3: tl.constexpr, SOFT: tl.constexpr,
+                           amax_slot, FMAX: tl.constexpr, E4M3: tl.constexpr, SOFT: tl.constexpr,
                            CURRENT: tl.constexpr, TILE_AMAX: tl.constexpr,
                            MARGIN_MUL: tl.constexpr, POW2: tl.constexpr,
                            EPS: tl.constexpr, ROWWISE: tl.constexpr, COLWISE: tl.constexpr,
@@ -113,8 +113,8 @@ def _cast_transpose_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, scale_i
     pid_m = pid // n_k
     pid_k = pid % n_k
     amax_ptr = amax_ptr.to(tl.pointer_type(tl.int32))  # the fp32 amax's bits (module docstring)
-    scale = _tensor_scale(scale_ptr, amax_ptr, scale_inv_ptr, pid, slot, FMAX, CURRENT, MARGIN_MUL,
-                          POW2, EPS)
+    scale = _tensor_scale(scale_ptr, amax_ptr, scale_inv_ptr, pid, slot, amax_slot, FMAX, CURRENT,
+                          MARGIN_MUL, POW2, EPS)
 
     rm = tl.arange(0, BM)
     rk = tl.arange(0, BK)
@@ -136,8 +136,8 @@ def _cast_transpose_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, scale_i
     if TILE_AMAX:
         # last and relaxed: an acq_rel atomic before the stores would pin the whole tile in
         # registers (208 instead of 64 at 128x128, 8 warps)
-        cur = tl.load(amax_ptr + slot)
-        tl.atomic_max(amax_ptr + slot, tile_amax, mask=tile_amax > cur, sem="relaxed")
+        cur = tl.load(amax_ptr + amax_slot)
+        tl.atomic_max(amax_ptr + amax_slot, tile_amax, mask=tile_amax > cur, sem="relaxed")
 
 
 @triton.jit
@@ -159,7 +159,7 @@ def _cast_quarter(x_ptr, row_ptr, base, m0, k0, j: tl.constexpr, M, K, rq, rk, s
 @fast_launch
 @triton.jit
 def _cast_transpose_packed_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, scale_inv_ptr,
-                                  M, K, n_k, slot, FMAX: tl.constexpr, E4M3: tl.constexpr,
+                                  M, K, n_k, slot, amax_slot, FMAX: tl.constexpr, E4M3: tl.constexpr,
                                   SOFT: tl.constexpr, CURRENT: tl.constexpr,
                                   MARGIN_MUL: tl.constexpr, POW2: tl.constexpr,
                                   EPS: tl.constexpr, ROWWISE: tl.constexpr,
@@ -173,8 +173,8 @@ def _cast_transpose_packed_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, 
     pid_m = pid // n_k
     pid_k = pid % n_k
     amax_ptr = amax_ptr.to(tl.pointer_type(tl.int32))  # the fp32 amax's bits (module docstring)
-    scale = _tensor_scale(scale_ptr, amax_ptr, scale_inv_ptr, pid, slot, FMAX, CURRENT, MARGIN_MUL,
-                          POW2, EPS)
+    scale = _tensor_scale(scale_ptr, amax_ptr, scale_inv_ptr, pid, slot, amax_slot, FMAX, CURRENT,
+                          MARGIN_MUL, POW2, EPS)
     rq = tl.arange(0, BM // 4)
     rk = tl.arange(0, BK)
     m0 = pid_m * BM
@@ -196,16 +196,16 @@ def _cast_transpose_packed_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, 
     if TILE_AMAX:  # masked lanes loaded 0; last and relaxed, as in `_cast_transpose_kernel`
         a = tl.maximum(tl.maximum(a0, a1), tl.maximum(a2, a3))
         tile_amax = tl.max(tl.max(a, axis=1), axis=0)
-        cur = tl.load(amax_ptr + slot)
-        tl.atomic_max(amax_ptr + slot, tile_amax, mask=tile_amax > cur, sem="relaxed")
+        cur = tl.load(amax_ptr + amax_slot)
+        tl.atomic_max(amax_ptr + amax_slot, tile_amax, mask=tile_amax > cur, sem="relaxed")
 
 
-def _amax_into(x2d: torch.Tensor, amax: torch.Tensor, finite: bool, slot: int = 0) -> None:
+def _amax_into(x2d: torch.Tensor, amax: torch.Tensor, finite: bool, amax_slot: int = 0) -> None:
     n = x2d.numel()
     cfg = CONFIG["amax"]
     grid = (cdiv(n, cfg["BLOCK"]),)
     xk, bf16_bits = as_kernel_input(x2d)
-    _amax_kernel[grid](xk, amax, n, slot, FINITE=finite, BF16_BITS=bf16_bits, BLOCK=cfg["BLOCK"],
+    _amax_kernel[grid](xk, amax, n, amax_slot, FINITE=finite, BF16_BITS=bf16_bits, BLOCK=cfg["BLOCK"],
                        num_warps=cfg["num_warps"])
 
 
@@ -215,7 +215,7 @@ def _packs(m: int, columnwise: bool) -> bool:
 
 
 def _launch_cast(x2d, fp8_dtype, rowwise, columnwise, scale=None, amax=None, current=False,
-                 margin=0, power_2=False, epsilon=0.0, tile_amax=False, slot=0):
+                 margin=0, power_2=False, epsilon=0.0, tile_amax=False, slot=0, amax_slot=0):
     m, k = x2d.shape
     dev = x2d.device
     fmax, e4m3 = fp8_params(fp8_dtype)
@@ -235,7 +235,7 @@ def _launch_cast(x2d, fp8_dtype, rowwise, columnwise, scale=None, amax=None, cur
     amax_arg = amax if amax is not None else scale_inv  # unused without an amax
     if packed:
         _cast_transpose_packed_kernel[grid](
-            xk, row_arg, col_arg, scale_arg, amax_arg, scale_inv, m, k, n_k, slot,
+            xk, row_arg, col_arg, scale_arg, amax_arg, scale_inv, m, k, n_k, slot, amax_slot,
             FMAX=fmax, E4M3=e4m3, SOFT=soft_cast(), CURRENT=current,
             MARGIN_MUL=float(2.0 ** -margin), POW2=bool(power_2), EPS=float(epsilon),
             ROWWISE=bool(rowwise), TILE_AMAX=bool(tile_amax), BF16_BITS=bf16_bits, BM=bm, BK=bk,
@@ -243,7 +243,7 @@ def _launch_cast(x2d, fp8_dtype, rowwise, columnwise, scale=None, amax=None, cur
         )
         return data, transpose, scale_inv
     _cast_transpose_kernel[grid](
-        xk, row_arg, col_arg, scale_arg, amax_arg, scale_inv, m, k, n_k, slot,
+        xk, row_arg, col_arg, scale_arg, amax_arg, scale_inv, m, k, n_k, slot, amax_slot,
         FMAX=fmax, E4M3=e4m3, SOFT=soft_cast(), CURRENT=current, TILE_AMAX=bool(tile_amax),
         MARGIN_MUL=float(2.0 ** -margin), POW2=bool(power_2), EPS=float(epsilon),
         ROWWISE=bool(rowwise), COLWISE=bool(columnwise), BF16_BITS=bf16_bits, BM=bm, BK=bk,
@@ -318,7 +318,8 @@ def fp8_quantize_delayed(x, scale, amax_out, fp8_dtype, rowwise, columnwise, slo
     """Cast with scale[slot]; max-accumulate max |x| of every value (inf / NaN included) into
     amax_out[slot] in place (amax_out None: no amax taken)."""
     _ref.check_slot(scale, amax_out, slot)
-    key = plan_key(x, "delayed", fp8_dtype, rowwise, columnwise, slot, amax_out is None)
+    key = plan_key(x, "delayed", fp8_dtype, rowwise, columnwise, slot, amax_out is None,
+                   scale.numel() == 1, amax_out is not None and amax_out.numel() == 1)
     if key is not None and not (_slotted(scale) and (amax_out is None or _slotted(amax_out))):
         key = None
     elif key is not None:
@@ -346,11 +347,13 @@ def _fp8_quantize_delayed(x, scale, amax_out, fp8_dtype, rowwise, columnwise, sl
     # the byte-transposing kernel is slower with a tile amax than with a separate amax pass
     # (H100), so it leaves the amax to that pass; the other kernels take it per tile
     tile_amax = amax_out is not None and (not columnwise or _packs(x2d.shape[0], columnwise))
+    # a one-element buffer is its own slot (`reference.float8.check_slot`)
+    amax_slot = slot if amax_out is not None and amax_out.numel() > 1 else 0
     if amax_out is not None and not tile_amax:
-        _amax_into(x2d, amax_out, finite=False, slot=slot)
+        _amax_into(x2d, amax_out, finite=False, amax_slot=amax_slot)
     data, transpose, scale_inv = _launch_cast(x2d, fp8_dtype, rowwise, columnwise, scale=scale,
-                                              amax=amax_out, current=False,
-                                              tile_amax=tile_amax, slot=slot)
+                                              amax=amax_out, current=False, tile_amax=tile_amax,
+                                              slot=slot if scale.numel() > 1 else 0, amax_slot=amax_slot)
     if data is not None:
         data = data.view(x.shape)
     return data, transpose, scale_inv
