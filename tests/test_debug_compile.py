@@ -256,7 +256,6 @@ def test_debug_op_opcheck(rid):
     delayed = rid == "delayed"
     x, w, b = (torch.randn(32, 64, requires_grad=True), torch.randn(32, 64, requires_grad=True),
                torch.randn(32, requires_grad=True))
-    args = (x, w, b, torch.ones(2) if delayed else None, torch.ones(1) if delayed else None,
-            [torch.zeros(2), torch.zeros(1)] if delayed else [], None, "lin", RecipeKey.of(recipe),
-            LinearCall(True, True, True).flags)
+    args = (x, w, b, torch.ones(3) if delayed else None, [torch.zeros(3)] if delayed else [], None, "lin",
+            RecipeKey.of(recipe), LinearCall(True, True, True).flags)
     torch.library.opcheck(linear_fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))

@@ -72,7 +72,8 @@ class DelayedScalingState:
 
     def ensure_history_len(self, recipe: R.DelayedScaling) -> None:
         """Grow the histories to the recipe's length (eager: a new buffer shape), keeping their amaxes."""
-        if recipe.amax_history_len > self.history_rows():
+        rows = (self._buffers["delayed_state"].shape[0] - layout.HEADER) // layout.COLUMNS  # `history_rows`, inline:
+        if recipe.amax_history_len > rows:  # autocast asks every GEMM at each entry
             self._resize_history(recipe.amax_history_len)
 
     def _resize_history(self, rows: int) -> None:
@@ -192,7 +193,8 @@ def poll_nonfinite(named_gemms: Sequence[Tuple[str, "DelayedScalingState"]]) -> 
         return
     seen, on_cuda = [], {}
     for name, gemm in named_gemms:
-        count = layout.counts(gemm._buffers["delayed_state"])  # the buffer dict: no nn.Module.__getattr__ per GEMM
+        # the counters (`layout.counts`), from the buffer dict: no nn.Module.__getattr__ or call per GEMM
+        count = gemm._buffers["delayed_state"][layout.COUNTS:layout.COUNTS + 3]
         if count.device.type == "cpu":
             seen.append((name, count.tolist()))  # a host read of 3 ints, no tensor op
         elif count.device.type == "cuda":  # meta / other devices: nothing to read without a sync
@@ -234,12 +236,13 @@ def update_delayed_scaling(states: Sequence[DelayedScalingState], recipe: R.Dela
     update); the others one by one."""
     builtin = _builtin_rules(recipe)
     compiling = torch.compiler.is_compiling()
+    need = layout.HEADER + layout.COLUMNS * recipe.amax_history_len  # the state's size with the recipe's rows
     by_device = {}
     for g in states:
         state, handoff = g.update_state()
         device = None if compiling or traced(state) else state.device  # `_eager_device(state)`, is_compiling read once
         if builtin and device is not None and device.type == "cuda" and state.is_contiguous() \
-                and layout.history_rows(state) >= recipe.amax_history_len:
+                and state.shape[0] >= need:
             by_device.setdefault(device, []).append((state, handoff))
         elif device is not None and device.type == "cpu":
             # a host read, no sync: only GEMMs with a new amax run the rules (as torch ops, dozens)
