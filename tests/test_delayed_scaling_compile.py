@@ -17,7 +17,8 @@ from transformer_engine_proto import recipe as R
 from transformer_engine_proto.autocast import autocast
 from transformer_engine_proto.module import Linear
 
-STATE = ("fp8_scale", "amax_history", "grad_fp8_scale", "grad_amax_history", "grad_amax_pending", "grad_amax_seen")
+STATE = ("fp8_scale", "amax_history", "grad_fp8_scale", "grad_amax_history", "grad_amax_pending", "grad_amax_seen",
+         "nonfinite_amax_count", "amax_recorded", "delayed_state", "grad_amax_handoff")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
@@ -76,6 +77,29 @@ def test_recipe_options_match_eager_under_inductor(device, recipe):
 def test_reduce_overhead_matches_eager(history, algo):
     _run(R.DelayedScaling(amax_history_len=history, amax_compute_algo=algo), "cuda", mode="reduce-overhead",
          steps=4)
+
+
+def test_each_gemm_brings_two_state_inputs_and_three_ops_into_the_graph():
+    """Dynamo's graph of two delayed-scaling Linears has two inputs per GEMM more than current
+    scaling's (its packed state and its gradient-amax handoff, each a guarded graph input) and, per
+    GEMM, one scale pin and one amax record: the state is read through the whole buffers, never
+    sliced in the trace (a slice costs dynamo what another buffer does)."""
+    graphs = {}
+    for name, recipe in (("current", R.Float8CurrentScaling()), ("delayed", R.DelayedScaling(amax_history_len=4))):
+        fresh_dynamo()
+        model = torch.nn.Sequential(Linear(32, 32), Linear(32, 32))
+
+        def keep(gm, inputs, name=name):
+            graphs[name] = gm
+            return gm.forward
+
+        with autocast(recipe=recipe):
+            torch.compile(model, backend=keep, fullgraph=True)(torch.randn(16, 32, requires_grad=True))
+    inputs = {k: sum(n.op == "placeholder" for n in g.graph.nodes) for k, g in graphs.items()}
+    assert inputs["delayed"] - inputs["current"] == 2 * 2, inputs
+    targets = [str(n.target) for n in graphs["delayed"].graph.nodes if n.op == "call_function"]
+    assert targets.count("te_proto.saved_state.default") == 2, targets
+    assert targets.count("te_proto.delayed_record_amax.default") == 2, targets
 
 
 # ---- TE's callable options: the amax from a function of the history, the scale from a function --------
