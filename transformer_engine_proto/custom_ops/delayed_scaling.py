@@ -39,8 +39,8 @@ _nonfinite_warned = False  # one warning per process (the counters keep counting
 
 def _view(name: str) -> property:
     def get(self):
-        return layout.views(self._buffers["delayed_state"], self._buffers["grad_amax_handoff"])[name]
-    return property(get, doc=f"`{name}`: a view of the packed state (`layout.views`)")
+        return layout.view(self._buffers["delayed_state"], self._buffers["grad_amax_handoff"], name)
+    return property(get, doc=f"`{name}`: a view of the packed state (`layout.view`)")
 
 
 class DelayedScalingState:
@@ -72,8 +72,8 @@ class DelayedScalingState:
 
     def ensure_history_len(self, recipe: R.DelayedScaling) -> None:
         """Grow the histories to the recipe's length (eager: a new buffer shape), keeping their amaxes."""
-        rows = (self._buffers["delayed_state"].shape[0] - layout.HEADER) // layout.COLUMNS  # `history_rows`, inline:
-        if recipe.amax_history_len > rows:  # autocast asks every GEMM at each entry
+        # `history_rows()` inline: autocast asks every GEMM at each entry
+        if recipe.amax_history_len > (self._buffers["delayed_state"].shape[0] - layout.HEADER) // layout.COLUMNS:
             self._resize_history(recipe.amax_history_len)
 
     def _resize_history(self, rows: int) -> None:

@@ -47,12 +47,26 @@ def counts(state: torch.Tensor) -> torch.Tensor:
     return state[COUNTS:COUNTS + 3]
 
 
+_PARTS = {  # name: its view of (state, handoff)
+    "fp8_scale": lambda s, h: s[SCALES:SCALES + 2],
+    "grad_fp8_scale": lambda s, h: s[SCALES + 2:SCALES + 3],
+    "amax_recorded": lambda s, h: s[RECORDED:RECORDED + 1],
+    "nonfinite_amax_count": lambda s, h: counts(s),
+    "amax_history": lambda s, h: history(s)[:, 0:2],
+    "grad_amax_history": lambda s, h: history(s)[:, 2:3],
+    "grad_amax_pending": lambda s, h: h[0:2],
+    "grad_amax_seen": lambda s, h: h[2:3],
+}
+
+
+def view(state: torch.Tensor, handoff: torch.Tensor, name: str) -> torch.Tensor:
+    """The state's part `name` (a view: writes reach the buffer)."""
+    return _PARTS[name](state, handoff)
+
+
 def views(state: torch.Tensor, handoff: torch.Tensor) -> dict:
-    """The state's parts by their names (views: writes reach the buffers)."""
-    h = history(state)
-    return {"fp8_scale": state[0:2], "grad_fp8_scale": state[2:3], "amax_recorded": state[RECORDED:RECORDED + 1],
-            "nonfinite_amax_count": counts(state), "amax_history": h[:, 0:2], "grad_amax_history": h[:, 2:3],
-            "grad_amax_pending": handoff[0:2], "grad_amax_seen": handoff[2:3]}
+    """Every part of the state by its name (views)."""
+    return {name: part(state, handoff) for name, part in _PARTS.items()}
 
 
 def history_amax(history: torch.Tensor, algo) -> torch.Tensor:
