@@ -92,7 +92,8 @@ class DelayedScalingState:
             if name in ("amax_history", "grad_amax_history") and saved.dim() == 2 \
                     and saved.shape[0] != self.history_rows():
                 self._resize_history(saved.shape[0])
-            getattr(self, name).copy_(saved.reshape(getattr(self, name).shape))
+            mine = getattr(self, name)  # a view, built after any resize
+            mine.copy_(saved.reshape(mine.shape))
 
     def _load_buffer_checkpoint(self, state_dict, prefix: str) -> None:
         """Checkpoints that carry this state as the module's own entries (`gemm.fp8_scale`, ...,
@@ -101,8 +102,8 @@ class DelayedScalingState:
             saved = state_dict.pop(prefix + name, None)
             if isinstance(saved, torch.Tensor):
                 with torch.no_grad(), torch.inference_mode(False):
-                    if saved.shape != self._buffers[name].shape:
-                        self._resize_history(layout.history_rows(saved))
+                    if name == "delayed_state" and saved.shape != self._buffers[name].shape:
+                        self._resize_history(layout.history_rows(saved))  # the checkpoint's history length
                     self._buffers[name].copy_(saved)
         for name in _VIEWS:
             saved = state_dict.pop(prefix + name, None)
