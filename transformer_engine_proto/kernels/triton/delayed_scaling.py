@@ -21,6 +21,7 @@ _FMAX32 = tl.constexpr(FLOAT32_MAX)  # a jit function reads a module global only
 # the state's layout (`reference.delayed_scaling`), as constexprs
 _RECORDED, _COUNTS, _HEADER, _COLS = (tl.constexpr(v) for v in (layout.RECORDED, layout.COUNTS, layout.HEADER,
                                                                  layout.COLUMNS))
+_GRAD = tl.constexpr(2)  # the gradient's scale slot and history column
 
 
 @triton.jit
@@ -90,9 +91,9 @@ def _update_state(scale_ptr, hist_ptr, hist_stride, gscale_ptr, ghist_ptr, ghist
 def _update_gemm(state_ptr, handoff_ptr, L, FWD_MAX: tl.constexpr, BWD_MAX: tl.constexpr, MARGIN_MUL: tl.constexpr,
                  MOST_RECENT: tl.constexpr, BLOCK: tl.constexpr, FORWARD_HALF: tl.constexpr, GRAD_HALF: tl.constexpr):
     """`_update_state` on one GEMM's packed state and handoff (`layout`)."""
-    _update_state(state_ptr, state_ptr + _HEADER, _COLS, state_ptr + 2, state_ptr + _HEADER + 2, _COLS, handoff_ptr,
-                  handoff_ptr + 2, state_ptr + _COUNTS, state_ptr + _RECORDED, L, FWD_MAX, BWD_MAX, MARGIN_MUL,
-                  MOST_RECENT, BLOCK, FORWARD_HALF, GRAD_HALF)
+    _update_state(state_ptr, state_ptr + _HEADER, _COLS, state_ptr + _GRAD, state_ptr + _HEADER + _GRAD, _COLS,
+                  handoff_ptr, handoff_ptr + 2, state_ptr + _COUNTS, state_ptr + _RECORDED, L, FWD_MAX, BWD_MAX,
+                  MARGIN_MUL, MOST_RECENT, BLOCK, FORWARD_HALF, GRAD_HALF)
 
 
 @fast_launch
