@@ -141,11 +141,11 @@ def _cast_transpose_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, scale_i
 
 
 @triton.jit
-def _cast_quarter(x_ptr, row_ptr, base, m0, k0, j: tl.constexpr, M, K, rq, rk, scale,
+def _cast_quarter(x_ptr, row_ptr, base, m0, k0, j: tl.constexpr, M, K, rq, rk, scale, amax_acc,
                   FMAX: tl.constexpr, E4M3: tl.constexpr, SOFT: tl.constexpr, CURRENT: tl.constexpr,
-                  ROWWISE: tl.constexpr, BF16_BITS: tl.constexpr):
+                  ROWWISE: tl.constexpr, TILE_AMAX: tl.constexpr, BF16_BITS: tl.constexpr):
     """Rows m0 + 4 * rq + j of the tile (columns k0 + rk): cast and stored rowwise; returns the
-    fp8 bytes and the int32 bits of |x|."""
+    fp8 bytes and, with TILE_AMAX, `amax_acc` max-accumulated with the int32 bits of |x|."""
     r = 4 * rq + j
     mask = ((m0 + r) < M)[:, None] & ((k0 + rk) < K)[None, :]
     offs = r[:, None] * K + rk[None, :]
@@ -153,7 +153,9 @@ def _cast_quarter(x_ptr, row_ptr, base, m0, k0, j: tl.constexpr, M, K, rq, rk, s
     q = fp8_scaled_bits(x, scale, FMAX, E4M3, SOFT, CURRENT)
     if ROWWISE:
         tl.store(row_ptr + base + offs, q, mask=mask)
-    return q, abs_bits(x)
+    if TILE_AMAX:
+        amax_acc = tl.maximum(amax_acc, abs_bits(x))
+    return q, amax_acc
 
 
 @fast_launch
@@ -180,22 +182,25 @@ def _cast_transpose_packed_kernel(x_ptr, row_ptr, col_ptr, scale_ptr, amax_ptr, 
     m0 = pid_m * BM
     k0 = pid_k * BK
     base = m0.to(tl.int64) * K + k0
-    q0, a0 = _cast_quarter(x_ptr, row_ptr, base, m0, k0, 0, M, K, rq, rk, scale, FMAX, E4M3,
-                           SOFT, CURRENT, ROWWISE, BF16_BITS)
-    q1, a1 = _cast_quarter(x_ptr, row_ptr, base, m0, k0, 1, M, K, rq, rk, scale, FMAX, E4M3,
-                           SOFT, CURRENT, ROWWISE, BF16_BITS)
-    q2, a2 = _cast_quarter(x_ptr, row_ptr, base, m0, k0, 2, M, K, rq, rk, scale, FMAX, E4M3,
-                           SOFT, CURRENT, ROWWISE, BF16_BITS)
-    q3, a3 = _cast_quarter(x_ptr, row_ptr, base, m0, k0, 3, M, K, rq, rk, scale, FMAX, E4M3,
-                           SOFT, CURRENT, ROWWISE, BF16_BITS)
+    # the tile amax as a running elementwise max over the quarters (masked lanes load 0), reduced
+    # once: keeping each quarter's |x| live until the end costs registers, and occupancy with them
+    acc = tl.zeros((BM // 4, BK), dtype=tl.int32)
+    q0, acc = _cast_quarter(x_ptr, row_ptr, base, m0, k0, 0, M, K, rq, rk, scale, acc, FMAX, E4M3,
+                            SOFT, CURRENT, ROWWISE, TILE_AMAX, BF16_BITS)
+    q1, acc = _cast_quarter(x_ptr, row_ptr, base, m0, k0, 1, M, K, rq, rk, scale, acc, FMAX, E4M3,
+                            SOFT, CURRENT, ROWWISE, TILE_AMAX, BF16_BITS)
+    q2, acc = _cast_quarter(x_ptr, row_ptr, base, m0, k0, 2, M, K, rq, rk, scale, acc, FMAX, E4M3,
+                            SOFT, CURRENT, ROWWISE, TILE_AMAX, BF16_BITS)
+    q3, acc = _cast_quarter(x_ptr, row_ptr, base, m0, k0, 3, M, K, rq, rk, scale, acc, FMAX, E4M3,
+                            SOFT, CURRENT, ROWWISE, TILE_AMAX, BF16_BITS)
+    if TILE_AMAX:
+        tile_amax = tl.max(tl.max(acc, axis=1), axis=0)
     words = pack4(q0, q1, q2, q3)  # [BM // 4, BK]: word (i, k) = rows 4i .. 4i + 3 of column k
     m4 = M // 4
     wmask = ((k0 + rk) < K)[:, None] & ((m0 // 4 + rq) < m4)[None, :]
     col_base = k0.to(tl.int64) * m4 + m0 // 4
     tl.store(col_ptr + col_base + rk[:, None] * m4 + rq[None, :], tl.trans(words), mask=wmask)
-    if TILE_AMAX:  # masked lanes loaded 0; last and relaxed, as in `_cast_transpose_kernel`
-        a = tl.maximum(tl.maximum(a0, a1), tl.maximum(a2, a3))
-        tile_amax = tl.max(tl.max(a, axis=1), axis=0)
+    if TILE_AMAX:  # last and relaxed, as in `_cast_transpose_kernel`
         cur = tl.load(amax_ptr + amax_slot)
         tl.atomic_max(amax_ptr + amax_slot, tile_amax, mask=tile_amax > cur, sem="relaxed")
 
