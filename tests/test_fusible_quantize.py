@@ -63,6 +63,28 @@ def test_fusible_choice_selects_kernels_and_changes_the_cache_key(fake_fast_back
         kernels.set_fusible_quantize(["amax", "norm_fwd"])
 
 
+def test_fused_into_producer_scopes_the_reference_to_its_block(fake_fast_backend):
+    """`fused_into_producer(names)`: the reference for those names inside the block while inductor
+    traces, whatever `set_fusible_quantize` says; our kernel outside the block, in eager and for
+    the other names; an unknown name is refused, naming it."""
+    dev = torch.device("meta")
+    ref = kernels._KERNELS[("fp8_quantize_delayed", "reference")]
+    with kernels.fused_into_producer("fp8_quantize_delayed"):
+        assert kernels.kernel("fp8_quantize_delayed", dev) is fake_fast_backend["fp8_quantize_delayed"]  # eager
+    with kernels.tracing_for_inductor():
+        with kernels.fused_into_producer("fp8_quantize_delayed"):
+            assert kernels.kernel("fp8_quantize_delayed", dev) is ref
+            assert kernels.kernel("amax", dev) is fake_fast_backend["amax"]
+            with kernels.fused_into_producer("amax"):  # nested blocks add their names
+                assert kernels.kernel("amax", dev) is kernels._KERNELS[("amax", "reference")]
+                assert kernels.kernel("fp8_quantize_delayed", dev) is ref
+            assert kernels.kernel("amax", dev) is fake_fast_backend["amax"]
+        assert kernels.kernel("fp8_quantize_delayed", dev) is fake_fast_backend["fp8_quantize_delayed"]
+    with pytest.raises(ValueError, match="unknown kernel names.*'norm_fwd'"):
+        with kernels.fused_into_producer("norm_fwd"):
+            pass
+
+
 def test_none_reads_the_environment_again(monkeypatch):
     monkeypatch.setenv("TE_PROTO_FUSIBLE_QUANTIZE", "amax, fp8_quantize_current")
     kernels.set_fusible_quantize(None)

@@ -322,6 +322,36 @@ def test_recompute_saved_input_rebuilds_only_the_columnwise_bytes(rid, device):
     assert not _amax_passes(bw, (TOKENS, IN)), _amax_passes(bw, (TOKENS, IN))
 
 
+def _triton_kernels_reading(graph, shape):
+    """The names of the user Triton kernels a graph launches with an argument of `shape`."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    out = []
+    for n in graph.graph.nodes:
+        if n.op == "call_function" and "triton_kernel_wrapper" in str(n.target):
+            fn = kernel_side_table.get_kernel(n.kwargs["kernel_idx"])
+            if any(_shape(v) == shape for v in n.kwargs["kwargs"].values()):
+                out.append(getattr(getattr(fn, "fn", fn), "__name__", str(fn)))
+    return out
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rid", ["current", "delayed"])
+def test_recompute_saved_input_casts_in_the_recomputing_kernel_cuda(rid):
+    """Per-tensor FP8: backward's columnwise cast of the rebuilt input is traced as its aten
+    reference (`kernels.fused_into_producer`), so inductor writes the FP8 bytes from the kernel
+    that recomputes the input; no Triton kernel of backward reads the (TOKENS, IN) input or
+    writes its (IN, TOKENS) copy, which forward still casts with our kernel."""
+    graphs = []
+    _norm_linear_compiled(rid, True, "cuda", graphs, torch_norm=True)
+    (fw, bw), = graphs
+    assert _fp8_buffers(bw, (IN, TOKENS))
+    in_backward = _triton_kernels_reading(bw, (TOKENS, IN)) + _triton_kernels_reading(bw, (IN, TOKENS))
+    assert not in_backward, in_backward
+    in_forward = _triton_kernels_reading(fw, (TOKENS, IN))
+    assert any("cast" in name for name in in_forward), in_forward
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("rid", QUANTIZED_IDS)
 def test_recompute_saved_input_same_grads_cuda(rid):

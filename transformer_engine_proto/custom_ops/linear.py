@@ -22,7 +22,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from ..gemm import gemm
-from ..kernels import kernel
+from ..kernels import fused_into_producer, kernel
 from ..kernels.reference.common import traced
 from ..tensor import TensorProto
 from ..tensor.storage import QuantizedTensorStorage
@@ -87,18 +87,17 @@ def _quantize_input(plan: LinearPlan, inp: torch.Tensor, x2d: torch.Tensor, fp8_
     While inductor traces the body with `recompute_saved_input` on, the two usages are quantized
     apart, scaled alike (current scaling: one amax, taken first and saved; delayed: the pinned
     scale): the partitioner then rebuilds in backward only the columnwise bytes, without a second
-    amax pass, and the forward writes only the rowwise ones. The rowwise quantize is tagged too
-    (forward reads it only): an op on `x` it shares with the other, which AOT's CSE merges, is then
-    never saved."""
+    amax pass, and the forward writes only the rowwise ones. That per-tensor FP8 cast is traced as
+    its aten reference (`fused_into_producer`): inductor writes it from the kernel that
+    recomputes `x` (SwiGLU, the attention output's copy, the read below), which our Triton cast
+    would read back from memory. The rowwise quantize is tagged too (forward reads it only): an op
+    on `x` it shares with the other, which AOT's CSE merges, is then never saved."""
     iq = plan.input_quantizer()
     x = pad_rows(x2d, plan.input_rows)
     rebuilt = plan.saved_input() is not None and recompute_saved_input()
     split = (rebuilt and traced_for_inductor() and plan.input_columnwise
              and iq.rowwise_usage and iq.columnwise_usage)
     usages = [iq.with_usage(columnwise=False), iq.with_usage(rowwise=False)] if split else [iq]
-
-    def reads(i):  # backward's usage reads `x` through a fusible op (recompute_tags.recomputable_read)
-        return recomputable_read(x) if i else x
 
     def quantize():
         bound = usages
@@ -108,7 +107,11 @@ def _quantize_input(plan: LinearPlan, inp: torch.Tensor, x2d: torch.Tensor, fp8_
             amax = kernel("amax", x.device)(x)
             bound = [q.with_existing_amax(amax) for q in usages]
         with recomputed_in_backward(rebuilt):
-            return [q.quantize(reads(i), internal=True) for i, q in enumerate(bound)]
+            made = [bound[0].quantize(x, internal=True)]
+            if split:
+                with fused_into_producer("fp8_quantize_delayed", "fp8_quantize_current"):
+                    made.append(bound[1].quantize(recomputable_read(x), internal=True))
+            return made
 
     made = _quantize_shared(plan, inp, usages, quantize, amax=amaxes[:1] if plan.delayed else None)
     return made[0], made[-1]

@@ -26,7 +26,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 __all__ = ["register_kernel", "kernel", "available_backends", "set_backend", "get_backend", "set_fusible_quantize",
-           "fusible_quantize_enabled", "fusing", "tracing_for_inductor", "INDUCTOR_FUSIBLE"]
+           "fusible_quantize_enabled", "fusing", "fused_into_producer", "tracing_for_inductor", "INDUCTOR_FUSIBLE"]
 
 _KERNELS: Dict[Tuple[str, str], Callable] = {}
 # Backends tried first on each device type when TE_PROTO_KERNELS=triton; "reference" is the fallback.
@@ -36,6 +36,7 @@ BACKENDS = ("reference", "triton")
 _backend: Optional[str] = None  # None: not chosen yet, take TE_PROTO_KERNELS at the next dispatch
 INDUCTOR_FUSIBLE = frozenset({"amax", "fp8_quantize_delayed", "fp8_quantize_current"})
 _inductor_depth = 0  # > 0 while inductor traces a library op's body
+_fused_here = frozenset()  # the names `fused_into_producer` makes fusible inside its block
 ON_FUSIBLE_CHANGE = []  # callbacks: the compile cache key names the setting
 # callbacks when inductor first traces a library op's body: compile-time setup that eager code
 # should not pay for (the Triton backend puts its pass in front of inductor's, triton/direct_swap.py)
@@ -100,8 +101,27 @@ def fusible_quantize_enabled() -> frozenset:
 
 
 def fusing(name: str) -> bool:
-    """Whether `kernel(name)` is the fusible reference here (inductor is tracing and `name` is chosen)."""
-    return bool(_inductor_depth) and name in _fusible
+    """Whether `kernel(name)` is the fusible reference here (inductor is tracing and `name` is
+    chosen, by `set_fusible_quantize` or inside `fused_into_producer`)."""
+    return bool(_inductor_depth) and (name in _fusible or name in _fused_here)
+
+
+@contextlib.contextmanager
+def fused_into_producer(*names: str):
+    """Inside the block, while inductor traces, `kernel(name)` for `names` (of `INDUCTOR_FUSIBLE`)
+    is the aten reference, whatever `set_fusible_quantize` says: for a cast whose input inductor
+    computes in a kernel of its own anyway (backward's cast of a recomputed input), where our
+    Triton kernel would read that input back from memory."""
+    global _fused_here
+    unknown = set(names) - INDUCTOR_FUSIBLE
+    if unknown:
+        raise ValueError(f"fused_into_producer: unknown kernel names {sorted(unknown)}; "
+                         f"known: {sorted(INDUCTOR_FUSIBLE)}")
+    outer, _fused_here = _fused_here, _fused_here | frozenset(names)
+    try:
+        yield
+    finally:
+        _fused_here = outer
 
 
 @contextlib.contextmanager
