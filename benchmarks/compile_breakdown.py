@@ -12,16 +12,20 @@ inductor lowering / codegen, waiting for Triton compiles), the size of the graph
 those were swapped for their launch without a retrace; the kernels inductor generated, its
 `metrics.generated_kernel_count`, which on the CPU backend counts several per fused loop; a warm run
 compiles none), the Triton kernels it compiled (entries it added to Triton's cache; a warm run on
-a GPU must add none) and, with `--cprofile`, the library functions with the most cumulative time while
-compiling. With several warm runs (`--caches cold,warm,warm2,...`) a table gives each variant's
+a GPU must add none), the kernel definitions in the generated code it cached (after a cold run: each
+kernel defined with several sources, one compile and one load per source, with a line that differs:
+the specializations a warm start loads) and, with `--cprofile`, the library functions with the most
+cumulative time while compiling. With several warm runs (`--caches cold,warm,warm2,...`) a table gives each variant's
 medians over them: the first step, its ratio to bf16's, and dynamo's tracing, its guards and the
 loading of the cached graphs, where a warm first step's compile time goes.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -114,6 +118,38 @@ def triton_cache_entries(env) -> set:
     return {os.path.join(d, f) for d, _, files in os.walk(root) for f in files if f.startswith("__grp__")}
 
 
+_KERNEL_DEF = re.compile(r"^\w+ = async_compile\.triton\('(\w+)', '''(.*?)'''", re.S | re.M)
+
+
+def kernel_definitions(inductor_dir: str) -> dict:
+    """{kernel: distinct sources} of the Triton kernels defined in the generated code an inductor
+    cache dir holds (`async_compile.triton` definitions; inductor's own kernels, named
+    `triton_<kind>_fused_..._<n>`, counted by name without the number). A kernel with several
+    sources is compiled and loaded once per source: the specializations of its arguments
+    (constants, divisibility) and constexprs."""
+    defs = collections.defaultdict(set)
+    for d, _, files in os.walk(inductor_dir):
+        for f in files:
+            if f.endswith(".py"):
+                with open(os.path.join(d, f), errors="ignore") as fh:
+                    src = fh.read()
+                for name, body in _KERNEL_DEF.findall(src):
+                    defs[re.sub(r"_\d+$", "", name) if name.startswith("triton_") else name].add(body)
+    return defs
+
+
+def definition_rows(defs: dict, top: int) -> list:
+    """[kernel, sources, a line that differs between them] for the kernels with several sources."""
+    rows = []
+    for name, bodies in sorted(defs.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        if len(bodies) < 2:
+            continue
+        lines = [set(b.splitlines()) for b in bodies]
+        differ = sorted(set.union(*lines) - set.intersection(*lines))
+        rows.append([name, len(bodies), differ[0].strip()[:140] if differ else ""])
+    return rows[:top]
+
+
 def run_child(variant: str, argv, env) -> dict:
     out = subprocess.run([sys.executable, __file__, "--child", variant, *argv], env=env, capture_output=True,
                          text=True)
@@ -188,6 +224,10 @@ def main(argv=None):
                 r = run_child(variant, child_argv, env)
                 r["caches"] = state
                 r.setdefault("graph", {})["triton_compiled"] = len(triton_cache_entries(env) - before)
+                defs = kernel_definitions(env["TORCHINDUCTOR_CACHE_DIR"])
+                r["graph"]["kernel_definitions"] = sum(len(b) for b in defs.values())
+                if state == "cold":
+                    r["kernel_specializations"] = definition_rows(defs, args.top)
                 results.append(r)
                 print(f"{variant:22s} {state}: {r.get('first_step_s', float('nan')):7.1f} s", flush=True)
     base = {r["caches"]: r["first_step_s"] for r in results if r["variant"] == "bf16" and "first_step_s" in r}
@@ -207,13 +247,19 @@ def main(argv=None):
     print("\n## Graphs inductor compiled (post-grad; a cache hit compiles none)\n")
     columns = {"graphs": "graphs", "nodes": "nodes", "tiny_nodes": f"nodes of <= {TINY} elements",
                "generated_kernels": "kernels inductor generated", "triton_calls": "user Triton kernel calls",
-               "direct_swaps": "swapped directly", "triton_compiled": "Triton kernels compiled"}
+               "direct_swaps": "swapped directly", "triton_compiled": "Triton kernels compiled",
+               "kernel_definitions": "kernel definitions in the cached generated code"}
     print(C.markdown_table(["variant", "caches", *columns.values()],
                            [[r["variant"], r["caches"], *(r.get("graph", {}).get(k, 0) for k in columns)]
                             for r in results]))
     print("\n## Compile phases, seconds (dynamo_timed phases, summed; nested phases overlap)\n")
     print(C.markdown_table(["phase", *(f"{r['variant']} {r['caches']}" for r in results)],
                            [[k, *(f"{r.get('phases_s', {}).get(k, 0):.1f}" for r in results)] for k in phases]))
+    for r in results:
+        if r.get("kernel_specializations"):
+            print(f"\n### {r['variant']} ({r['caches']}): kernels defined with several sources "
+                  "(compiled and loaded once each)\n")
+            print(C.markdown_table(["kernel", "sources", "a line that differs"], r["kernel_specializations"]))
     for r in results:
         for key, what in (("library_cumulative_s", "library functions, cumulative"),
                           ("cumulative_s", "all functions, cumulative"), ("self_s", "all functions, self")):
