@@ -119,7 +119,8 @@ def _delayed_update_many_kernel(table_ptr, L, FWD_MAX: tl.constexpr, BWD_MAX: tl
 def _check_state(state: torch.Tensor, handoff: torch.Tensor, history_len: int, name: str) -> None:
     if (state.dim() != 1 or state.dtype != torch.float32 or not state.is_contiguous()
             or layout.history_rows(state) < history_len or handoff.shape != (3,) or not handoff.is_contiguous()):
-        raise ValueError(f"{name}: a GEMM's state must be a contiguous float32 (8 + 3 * rows,) buffer holding "
+        raise ValueError(f"{name}: a GEMM's state must be a contiguous float32 ({layout.HEADER} + "
+                         f"{layout.COLUMNS} * rows,) buffer holding "
                          f"history_len={history_len} rows and its handoff a contiguous (3,), got "
                          f"{tuple(state.shape)} {state.dtype} (strides {state.stride()}) and {tuple(handoff.shape)}")
 
