@@ -124,7 +124,8 @@ _KERNEL_DEF = re.compile(r"^\w+ = async_compile\.triton\('(\w+)', '''(.*?)'''", 
 def kernel_definitions(inductor_dir: str) -> dict:
     """{kernel: distinct sources} of the Triton kernels defined in the generated code an inductor
     cache dir holds (`async_compile.triton` definitions; inductor's own kernels, named
-    `triton_<kind>_fused_..._<n>`, counted by name without the number). A kernel with several
+    `triton_<kind>_fused_..._<n>`, counted by name without the number; the numbered names of the
+    definitions are not a difference). A kernel with several
     sources is compiled and loaded once per source: the specializations of its arguments
     (constants, divisibility) and constexprs."""
     defs = collections.defaultdict(set)
@@ -134,8 +135,16 @@ def kernel_definitions(inductor_dir: str) -> dict:
                 with open(os.path.join(d, f), errors="ignore") as fh:
                     src = fh.read()
                 for name, body in _KERNEL_DEF.findall(src):
-                    defs[re.sub(r"_\d+$", "", name) if name.startswith("triton_") else name].add(body)
+                    base = re.sub(r"_\d+$", "", name) if name.startswith("triton_") else name
+                    defs[base].add(_unnumbered(body, base))
     return defs
+
+
+def _unnumbered(body: str, base: str) -> str:
+    """`body` with the numbered names inductor gives each definition (`<base>_<n>`, in the def
+    line or the `kernel_name` of its metadata) made one: two definitions that differ only there
+    are one source (Triton compiles it once)."""
+    return re.sub(rf"\b{re.escape(base)}_\d+\b", f"{base}_N", body)
 
 
 def definition_rows(defs: dict, top: int) -> list:
@@ -145,9 +154,22 @@ def definition_rows(defs: dict, top: int) -> list:
         if len(bodies) < 2:
             continue
         lines = [set(b.splitlines()) for b in bodies]
-        differ = sorted(set.union(*lines) - set.intersection(*lines))
-        rows.append([name, len(bodies), differ[0].strip()[:140] if differ else ""])
+        differ = sorted(line.strip() for line in set.union(*lines) - set.intersection(*lines))
+        rows.append([name, len(bodies), _where_they_differ(differ)])
     return rows[:top]
+
+
+def _where_they_differ(lines: list, width: int = 140) -> str:
+    """The first of `lines`, from a little before the first character where it differs from the
+    next one when that lies beyond `width` (long metadata lines differ far from their start)."""
+    if not lines:
+        return ""
+    first = lines[0]
+    if len(lines) == 1:
+        return first[:width]
+    same = len(os.path.commonprefix(lines[:2]))
+    start = same - 20 if same > width - 40 else 0
+    return ("..." if start else "") + first[start:start + width]
 
 
 def run_child(variant: str, argv, env) -> dict:

@@ -83,27 +83,32 @@ def test_graph_counts_are_reported_per_compiled_graph():
     assert 0 < counts["tiny_nodes"] < counts["nodes"], counts  # the sum is tiny, sin / mul are not
 
 
-def _definition(var, name, meta):
+def _definition(var, name, meta, body="pass"):
     return (f"{var} = async_compile.triton('{name}', '''\nimport triton\n@triton_heuristics.user_autotune(\n"
-            f"    triton_meta={meta},\n)\n@triton.jit\ndef {name}(x_ptr, slot):\n    pass\n''', device_str='cuda')\n")
+            f"    triton_meta={meta},\n    inductor_meta={{'kernel_name': '{var}'}},\n)\n@triton.jit\n"
+            f"def {name}(x_ptr, slot):\n    {body}\n''', device_str='cuda')\n")
 
 
 def test_kernel_definitions_count_each_kernels_distinct_sources(tmp_path):
-    """A user kernel defined with two specializations (in two generated files, one repeated) has two
-    sources; inductor's numbered kernels count under their name without the number (one source
-    each); a line that differs is shown."""
+    """A user kernel defined with two specializations (in two generated files, one repeated under
+    another number) has two sources; inductor's numbered kernels count under their name without the
+    number, and definitions that differ only in their numbered names are one source; a line that
+    differs is shown."""
     (tmp_path / "ab").mkdir()
     (tmp_path / "ab" / "fwd.py").write_text(
         _definition("_cast_0", "_cast", "{'constants': {'slot': 1}}")
         + _definition("triton_poi_fused_add_0", "triton_poi_fused_add_0", "{'constants': {}}")
-        + _definition("triton_poi_fused_add_1", "triton_poi_fused_add_1", "{'constants': {}}"))
+        + _definition("triton_poi_fused_add_1", "triton_poi_fused_add_1", "{'constants': {}}")
+        + _definition("triton_poi_fused_add_2", "triton_poi_fused_add_2", "{'constants': {}}", "x = 1"))
     (tmp_path / "ab" / "bwd.py").write_text(
-        _definition("_cast_0", "_cast", "{'constants': {'slot': 1}}")
+        _definition("_cast_3", "_cast", "{'constants': {'slot': 1}}")
         + _definition("_cast_1", "_cast", "{'constants': {}}"))
     (tmp_path / "ab" / "other.txt").write_text(_definition("_x_0", "_x", "{}"))
     defs = compile_breakdown.kernel_definitions(str(tmp_path))
     assert {k: len(v) for k, v in defs.items()} == {"_cast": 2, "triton_poi_fused_add": 2}
     rows = compile_breakdown.definition_rows(defs, top=5)
     assert rows == [["_cast", 2, "triton_meta={'constants': {'slot': 1}},"],
-                    ["triton_poi_fused_add", 2, "def triton_poi_fused_add_0(x_ptr, slot):"]], rows
+                    ["triton_poi_fused_add", 2, "pass"]], rows
+    long = ["triton_meta={" + "'a': 0, " * 30 + "'slot': 1}", "triton_meta={" + "'a': 0, " * 30 + "}"]
+    assert compile_breakdown._where_they_differ(long) == "..." + long[0][len(long[1]) - 21:]
     assert compile_breakdown.definition_rows(defs, top=1) == rows[:1]
