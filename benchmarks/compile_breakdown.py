@@ -125,9 +125,9 @@ def kernel_definitions(inductor_dir: str) -> dict:
     """{kernel: distinct sources} of the Triton kernels defined in the generated code an inductor
     cache dir holds (`async_compile.triton` definitions; inductor's own kernels, named
     `triton_<kind>_fused_..._<n>`, counted by name without the number; the numbered names of the
-    definitions are not a difference). A kernel with several
-    sources is compiled and loaded once per source: the specializations of its arguments
-    (constants, divisibility) and constexprs."""
+    definitions are not a difference). A kernel with several sources is compiled and loaded once
+    per source at least: the specializations of its arguments (constants, divisibility) and
+    constexprs."""
     defs = collections.defaultdict(set)
     for d, _, files in os.walk(inductor_dir):
         for f in files:
@@ -270,7 +270,7 @@ def main(argv=None):
     columns = {"graphs": "graphs", "nodes": "nodes", "tiny_nodes": f"nodes of <= {TINY} elements",
                "generated_kernels": "kernels inductor generated", "triton_calls": "user Triton kernel calls",
                "direct_swaps": "swapped directly", "triton_compiled": "Triton kernels compiled",
-               "kernel_definitions": "kernel definitions in the cached generated code"}
+               "kernel_definitions": "distinct kernel sources in the cached generated code"}
     print(C.markdown_table(["variant", "caches", *columns.values()],
                            [[r["variant"], r["caches"], *(r.get("graph", {}).get(k, 0) for k in columns)]
                             for r in results]))
