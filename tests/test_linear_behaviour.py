@@ -237,6 +237,32 @@ def test_delayed_update_at_exit_reaches_a_module_built_inside_the_block():
         assert m.gemm.amax_recorded.item() == 0 and not m.gemm.amax_history[0].any()  # the roll
 
 
+def test_a_module_built_inside_the_block_gets_the_recipes_history_length():
+    """Autocast's entry grows every GEMM's amax history to the recipe's length; one built inside
+    the block (1024 rows) is grown by the block's update, keeping its recorded amax, and then
+    follows the rules as one built before it."""
+    recipe = R.DelayedScaling(amax_history_len=2048)
+    before = Linear(16, 16)
+    x = torch.randn(8, 16) * 3
+    with autocast(recipe=recipe):
+        before(x)
+        inside = Linear(16, 16)
+        with torch.no_grad():
+            inside.weight.copy_(before.weight)
+            inside.bias.copy_(before.bias)
+        assert inside.gemm.history_rows() == 1024
+        inside(x)
+    for step in range(2):
+        assert inside.gemm.history_rows() == before.gemm.history_rows() == 2048
+        for name in ("fp8_scale", "amax_history", "grad_fp8_scale"):
+            assert torch.equal(getattr(inside.gemm, name), getattr(before.gemm, name)), (step, name)
+        with autocast(recipe=recipe):
+            before(x * (step + 2))
+            inside(x * (step + 2))
+    # the three forwards' amaxes rolled along the long history
+    assert int(before.gemm.amax_history.ne(0).any(1).sum()) == 3
+
+
 def test_delayed_update_skips_gemms_updated_elsewhere():
     """A GEMM whose scales something else updates (FSDP2's pre-all-gather hook) keeps its state
     through autocast's entry and exit."""

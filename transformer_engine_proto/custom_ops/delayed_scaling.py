@@ -18,6 +18,7 @@ from typing import Callable, List, Sequence, Tuple
 import torch
 
 from .. import recipe as R
+from ..autocast import checkpoint_scales, in_activation_recompute_phase
 from ..kernels import kernel
 from ..kernels.reference import delayed_scaling as layout
 from ..kernels.reference.common import FP8_MAX, traced
@@ -121,7 +122,15 @@ class DelayedScalingState:
         gradient half when the next one is entered, before its forward reads the scale (TE: after
         the backward). Both run eagerly, so no compiled graph holds them: TE's built-in rules are
         the `delayed_scaling_update` kernel (one launch on CUDA). Traced (FSDP2's pre-all-gather
-        hook under torch.compile), or with the recipe's own functions, the rules run as torch ops."""
+        hook under torch.compile), or with the recipe's own functions, the rules run as torch ops.
+        The histories grow to the recipe's length here if they are shorter (a GEMM built after
+        autocast's entry grew the others'; forwards only write the newest row)."""
+        if recipe.amax_history_len > self.history_rows():
+            if torch.compiler.is_compiling():
+                raise RuntimeError(f"delayed scaling: amax_history_len={recipe.amax_history_len} exceeds the "
+                                   f"allocated history ({self.history_rows()}); enter autocast outside "
+                                   "torch.compile first")
+            self.ensure_history_len(recipe)
         if _builtin_rules(recipe) and _eager_device(self._buffers["delayed_state"]) is not None:
             kernel("delayed_scaling_update", self._buffers["delayed_state"].device)(
                 *self.update_state(), *_kernel_args(recipe, forward_half, grad_half))
@@ -147,9 +156,18 @@ class DelayedScalingState:
     def forward_scales(self) -> torch.Tensor:
         """The scales this forward quantizes with (`layout`: slots 0 input, 1 weight, 2 gradient).
         Traced, the state pinned (`saved_state`), as backward must read the forward's scales after
-        autocast's exit has rewritten the buffer; eager, the buffer itself (the op snapshots it)."""
+        autocast's exit has rewritten the buffer; eager, the buffer itself (the op snapshots it),
+        except in a `te.checkpoint`: its first forward keeps a copy and the recompute takes it back."""
+        if torch.compiler.is_compiling():
+            return saved_state(self._buffers["delayed_state"])
         state = self._buffers["delayed_state"]
-        return saved_state(state) if torch.compiler.is_compiling() else state
+        kept = checkpoint_scales()
+        if kept is None:
+            return state
+        if in_activation_recompute_phase():
+            return kept.popleft()
+        kept.append(state[:3].clone())
+        return state
 
     def record_amax(self, amax: torch.Tensor, first: int = 0, scales=None) -> None:
         """History slot 0, columns first.. (0 input, 1 weight), takes the max with `amax`, except
@@ -240,6 +258,8 @@ def update_delayed_scaling(states: Sequence[DelayedScalingState], recipe: R.Dela
     need = layout.HEADER + layout.COLUMNS * recipe.amax_history_len  # the state's size with the recipe's rows
     by_device = {}
     for g in states:
+        if not compiling:  # a GEMM built inside the block (autocast's entry grew the others' histories)
+            g.ensure_history_len(recipe)
         state, handoff = g.update_state()
         device = None if compiling or traced(state) else state.device  # `_eager_device(state)`, is_compiling read once
         if builtin and device is not None and device.type == "cuda" and state.is_contiguous() \

@@ -111,14 +111,13 @@ class TransformerEngineBaseModule(DelayedWgrad, GemmOwner, nn.Module, metaclass=
         if inp.dtype not in HIGH_PRECISION_DTYPES:
             raise_error(TypeError, f"{self.name}: {what} dtype {inp.dtype} is not supported "
                                    "(float32, bfloat16, float16)")
-        if inp.dim() < 1 or inp.shape[-1] != features:
+        shape = inp.shape
+        if not shape or shape[-1] != features:
             raise_error(ValueError, f"{self.name}: {what} last dim must be {features}, "
                                     f"got shape {shape_str(inp)}")
-        self.check_delay_wgrad_traceable()
-        recipe = get_fp8_recipe()
-        if recipe is not None:
-            self._check_recipe_shapes()
-            if not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling():
+            recipe = get_fp8_recipe()
+            if recipe is not None:
                 self._note_recipe_type(type(recipe))
                 self._note_quantized_weights_recipe(get_fp8_recipe_key())
         # ---- precision debug tools: name this module's GEMMs for TE's debug API calls
@@ -145,12 +144,14 @@ class TransformerEngineBaseModule(DelayedWgrad, GemmOwner, nn.Module, metaclass=
                           "were stored quantized by quantized_model_init under another recipe than this forward's; "
                           "they keep their format)", UserWarning, stacklevel=4)
 
-    def _check_recipe_shapes(self) -> None:
-        """Fail early, naming the module, when a recipe's blocks do not divide a weight."""
-        error = _recipe_shape_error(get_fp8_recipe_key(), self.gemm_weight_shapes())
-        if error:
-            raise_error(ValueError, f"{self.name}: recipe {type(get_fp8_recipe()).__name__} cannot quantize "
-                                    f"this layer: {error}")
+    def _check_gemm_module(self) -> None:
+        """What a GEMM module checks at its entry, naming itself: delay_wgrad_compute is not traced,
+        and the recipe's blocks divide each weight. `QuantizedGemm.forward` checks both for the
+        GEMM it runs when given its `owner`; modules that quantize before their GEMM (a norm fused
+        with the quantize) or run their GEMMs elsewhere call this first."""
+        self.check_delay_wgrad_traceable()
+        if get_fp8_recipe() is not None:
+            check_recipe_shapes(self, get_fp8_recipe_key(), self.gemm_weight_shapes())
 
 
 def rename_state_dict_keys(state_dict, prefix: str, renames: dict) -> None:
@@ -159,6 +160,15 @@ def rename_state_dict_keys(state_dict, prefix: str, renames: dict) -> None:
     for old, new in renames.items():
         for key in [k for k in state_dict if k.startswith(prefix + old)]:
             state_dict[prefix + new + key[len(prefix + old):]] = state_dict.pop(key)
+
+
+def check_recipe_shapes(owner, key: str, weight_shapes) -> None:
+    """Fail early, naming the module `owner`, when the recipe of `key` cannot quantize a weight (its
+    name is read only then: a traced forward reads no attribute it does not need)."""
+    error = _recipe_shape_error(key, weight_shapes)
+    if error:
+        raise_error(ValueError, f"{owner.name}: recipe {type(get_fp8_recipe()).__name__} cannot quantize "
+                                f"this layer: {error}")
 
 
 @torch._dynamo.assume_constant_result

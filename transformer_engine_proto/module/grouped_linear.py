@@ -409,6 +409,7 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
             `Linear.forward`.
         """
         self._check_input(inp, self.in_features)
+        self._check_gemm_module()
         if inp.dim() != 2:
             if inp.dim() < 2:
                 raise_error(ValueError, f"{self.name}: GroupedLinear takes an input [tokens, in_features], got shape "
@@ -495,9 +496,9 @@ class GroupedLinear(FP8StateCheckpoint, TransformerEngineBaseModule):
                                                main_grads):
             if one_row:
                 x = _at_least_one_row(x, m)
-            y = gemm(x, w, b if with_bias else None, is_first_microbatch=is_first_microbatch,
-                     save_original_input=self.save_original_input, fuse_wgrad_accumulation=fuse,
-                     main_grad=main_grad)
+            y = gemm.forward(x, w, b if with_bias else None, is_first_microbatch=is_first_microbatch,
+                             save_original_input=self.save_original_input, fuse_wgrad_accumulation=fuse,
+                             main_grad=main_grad)
             if fuse and self.single_grouped_weight and main_grad is not None:
                 mark_grad_added_to_main_grad([self.weight], y)  # the GEMM sees a view, not the parameter
             outs.append(y[:m] if one_row else y)

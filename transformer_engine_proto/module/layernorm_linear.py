@@ -129,12 +129,15 @@ class LayerNormLinear(ParallelLinearMixin, NormFusedModule):
             Weight caching over gradient-accumulation micro-batches, as in `Linear.forward`.
         """
         self._check_input(inp, self._local_in)
-        weight, bias = self.gemm_weight(), self.gemm_bias()
+        self._check_gemm_module()
+        weight, bias = self.gemm_params()
         group, row, gemm_bias = self._tp_plan(bias)
-        column = group if self.parallel_mode == "column" else None
-        ln_out, gemm_in, ln_q, seq = self._norm_into_gemm(inp, self.gemm, weight, column)
-        out = self.gemm(gemm_in, weight, gemm_bias, is_first_microbatch=is_first_microbatch,
-                        fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, inp_quantized=ln_q,
-                        sequence_gather=seq)
-        out = self._reduce_row_output(out, group, row, bias)
+        column = group if group is not None and self.parallel_mode == "column" else None
+        gemm = self.gemm
+        ln_out, gemm_in, ln_q, seq = self._norm_into_gemm(inp, gemm, weight, column)
+        out = gemm.forward(gemm_in, weight, gemm_bias, is_first_microbatch=is_first_microbatch,
+                           fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, inp_quantized=ln_q,
+                           sequence_gather=seq)
+        if row:
+            out = self._reduce_row_output(out, group, bias)
         return self._pack_outputs(out, bias, ln_out)

@@ -256,6 +256,7 @@ class LayerNormMLP(NormFusedModule):
             `Linear.forward`.
         """
         self._check_input(inp, self.hidden_size)
+        self._check_gemm_module()
         if self.checkpoint and torch.is_grad_enabled():
             out, ln_out = _checkpoint(self._block, inp, is_first_microbatch, use_reentrant=False)
         else:
@@ -267,10 +268,10 @@ class LayerNormMLP(NormFusedModule):
         group = self._tp_group_name if self.tp_size > 1 else None
         ln_out, fc1_in, ln_q, seq = self._norm_into_gemm(inp, self.fc1, self.fc1_weight, group)
         kw = dict(is_first_microbatch=is_first_microbatch, fuse_wgrad_accumulation=self.fuse_wgrad_accumulation)
-        h = self.fc1(fc1_in, self.fc1_weight, self.fc1_bias, inp_quantized=ln_q, sequence_gather=seq, **kw)
+        h = self.fc1.forward(fc1_in, self.fc1_weight, self.fc1_bias, inp_quantized=ln_q, sequence_gather=seq, **kw)
         h = self._act(h)
         fc2_bias = None if (self.return_bias or group is not None) else self.fc2_bias
-        out = self.fc2(h, self.fc2_weight, fc2_bias, **kw)
+        out = self.fc2.forward(h, self.fc2_weight, fc2_bias, **kw)
         if group is not None:
             out = _tp.reduce_row_parallel_output(out, group, self.tp_size, self.sequence_parallel,
                                                  None if self.return_bias else self.fc2_bias)

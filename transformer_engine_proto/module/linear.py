@@ -77,6 +77,7 @@ def init_parallel_linear(module, in_features, out_features, bias, tp_group, tp_s
         before_params()
     device = default_device(device)
     module.weight_names = [f"{stem}weight" for stem in stems]
+    module.plain_params = stems == [""]  # the parameters are `weight` and `bias`
     module.bias_names = [f"{stem}bias" for stem in stems]
     weights = torch.empty(sum(sizes), module._local_in, dtype=dtype, device=device)
     biases = torch.zeros(sum(sizes), dtype=dtype, device=device) if bias else None
@@ -106,6 +107,15 @@ class ParallelLinearMixin:
     def _wgrad_queues(self):
         return [(self.gemm.pending_wgrads, self.weight_names, self.bias_names)]
 
+    plain_params = False  # set by init_parallel_linear (False: the general path, for any module)
+
+    def gemm_params(self) -> tuple:
+        """(the GEMM's weight, its bias or None): `weight` / `bias`, or TE's split parameters
+        concatenated (`parameters_split`)."""
+        if self.plain_params:  # one read per parameter: dynamo traces this on every call
+            return self.weight, self.bias
+        return self.gemm_weight(), self.gemm_bias()
+
     def gemm_weight(self) -> torch.Tensor:
         """The GEMM's weight: the parameter, or the split parameters concatenated."""
         if len(self.weight_names) == 1:
@@ -127,13 +137,14 @@ class ParallelLinearMixin:
 
     def _tp_plan(self, bias):
         """(TP group name or None when nothing is communicated, row parallel?, bias the GEMM adds)."""
-        group = self._tp_group_name if self.parallel_mode is not None and self.tp_size > 1 else None
+        if self.parallel_mode is None:  # the common case first: one attribute read for dynamo to trace
+            return None, False, None if self.return_bias else bias
+        group = self._tp_group_name if self.tp_size > 1 else None
         row = self.parallel_mode == "row" and group is not None
         return group, row, None if (self.return_bias or row) else bias
 
-    def _reduce_row_output(self, out, group, row: bool, bias):
-        if not row:
-            return out
+    def _reduce_row_output(self, out, group, bias):
+        """A row-parallel output summed over the group (the bias added once, after the sum)."""
         return _tp.reduce_row_parallel_output(out, group, self.tp_size, self.sequence_parallel,
                                               None if self.return_bias else bias)
 
@@ -243,7 +254,7 @@ class Linear(FP8StateCheckpoint, ParallelLinearMixin, TransformerEngineBaseModul
             weight stored quantized (`quantized_model_init`, FSDP2 quantized all-gather).
         """
         self._check_input(inp, self._local_in)
-        weight, bias = self.gemm_weight(), self.gemm_bias()
+        weight, bias = self.gemm_params()
         group, row, gemm_bias = self._tp_plan(bias)
         sequence_gather = None  # column + SP: the GEMM all-gathers the shard (quantized where it can)
         if group is not None and self.parallel_mode == "column":
@@ -251,13 +262,13 @@ class Linear(FP8StateCheckpoint, ParallelLinearMixin, TransformerEngineBaseModul
                 sequence_gather = (group, self.tp_size)
             else:
                 inp = _tp.copy_to_tp_region(inp, group)
-        out = self.gemm(inp, weight, gemm_bias, is_first_microbatch=is_first_microbatch,
-                        save_original_input=self.save_original_input,
-                        fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, sequence_gather=sequence_gather)
-        out = self._reduce_row_output(out, group, row, bias)
-        if self.return_bias:
-            return out, bias
-        return out
+        out = self.gemm.forward(inp, weight, gemm_bias, is_first_microbatch=is_first_microbatch,
+                                save_original_input=self.save_original_input,
+                                fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
+                                sequence_gather=sequence_gather, owner=self)
+        if row:
+            out = self._reduce_row_output(out, group, bias)
+        return (out, bias) if self.return_bias else out
 
     def extra_repr(self) -> str:
         tp = f", parallel_mode={self.parallel_mode!r}, tp_size={self.tp_size}" if self.parallel_mode else ""

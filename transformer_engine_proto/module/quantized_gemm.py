@@ -16,32 +16,32 @@ from torch import nn
 from .. import recipe as R
 from ..autocast import (
     FP8GlobalState,
-    checkpoint_scales,
-    entered_recipe,
     get_fp8_recipe,
     get_fp8_recipe_key,
     get_gemm_policy_key,
-    in_activation_recompute_phase,
 )
 from ..capabilities import default_device
 from ..custom_ops import linear_ops
 from ..custom_ops.delayed_scaling import DEFAULT_HISTORY_LEN, DelayedScalingState
 from ..custom_ops.recipe_key import RecipeKey
 from ..debug import debug_gemm as _debug_gemm  # precision debug tools: the debug GEMM path
+from ..debug import state as _debug_state
 from ..distributed import amax_reduction as _amax_reduction
 from ..distributed import fsdp as _fsdp
 from ..distributed import sp_gather as _sp_gather
 from ..distributed import tp as _tp
 from ..precision import policy as _policy
 from ..tensor import QuantizedTensor, TensorProto
-from .base import autocast_operands
+from .base import autocast_operands, check_recipe_shapes
 from .quantized_params import dequantized_weight
 
 __all__ = ["QuantizedGemm", "DEFAULT_HISTORY_LEN"]
 
 
 class QuantizedGemm(DelayedScalingState, nn.Module):
-    """State and dispatch for one GEMM (input @ weight.T) of a module."""
+    """State and dispatch for one GEMM (input @ weight.T) of a module. Modules call its `forward`
+    directly: an internal module with no hooks to run, whose call through `nn.Module.__call__`
+    would cost dynamo the hook checks on every trace."""
 
     def __init__(self, device=None):
         super().__init__()
@@ -157,41 +157,53 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
     def forward(self, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                 is_first_microbatch: Optional[bool] = None, save_original_input: bool = False,
                 fuse_wgrad_accumulation: bool = False, inp_quantized=(), sequence_gather=None,
-                main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """`inp_quantized`: the input's buffers from a fused norm + quantize (`wants_quantized_input`).
+                main_grad: Optional[torch.Tensor] = None, owner=None) -> torch.Tensor:
+        """`owner`: the module that runs this GEMM, named by the errors; given, this call checks what
+        the module would at its entry (`_check_gemm_module`) for `weight`: modules that quantize
+        before the GEMM check there and pass None.
+        `inp_quantized`: the input's buffers from a fused norm + quantize (`wants_quantized_input`).
         `sequence_gather`: (TP group name, tp size) when `inp` is a sequence-parallel dim-0 shard
         to all-gather before the GEMM (column parallel + SP). `main_grad`: where the fused wgrad
         accumulates when `weight` is a view of the parameter holding it (None: `weight.main_grad`)."""
-        recipe = entered_recipe()  # the settings this autocast block entered with
-        key = self.recipe_key()
+        # Dynamo traces every line of this forward for every GEMM of a model, and each attribute
+        # read and helper call is work for it: the common path reads each setting once (the
+        # block's state in one read) and the rare features sit behind one test each.
+        block = FP8GlobalState.state
+        recipe, base_key = block.entered, block.key  # the settings this autocast block entered with
+        tp_amax = self.tp_amax_reduction
+        key = base_key if tp_amax is None else _amax_reduction.tp_amax_key(base_key, *tp_amax)
+        if owner is not None and recipe is not None:
+            check_recipe_shapes(owner, base_key, (tuple(weight.shape),))
         if is_first_microbatch is None:
             is_first_microbatch = FP8GlobalState.first_microbatch  # make_graphed_callables's weight caching
-        delayed = isinstance(recipe, R.DelayedScaling)
+        stored = isinstance(weight, QuantizedTensor)  # FSDP2's quantized all-gather
+        if stored and (recipe is None or RecipeKey.quantizers(key).weight is None):
+            # a high-precision GEMM (no recipe, or one quantizing no weight)
+            weight, stored = dequantized_weight(weight), False
         cache_mode, cache = linear_ops.CACHE_OFF, []
-        if isinstance(weight, QuantizedTensor) and (recipe is None or RecipeKey.quantizers(key).weight is None):
-            weight = dequantized_weight(weight)  # a high-precision GEMM (no recipe, or one quantizing no weight)
-        if is_first_microbatch is not None or isinstance(weight, QuantizedTensor):
+        if is_first_microbatch is not None or stored:
             dgrad = torch.is_grad_enabled() and inp.requires_grad
             cache_mode, cache = self._weight_cache(recipe, key, weight, is_first_microbatch, dgrad)
+        delayed = isinstance(recipe, R.DelayedScaling)
         # te.checkpoint's recompute: the first forward's scales, no history update, no amax recorded
-        record = delayed and not in_activation_recompute_phase()
-        if record:
-            self._check_history_len(recipe, weight)
+        record = delayed and not FP8GlobalState.recompute_phase
         fused_wgrad = fuse_wgrad_accumulation and weight.requires_grad
         main_grad = (_main_grad(weight) if main_grad is None else main_grad) if fused_wgrad else None
         # under torch.autocast the GEMM computes in its dtype, as TE's activation dtype (a weight
         # stored quantized keeps its format)
-        if isinstance(weight, QuantizedTensor):
+        if stored:
             inp, bias = autocast_operands(inp, bias)
         else:
             inp, weight, bias = autocast_operands(inp, weight, bias)
         # precision debug tools: a layer with an active debug feature takes the debug GEMM path
-        debug_linear = _debug_gemm.linear_for(self, recipe is not None)
+        debug_linear = _debug_gemm.linear_for(self, recipe is not None) if _debug_state.SESSION.active else None
         debugging = debug_linear is not None
-        if debugging and isinstance(weight, QuantizedTensor):
+        if debugging and stored:
             raise NotImplementedError("precision debug features do not support FSDP2 quantized all-gather weights")
         wgrad_store = None
         if self.delay_wgrad and torch.is_grad_enabled() and weight.requires_grad:
+            if owner is not None:
+                owner.check_delay_wgrad_traceable()
             if debugging:
                 raise NotImplementedError("delay_wgrad_compute is not supported with the precision debug features "
                                           "(as in TE)")
@@ -200,9 +212,11 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         if sequence_gather is not None:
             inp, inp_quantized, sp_amax = self._gather_input(
                 inp, weight, key, delayed, sequence_gather, not debugging and not save_original_input)
-        op_key = self.op_key(key, inp, weight)
-        scales = self._forward_scale() if delayed else None
-        if isinstance(weight, QuantizedTensor) and RecipeKey.high_precision_gemms(op_key) & {"fprop", "dgrad"}:
+        op_key = key
+        if (block.policy or self.pinned_precision) and key != RecipeKey.HIGH_PRECISION:
+            op_key = self.op_key(key, inp, weight)
+        scales = self.forward_scales() if delayed else None
+        if stored and RecipeKey.high_precision_gemms(op_key) & {"fprop", "dgrad"}:
             weight = dequantized_weight(weight)  # what a high-precision fprop / dgrad reads, as in TE
         out, amaxes, new_cache = (debug_linear or linear_ops.linear)(
             inp, weight, bias, key=op_key,
@@ -217,23 +231,12 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
             self.record_amax(amaxes.detach(), scales=scales)
             if sp_amax is not None:  # the input was quantized before its gather: record its amax
                 self.record_amax(sp_amax.detach(), scales=scales)
-        for buf, new in zip(cache, new_cache):
-            buf.copy_(new.detach())
+        if cache:
+            for buf, new in zip(cache, new_cache):
+                buf.copy_(new.detach())
         if fused_wgrad:
             mark_grad_added_to_main_grad([weight], out)
         return out
-
-    def _forward_scale(self) -> torch.Tensor:
-        """The scales of this forward (slots 0 input, 1 weight, 2 gradient: `forward_scales`):
-        pinned when traced; in an eager `te.checkpoint`, the first forward keeps a copy and the
-        recompute takes it back."""
-        scales = checkpoint_scales()
-        if scales is None or torch.compiler.is_compiling():
-            return self.forward_scales()
-        if in_activation_recompute_phase():
-            return scales.popleft()
-        scales.append(self.delayed_state[:3].clone())
-        return self.delayed_state
 
     def _weight_cache(self, recipe, key: str, weight, is_first_microbatch, dgrad: bool = True):
         """(cache mode, cache buffers) of this call. A weight FSDP2 gathered already quantized
@@ -254,17 +257,6 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
             self._alloc_weight_cache(key, weight)
         cache = [getattr(self, n) for n in self._cache_names]
         return (linear_ops.CACHE_FILL if is_first_microbatch else linear_ops.CACHE_USE), cache
-
-    def _check_history_len(self, recipe: R.DelayedScaling, weight) -> None:
-        """The histories hold the recipe's `amax_history_len` (grown eagerly; under torch.compile
-        the buffers must have been allocated at autocast entry)."""
-        if recipe.amax_history_len > self.history_rows():
-            if torch.compiler.is_dynamo_compiling():
-                raise RuntimeError(
-                    f"amax_history_len={recipe.amax_history_len} exceeds the allocated history "
-                    f"({self.history_rows()}); enter autocast outside torch.compile first"
-                )
-            self.prepare_for_recipe(recipe, weight, get_fp8_recipe_key())
 
     def _gather_input(self, inp, weight, key: str, delayed: bool, sequence_gather, quantized_ok: bool):
         """(gathered input, its quantized buffers or (), all-reduced input amax for delayed scaling

@@ -129,7 +129,8 @@ class BasicLinear(FP8StateCheckpoint, TransformerEngineBaseModule, BasicOperatio
         if self.accumulate_into_main_grad and getattr(self.weight, "overwrite_main_grad", False):
             raise_error(NotImplementedError, f"{self.name}: weight.overwrite_main_grad is not supported "
                                              "(the weight gradient is added into main_grad)")
-        return self.gemm(input, self.weight, bias, fuse_wgrad_accumulation=self.accumulate_into_main_grad)
+        return self.gemm.forward(input, self.weight, bias, fuse_wgrad_accumulation=self.accumulate_into_main_grad,
+                                 owner=self)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (TE's name)
         """y = x W^T.
