@@ -18,7 +18,6 @@ from typing import Callable, List, Sequence, Tuple
 import torch
 
 from .. import recipe as R
-from ..autocast import checkpoint_scales, in_activation_recompute_phase
 from ..kernels import kernel
 from ..kernels.reference import delayed_scaling as layout
 from ..kernels.reference.common import FP8_MAX, traced
@@ -156,18 +155,9 @@ class DelayedScalingState:
     def forward_scales(self) -> torch.Tensor:
         """The scales this forward quantizes with (`layout`: slots 0 input, 1 weight, 2 gradient).
         Traced, the state pinned (`saved_state`), as backward must read the forward's scales after
-        autocast's exit has rewritten the buffer; eager, the buffer itself (the op snapshots it),
-        except in a `te.checkpoint`: its first forward keeps a copy and the recompute takes it back."""
-        if torch.compiler.is_compiling():
-            return saved_state(self._buffers["delayed_state"])
+        autocast's exit has rewritten the buffer; eager, the buffer itself (the op snapshots it)."""
         state = self._buffers["delayed_state"]
-        kept = checkpoint_scales()
-        if kept is None:
-            return state
-        if in_activation_recompute_phase():
-            return kept.popleft()
-        kept.append(state[:3].clone())
-        return state
+        return saved_state(state) if torch.compiler.is_compiling() else state
 
     def record_amax(self, amax: torch.Tensor, first: int = 0, scales=None) -> None:
         """History slot 0, columns first.. (0 input, 1 weight), takes the max with `amax`, except

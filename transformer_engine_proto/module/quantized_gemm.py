@@ -16,9 +16,11 @@ from torch import nn
 from .. import recipe as R
 from ..autocast import (
     FP8GlobalState,
+    checkpoint_scales,
     get_fp8_recipe,
     get_fp8_recipe_key,
     get_gemm_policy_key,
+    in_activation_recompute_phase,
 )
 from ..capabilities import default_device
 from ..custom_ops import linear_ops
@@ -215,7 +217,7 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         op_key = key
         if (block.policy or self.pinned_precision) and key != RecipeKey.HIGH_PRECISION:
             op_key = self.op_key(key, inp, weight)
-        scales = self.forward_scales() if delayed else None
+        scales = self._forward_scale() if delayed else None
         if stored and RecipeKey.high_precision_gemms(op_key) & {"fprop", "dgrad"}:
             weight = dequantized_weight(weight)  # what a high-precision fprop / dgrad reads, as in TE
         out, amaxes, new_cache = (debug_linear or linear_ops.linear)(
@@ -237,6 +239,20 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         if fused_wgrad:
             mark_grad_added_to_main_grad([weight], out)
         return out
+
+    def _forward_scale(self) -> torch.Tensor:
+        """The scales of this forward (slots 0 input, 1 weight, 2 gradient: `forward_scales`):
+        pinned when traced; in an eager `te.checkpoint`, the first forward keeps a copy and the
+        recompute takes it back."""
+        if torch.compiler.is_compiling():
+            return self.forward_scales()
+        scales = checkpoint_scales()
+        if scales is None:
+            return self.forward_scales()
+        if in_activation_recompute_phase():
+            return scales.popleft()
+        scales.append(self.delayed_state[:3].clone())
+        return self.delayed_state
 
     def _weight_cache(self, recipe, key: str, weight, is_first_microbatch, dgrad: bool = True):
         """(cache mode, cache buffers) of this call. A weight FSDP2 gathered already quantized
