@@ -475,13 +475,10 @@ def test_fuse_wgrad_accumulation_without_main_grad_raises():
 def test_block_not_dividing_in_features_names_module(recipe, in_features, block):
     """Linear(48, 32) under MXFP8 (or 40 under NVFP4): ValueError naming the module and the block.
 
-    Fails as of this writing, for a module built before entering autocast (the usual order):
-    `autocast` entry calls prepare_for_recipe on every live module, whose weight-cache allocation
-    (QuantizedGemm._alloc_weight_cache -> TensorProto.create_buffers) raises the bare quantizer
-    error, with no module name, before the module's own named check (_check_recipe_shapes) runs
-    in forward. Worse, it makes autocast(recipe) unusable in a process where *any* live TE module
-    (even one never run under that recipe) has a dimension the recipe's blocks do not divide.
-    (A module built inside the autocast gets the named error from forward.)"""
+    For a module built before entering autocast (the usual order) too: autocast's entry prepares
+    every live module, and a weight-cache allocation the recipe cannot make is skipped there
+    (`prepare_for_recipe`), so what the user reads is forward's named check (`check_recipe_shapes`),
+    and a live module the recipe cannot take leaves autocast usable for the others."""
     m = Linear(in_features, 32, name="proj_under_test")
     with forget_modules(m):
         with pytest.raises(ValueError) as info:
