@@ -172,8 +172,7 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         # block's state in one read) and the rare features sit behind one test each.
         block = FP8GlobalState.state
         recipe, base_key = block.entered, block.key  # the settings this autocast block entered with
-        tp_amax = self.tp_amax_reduction
-        key = base_key if tp_amax is None else _amax_reduction.tp_amax_key(base_key, *tp_amax)
+        key = base_key if self.tp_amax_reduction is None else self.recipe_key(base_key)
         if owner is not None and recipe is not None:
             check_recipe_shapes(owner, base_key, (tuple(weight.shape),))
         if is_first_microbatch is None:
@@ -244,9 +243,7 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         """The scales of this forward (slots 0 input, 1 weight, 2 gradient: `forward_scales`):
         pinned when traced; in an eager `te.checkpoint`, the first forward keeps a copy and the
         recompute takes it back."""
-        if torch.compiler.is_compiling():
-            return self.forward_scales()
-        scales = checkpoint_scales()
+        scales = None if torch.compiler.is_compiling() else checkpoint_scales()
         if scales is None:
             return self.forward_scales()
         if in_activation_recompute_phase():
