@@ -17,7 +17,9 @@ kernel defined with several sources, one compile and one load per source, with a
 the specializations a warm start loads) and, with `--cprofile`, the library functions with the most
 cumulative time while compiling. With several warm runs (`--caches cold,warm,warm2,...`) a table gives each variant's
 medians over them: the first step, its ratio to bf16's, and dynamo's tracing, its guards and the
-loading of the cached graphs, where a warm first step's compile time goes.
+loading of the cached graphs, where a warm first step's compile time goes. With `--out` the JSON is
+written after every process (`"complete": false` until the last), so a run cut short by a time
+limit keeps what it measured.
 """
 from __future__ import annotations
 
@@ -251,7 +253,9 @@ def main(argv=None):
                 if state == "cold":
                     r["kernel_specializations"] = definition_rows(defs, args.top)
                 results.append(r)
-                print(f"{variant:22s} {state}: {r.get('first_step_s', float('nan')):7.1f} s", flush=True)
+                print(process_line(r), flush=True)
+                if args.out:  # after every process: a run cut short by a time limit keeps what it measured
+                    save(args, results, complete=False)
     base = {r["caches"]: r["first_step_s"] for r in results if r["variant"] == "bf16" and "first_step_s" in r}
     phases = sorted({k for r in results for k in r.get("phases_s", {})},
                     key=lambda k: -max(r.get("phases_s", {}).get(k, 0) for r in results))[:args.top]
@@ -289,8 +293,20 @@ def main(argv=None):
                 print(f"\n### {r['variant']} ({r['caches']}): {what} s while compiling\n")
                 print(C.markdown_table(["function", "s"], [[n, f"{s:.1f}"] for n, s in r[key]]))
     if args.out:
-        C.write_json(args.out, "compile_breakdown", dict(args=vars(args), results=results))
+        save(args, results, complete=True)
     return results
+
+
+def process_line(r: dict) -> str:
+    """One process's first step and its warm phases, printed as it ends."""
+    phases = r.get("phases_s", {})
+    spent = ", ".join(f"{what} {phases.get(k, 0.0):.2f}" for k, what in WARM_PHASES.items())
+    return f"{r['variant']:22s} {r['caches']}: {r.get('first_step_s', float('nan')):7.1f} s ({spent})"
+
+
+def save(args, results, complete: bool) -> None:
+    """`compile_breakdown.json`: the results so far; `complete` once every process has run."""
+    C.write_json(args.out, "compile_breakdown", dict(args=vars(args), complete=complete, results=results))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """benchmarks/compile_breakdown.py: the table of first compiled steps, cold and warm, per variant."""
+import json
 import os
 import sys
 
@@ -30,6 +31,21 @@ def test_each_variant_runs_cold_then_warm_in_fresh_processes_with_its_own_caches
     assert "| te:delayed | cold   | 30.0         | 3.00x   |" in out and "| te:delayed | warm   | 6.0" in out
     assert [r["graph"]["triton_compiled"] for r in results] == [3, 0, 3, 0]
     assert "Triton kernels compiled" in out
+
+
+def test_results_are_saved_after_every_process_so_a_run_cut_short_keeps_them(monkeypatch, tmp_path, capsys):
+    def fake_child(variant, argv, env):
+        if variant == "te:delayed":
+            raise KeyboardInterrupt  # the time limit, say: the run ends here
+        return {"variant": variant, "first_step_s": 4.0, "phases_s": {"bytecode_tracing": 1.5}}
+
+    monkeypatch.setattr(compile_breakdown, "run_child", fake_child)
+    with pytest.raises(KeyboardInterrupt):
+        compile_breakdown.main(["--smoke", "--variants", "bf16,te:delayed", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "compile_breakdown.json").read_text())
+    assert saved["complete"] is False
+    assert [(r["variant"], r["caches"]) for r in saved["results"]] == [("bf16", "cold"), ("bf16", "warm")]
+    assert "bf16                   warm:     4.0 s (dynamo tracing s 1.50, guards s 0.00" in capsys.readouterr().out
 
 
 def test_more_warm_runs_are_more_processes_on_the_same_caches(monkeypatch, capsys):
