@@ -61,8 +61,6 @@ def eager_function(op, setup_context: Callable, backward: Callable, backward_bod
     overload = op._opoverload  # the op itself: dynamo inlines a CustomOpDef's __call__, at a cost per call
 
     def call(*args):
-        if torch.compiler.is_dynamo_compiling():  # the first test of `takes_eager_path`, without its call
-            return overload(*args)
         return (cls.apply if takes_eager_path(*args) else overload)(*args)
 
     return call

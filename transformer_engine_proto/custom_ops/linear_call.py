@@ -64,8 +64,7 @@ def call_flags(inp: torch.Tensor, weight: torch.Tensor, bias, cache_mode: int = 
                keep_quantized_weight: bool = False, delay_wgrad: bool = False) -> int:
     """The `flags` of a call on these tensors under the current grad mode: integer arithmetic
     only, which dynamo folds to a constant (`LinearCall(...).flags` gives the same)."""
-    if cache_mode not in _CACHE_MODES:
-        _check_cache_mode(cache_mode)
+    _check_cache_mode(cache_mode)
     grad_on = torch.is_grad_enabled()
     weight_rg = grad_on and weight.requires_grad
     return _pack((grad_on and inp.requires_grad, weight_rg, grad_on and bias is not None and bias.requires_grad,

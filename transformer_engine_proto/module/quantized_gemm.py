@@ -89,10 +89,11 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
             return key
         return _amax_reduction.tp_amax_key(key, *self.tp_amax_reduction)
 
-    def op_key(self, key: str, inp: torch.Tensor, weight: torch.Tensor) -> str:
-        """The Linear op's key: `key` with the GEMMs that the active GemmPolicy or this GEMM's pins
-        keep in high precision (a trace-time constant, precision/policy.py)."""
-        policy = get_gemm_policy_key()
+    def op_key(self, key: str, inp: torch.Tensor, weight: torch.Tensor, policy: Optional[str] = None) -> str:
+        """The Linear op's key: `key` with the GEMMs that the active GemmPolicy (`policy`, its
+        registry key; None reads it) or this GEMM's pins keep in high precision (a trace-time
+        constant, precision/policy.py)."""
+        policy = get_gemm_policy_key() if policy is None else policy
         if not (policy or self.pinned_precision) or key == RecipeKey.HIGH_PRECISION:
             return key
         pins = self.pinned_precision
@@ -172,7 +173,7 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         # block's state in one read) and the rare features sit behind one test each.
         block = FP8GlobalState.state
         recipe, base_key = block.entered, block.key  # the settings this autocast block entered with
-        key = base_key if self.tp_amax_reduction is None else self.recipe_key(base_key)
+        key = self.recipe_key(base_key)
         if owner is not None and recipe is not None:
             check_recipe_shapes(owner, base_key, (tuple(weight.shape),))
         if is_first_microbatch is None:
@@ -213,9 +214,7 @@ class QuantizedGemm(DelayedScalingState, nn.Module):
         if sequence_gather is not None:
             inp, inp_quantized, sp_amax = self._gather_input(
                 inp, weight, key, delayed, sequence_gather, not debugging and not save_original_input)
-        op_key = key
-        if (block.policy or self.pinned_precision) and key != RecipeKey.HIGH_PRECISION:
-            op_key = self.op_key(key, inp, weight)
+        op_key = self.op_key(key, inp, weight, block.policy)
         scales = self._forward_scale() if delayed else None
         if stored and RecipeKey.high_precision_gemms(op_key) & {"fprop", "dgrad"}:
             weight = dequantized_weight(weight)  # what a high-precision fprop / dgrad reads, as in TE
