@@ -54,9 +54,7 @@ from .launch import aligned, fast_launch, plan_key, planned, run_recorded
 # Launch configurations (tunable: benchmarks/bench_quantize.py sweeps them; after editing one, call
 # `launch.clear_plans()`: recorded eager launches replay the config they were recorded with).
 CONFIG = {
-    # 16 elements a thread: the fastest of the launches and grid-stride loops timed over the Llama
-    # step's shapes, 4M to 268M elements (results 2026-12-03, amax_probe.py)
-    "amax": dict(BLOCK=4096, num_warps=8),
+    "amax": dict(BLOCK=16384, num_warps=8),
     "cast": dict(BM=128, BK=128, num_warps=8),
     # one-usage casts need no transpose: a wide row tile (4 warps: faster than 8 where the cast
     # also takes delayed scaling's tile amax)
