@@ -24,6 +24,7 @@ import torch
 from ..gemm import gemm
 from ..kernels import fused_into_producer, kernel
 from ..kernels.reference.common import traced
+from ..kernels.zeroed import zeros
 from ..tensor import TensorProto
 from ..tensor.storage import QuantizedTensorStorage
 from . import shared_input
@@ -135,7 +136,7 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     # delayed scaling: the input's and the weight's quantizes read fp8_scale[0] / [1] and record their
     # amaxes into amaxes[0] / [1] (a tensor not quantized here records zero); with reuses_weight_amax,
     # the weight's amax, which backward quantizes the weight with again
-    amaxes = inp.new_zeros(2, dtype=torch.float32) if plan.delayed else inp.new_empty(0, dtype=torch.float32)
+    amaxes = zeros(2, inp) if plan.delayed else inp.new_empty(0, dtype=torch.float32)
     xq = xq_saved = None
     if plan.prequantized:
         xq = rebuild(plan.prequantized_input(), inp_quantized)
@@ -225,7 +226,7 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
     rows = plan.rows  # dy and x zero-padded to the recipe's row block for wgrad
     dy_q = dy
     delayed = plan.quantized and plan.delayed
-    grad_amax = torch.zeros(1, dtype=torch.float32, device=dy.device) if delayed else None
+    grad_amax = zeros(1, dy) if delayed else None
     gq = plan.grad_quantizer()  # None for bias-only or both GEMMs in high precision
     if gq is not None:
         if plan.delayed:

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ..reference import float8 as _ref
+from ..zeroed import zeros
 from ._common import (
     INT32_LIMIT,
     abs_bits,
@@ -278,7 +279,7 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     """max |x| over the finite values of x, as a float32 tensor of shape (1,)."""
     if x.numel() == 0:
         return _ref.amax(x)
-    out = torch.zeros((1,), dtype=torch.float32, device=x.device)
+    out = zeros(1, x)
     _amax_into(x.contiguous().reshape(-1), out, finite=True)
     return out
 
@@ -307,7 +308,7 @@ class _CastPlan:
     def current(self, x, existing_amax=None):
         amax = existing_amax
         if amax is None:
-            amax = torch.zeros((1,), dtype=torch.float32, device=self.device)
+            amax = zeros(1, x)
             self.launches[0](x, amax)
         return (*self._cast(x, None, amax, self.launches[-1]), amax)
 
@@ -388,7 +389,7 @@ def _fp8_quantize_current(x, fp8_dtype, rowwise, columnwise, margin, power_2, ep
     x2d = _as_2d(x)
     amax = existing_amax
     if amax is None:
-        amax = torch.zeros((1,), dtype=torch.float32, device=x.device)
+        amax = zeros(1, x)
         _amax_into(x2d, amax, finite=True)
     data, transpose, scale_inv = _launch_cast(x2d, fp8_dtype, rowwise, columnwise, amax=amax,
                                               current=True, margin=margin, power_2=power_2,

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ..reference import norm as _ref
+from ..zeroed import zeros
 from . import float8 as _f8
 from ._common import (
     as_kernel_input,
@@ -257,7 +258,7 @@ def _run_fwd(inp, weight, bias, eps, normalization, zero_centered_gamma, with_am
     y, y_k = out_buffer(inp.shape, inp.dtype, inp.device)
     mu = torch.empty(inp.shape[:-1], dtype=torch.float32, device=inp.device)
     rsigma = torch.empty_like(mu)
-    amax = torch.zeros((1,), dtype=torch.int32, device=inp.device)
+    amax = zeros(1, inp, torch.int32)
     xk, x_bf16 = as_kernel_input(x)
     wk, w_bf16 = as_kernel_input(weight.contiguous())
     bk, b_bf16 = as_kernel_input(bias.contiguous()) if bias is not None else (wk, False)

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from ..reference import nvfp4 as _ref
 from ..reference.nvfp4_to import nvfp4_dequantize_to as _ref_dequantize_to
+from ..zeroed import zeros
 from ._common import (
     INT32_LIMIT,
     abs_bits,
@@ -487,9 +488,8 @@ def nvfp4_dequantize_to(rowwise_data, rowwise_scale_inv, amax_rowwise, columnwis
 def _amax_pass(xk, bf16_bits, m, k, row: bool, col: bool, rht: bool, rht_seed: int):
     """(rowwise amax, columnwise amax) as int32 views, None where not wanted; the columnwise one of
     the rotated tensor when `rht`."""
-    dev = xk.device
-    amax_r = torch.zeros((1,), dtype=torch.int32, device=dev) if row else None
-    amax_c = torch.zeros((1,), dtype=torch.int32, device=dev) if col else None
+    amax_r = zeros(1, xk, torch.int32) if row else None
+    amax_c = zeros(1, xk, torch.int32) if col else None
     if rht:
         ca = CONFIG["amax_rht"]
         n_k = cdiv(k, ca["BK"])

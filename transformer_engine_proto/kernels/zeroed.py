@@ -1,0 +1,47 @@
+"""`zeros(n, like)`: a small zero-filled float32 (or int32) vector for an eager call's amax outputs, cut
+from a block zeroed once instead of allocated and filled per call.
+
+An eager FP8 quantize takes its amax by atomic max into a zeroed buffer, and delayed scaling's
+Linear collects its amaxes in one: on a CUDA device each `torch.zeros` is an allocation, a fill
+launch and their dispatch (a Llama step makes about a hundred). A slot of a zeroed block costs
+one tensor construction. Each slot is handed out once (a used-up block is dropped and freed with
+its last slot), starts 16-byte aligned (the kernels' pointer specialization stays the same), has
+its own version counter (an in-place op on one slot never trips autograd's check on another),
+and comes from a block filled on the stream that is current when it is taken.
+
+Plain `torch.zeros` where a block would be wrong or no cheaper: while a CUDA graph is captured (a
+replay would find its slot already written), while torch traces (`like` is fake, a dispatch mode
+is on, dynamo compiles: compiled graphs allocate their own), on other devices (no launch to
+save), and for requests larger than `_MAX`.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from .reference.common import traced
+
+__all__ = ["zeros"]
+
+_BLOCK = 4096  # floats per block: about eight eager Llama steps of amax slots
+_ALIGN = 4  # floats: slots start 16-byte aligned
+_MAX = 64  # larger requests are plain allocations
+_DTYPES = (torch.float32, torch.int32)  # 4-byte elements: zero bits are zero in both
+_blocks = {}  # (device index, raw stream) -> [storage, next free offset]
+
+
+def zeros(n: int, like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A (n,) tensor of zeros, float32 or int32, on `like`'s device (see the module docstring)."""
+    device = like.device
+    if (device.type != "cuda" or n > _MAX or dtype not in _DTYPES or traced(like)
+            or _get_current_dispatch_mode() is not None or torch.compiler.is_compiling()
+            or torch.cuda.is_current_stream_capturing()):
+        return torch.zeros((n,), dtype=dtype, device=device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
+    entry = _blocks.get(key)
+    if entry is None or entry[1] + n > _BLOCK:
+        entry = _blocks[key] = [torch.zeros((_BLOCK,), dtype=torch.float32, device=device).untyped_storage(), 0]
+    storage, offset = entry
+    entry[1] = offset + -(-n // _ALIGN) * _ALIGN
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, offset, (n,), (1,))
