@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from ..kernels import zeroed
 from . import shared_input
 
 __all__ = ["takes_eager_path", "eager_function"]
@@ -42,7 +43,8 @@ def eager_function(op, setup_context: Callable, backward: Callable, backward_bod
     n_outputs = len(op._opoverload._schema.returns)
 
     def forward(ctx, *inputs):
-        with shared_input.scope():  # Linears reading one tensor share its quantized copy
+        # Linears reading one tensor share its quantized copy; amax outputs are slots of a zeroed block
+        with shared_input.scope(), zeroed.slots():
             output = body(*inputs)
         setup_context(ctx, inputs, output)
         ctx.backward_op = backward_body
@@ -52,7 +54,8 @@ def eager_function(op, setup_context: Callable, backward: Callable, backward_bod
     def backward_(ctx, *grads):
         # one grad per op output (None where autograd tracked none: lists); list inputs get None
         grads = (list(grads) + [None] * n_outputs)[:n_outputs]
-        return tuple(None if isinstance(g, list) else g for g in backward(ctx, *grads))
+        with zeroed.slots():
+            return tuple(None if isinstance(g, list) else g for g in backward(ctx, *grads))
 
     name = "Eager_" + op._name.split("::")[-1]  # autograd nodes show as Eager_<op>Backward
     cls = type(name, (torch.autograd.Function,),

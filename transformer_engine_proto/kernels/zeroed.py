@@ -1,5 +1,5 @@
-"""`zeros(n, like)`: a small zero-filled float32 (or int32) vector for an eager call's amax outputs, cut
-from a block zeroed once instead of allocated and filled per call.
+"""`zeros(n, like)`: a small zero-filled float32 (or int32) vector for an eager call's amax
+outputs, cut from a block zeroed once instead of allocated and filled per call.
 
 An eager FP8 quantize takes its amax by atomic max into a zeroed buffer, and delayed scaling's
 Linear collects its amaxes in one: on a CUDA device each `torch.zeros` is an allocation, a fill
@@ -9,19 +9,20 @@ its last slot), starts 16-byte aligned (the kernels' pointer specialization stay
 its own version counter (an in-place op on one slot never trips autograd's check on another),
 and comes from a block filled on the stream that is current when it is taken.
 
-Plain `torch.zeros` where a block would be wrong or no cheaper: while a CUDA graph is captured (a
-replay would find its slot already written), while torch traces (`like` is fake, a dispatch mode
-is on, dynamo compiles: compiled graphs allocate their own), on other devices (no launch to
-save), and for requests larger than `_MAX`.
+Slots are handed out only inside `slots()`, which the eager path opens around an op's body
+(`custom_ops/eager_path.py`), and there not while a CUDA graph is captured (a replay would find
+its slot already written). Everywhere else `torch.zeros`: a custom op called through the
+dispatcher (its outputs must not share a storage, and under the `cudagraphs` backend or CUDA-graph
+trees a block would be memory of the graph's pool that no output accounts for), traced tensors,
+other devices (no launch to save) and requests larger than `_MAX`.
 """
 from __future__ import annotations
 
+import threading
+
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .reference.common import traced
-
-__all__ = ["zeros"]
+__all__ = ["zeros", "slots"]
 
 _BLOCK = 4096  # floats per block: about eight eager Llama steps of amax slots
 _ALIGN = 4  # floats: slots start 16-byte aligned
@@ -30,11 +31,30 @@ _DTYPES = (torch.float32, torch.int32)  # 4-byte elements: zero bits are zero in
 _blocks = {}  # (device index, raw stream) -> [storage, next free offset]
 
 
+class _Depth(threading.local):
+    depth = 0  # > 0 inside `slots()` in this thread (forward and autograd's backward thread)
+
+
+_local = _Depth()
+
+
+class slots:
+    """Inside this block (this thread), `zeros` may hand out slots. A class, not a generator:
+    the eager path opens one per op call."""
+
+    __slots__ = ()
+
+    def __enter__(self):
+        _local.depth += 1
+
+    def __exit__(self, *exc):
+        _local.depth -= 1
+
+
 def zeros(n: int, like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A (n,) tensor of zeros, float32 or int32, on `like`'s device (see the module docstring)."""
     device = like.device
-    if (device.type != "cuda" or n > _MAX or dtype not in _DTYPES or traced(like)
-            or _get_current_dispatch_mode() is not None or torch.compiler.is_compiling()
+    if (not _local.depth or device.type != "cuda" or n > _MAX or dtype not in _DTYPES
             or torch.cuda.is_current_stream_capturing()):
         return torch.zeros((n,), dtype=dtype, device=device)
     index = device.index if device.index is not None else torch.cuda.current_device()
