@@ -22,6 +22,8 @@ import threading
 
 import torch
 
+from .reference.common import traced
+
 __all__ = ["zeros", "slots"]
 
 _BLOCK = 4096  # floats per block: about eight eager Llama steps of amax slots
@@ -54,7 +56,7 @@ class slots:
 def zeros(n: int, like: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A (n,) tensor of zeros, float32 or int32, on `like`'s device (see the module docstring)."""
     device = like.device
-    if (not _local.depth or device.type != "cuda" or n > _MAX or dtype not in _DTYPES
+    if (not _local.depth or device.type != "cuda" or n > _MAX or dtype not in _DTYPES or traced(like)
             or torch.cuda.is_current_stream_capturing()):
         return torch.zeros((n,), dtype=dtype, device=device)
     index = device.index if device.index is not None else torch.cuda.current_device()
