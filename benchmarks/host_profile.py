@@ -6,8 +6,11 @@
 A step (eager, or compiled with `--mode default`: the compiled graphs' launches are host work
 too) whose device-kernel time (bench_llama.py --profile) is below its wall time is
 host-bound: the GPU waits for Python. For each variant this prints the wall time per step, the host
-time per step (the same steps, the clock stopped before the final synchronize), single
-synchronized steps (median and min: on a shared host the min is the code's cost), the host's and
+time per step (the same steps, the clock stopped before the final synchronize), the process's
+CPU time per step (all threads, and the main one) with the OS's involuntary context switches (a
+wall time above the CPU time is a host the step shares; a CPU time that moves between runs is the
+cores' speed or the code's work), single synchronized steps (median and min: on a shared host
+the min is the code's cost), the host's and
 (CUDA) the GPU's time for each part of the step (autocast entry, forward, exit, backward, clipping,
 optimizer) and the functions with the most own time under cProfile, so the host cost can be cut
 where it is.
@@ -19,6 +22,7 @@ import cProfile
 import io
 import os
 import pstats
+import resource
 import statistics
 import sys
 import time
@@ -73,12 +77,19 @@ def profile_variant(variant: str, args, device, dtype, log) -> dict:
     for _ in range(3):  # compiles, when compiled
         step()
     C.synchronize(device)
+    use0, cpu0, main0 = resource.getrusage(resource.RUSAGE_SELF), time.process_time(), time.thread_time()
     t0 = time.perf_counter()
     for _ in range(args.steps):
         step()
     host = (time.perf_counter() - t0) / args.steps
     C.synchronize(device)
     wall = (time.perf_counter() - t0) / args.steps
+    # the CPU time the steps took (all threads; the main one) and how often the OS took the CPU
+    # away: a wall time above the CPU time with many involuntary switches is a contended host, a
+    # CPU time that grows is slower cores or more work
+    use1, cpu = resource.getrusage(resource.RUSAGE_SELF), (time.process_time() - cpu0) / args.steps
+    main_cpu = (time.thread_time() - main0) / args.steps
+    preempted = (use1.ru_nivcsw - use0.ru_nivcsw) / args.steps
     # each step alone, synchronized: on a shared host the least disturbed step (min) is the
     # code's cost, the median what a run sees
     per_step = []
@@ -108,10 +119,12 @@ def profile_variant(variant: str, args, device, dtype, log) -> dict:
     stats.sort_stats("cumulative").print_stats(args.top)
     table = C.markdown_table(["part", "GPU ms (events)", "host ms"],
                              [[p, "-" if g is None else f"{g:.3f}", f"{h:.3f}"] for p, (g, h) in parts.items()])
-    log(f"\n## {variant} ({args.mode}): wall {wall * 1e3:.2f} ms/step, host {host * 1e3:.2f} ms/step\n\n"
+    log(f"\n## {variant} ({args.mode}): wall {wall * 1e3:.2f} ms/step, host {host * 1e3:.2f} ms/step, CPU "
+        f"{cpu * 1e3:.2f} ms/step (main thread {main_cpu * 1e3:.2f}), {preempted:.1f} involuntary switches/step\n\n"
         f"The step's parts, medians of {args.step_times} steps:\n\n{table}\n\n"
         f"cProfile of {args.steps} steps:\n\n{text.getvalue()}")
-    return dict(variant=variant, mode=args.mode, wall_ms=wall * 1e3, host_ms=host * 1e3, parts=parts,
+    return dict(variant=variant, mode=args.mode, wall_ms=wall * 1e3, host_ms=host * 1e3, cpu_ms=cpu * 1e3,
+                main_thread_cpu_ms=main_cpu * 1e3, involuntary_switches=preempted, parts=parts,
                 step_median_ms=per_step[len(per_step) // 2] if per_step else None,
                 step_min_ms=per_step[0] if per_step else None)
 
@@ -143,10 +156,12 @@ def main(argv=None):
         lines.append(s)
 
     results = [profile_variant(v.strip(), args, device, dtype, log) for v in args.variants.split(",") if v.strip()]
-    log("\n| variant | wall ms/step | host ms/step | one step, median ms | one step, min ms |\n|---|--:|--:|--:|--:|")
+    log("\n| variant | wall ms/step | host ms/step | CPU ms/step | main thread CPU ms/step | involuntary switches/step "
+        "| one step, median ms | one step, min ms |\n|---|--:|--:|--:|--:|--:|--:|--:|")
     for r in results:
         one = [f"{r[k]:.2f}" if r[k] is not None else "-" for k in ("step_median_ms", "step_min_ms")]
-        log(f"| {r['variant']} | {r['wall_ms']:.2f} | {r['host_ms']:.2f} | {one[0]} | {one[1]} |")
+        log(f"| {r['variant']} | {r['wall_ms']:.2f} | {r['host_ms']:.2f} | {r['cpu_ms']:.2f} | "
+            f"{r['main_thread_cpu_ms']:.2f} | {r['involuntary_switches']:.1f} | {one[0]} | {one[1]} |")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "host_profile.txt"), "w") as f:

@@ -131,8 +131,9 @@ def test_host_profile_times_each_part_of_an_eager_step(tmp_path):
                               "--top", "5", "--out", str(tmp_path)])
     assert list(r["parts"]) == list(bench_llama.STEP_PARTS)
     assert all(gpu is None and host > 0 for gpu, host in r["parts"].values()), r["parts"]
+    assert r["cpu_ms"] > 0 and 0 < r["main_thread_cpu_ms"] <= r["cpu_ms"] and r["involuntary_switches"] >= 0
     text = (tmp_path / "host_profile.txt").read_text()
-    assert "| optimizer |" in text and "tottime" in text
+    assert "| optimizer |" in text and "tottime" in text and "involuntary switches/step" in text
 
 
 @pytest.mark.slow  # an inductor compile of the smoke Llama: 1.5 min on CPU
