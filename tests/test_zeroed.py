@@ -60,6 +60,22 @@ def test_cuda_blocks_are_never_reused_while_slots_live():
 
 
 @pytest.mark.cuda
+def test_cuda_blocks_of_many_streams_stay_bounded(monkeypatch):
+    monkeypatch.setattr(zeroed, "_STREAMS", 2)
+    x = torch.randn(4, device="cuda")
+    streams = [torch.cuda.Stream() for _ in range(4)]  # torch's pool: distinct streams
+    kept = []
+    with zeroed.slots():
+        for stream in streams:
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                kept.append(zeroed.zeros(1, x))
+    assert len({s.cuda_stream for s in streams}) == 4 and len(zeroed._blocks) <= 2
+    torch.cuda.synchronize()
+    assert not any(k.any() for k in kept)
+
+
+@pytest.mark.cuda
 def test_cuda_graph_capture_gets_its_own_zeros():
     x = torch.randn(4, device="cuda")
     with zeroed.slots():

@@ -31,6 +31,7 @@ _ALIGN = 4  # floats: slots start 16-byte aligned
 _MAX = 64  # larger requests are plain allocations
 _DTYPES = (torch.float32, torch.int32)  # 4-byte elements: zero bits are zero in both
 _blocks = {}  # (device index, raw stream) -> [storage, next free offset]
+_STREAMS = 64  # blocks kept at most (one per device and stream in use); live slots keep theirs
 
 
 class _Depth(threading.local):
@@ -63,6 +64,8 @@ def zeros(n: int, like: torch.Tensor, dtype: torch.dtype = torch.float32) -> tor
     key = (index, torch._C._cuda_getCurrentRawStream(index))
     entry = _blocks.get(key)
     if entry is None or entry[1] + n > _BLOCK:
+        if entry is None and len(_blocks) >= _STREAMS:  # streams made and dropped: forget their blocks
+            _blocks.clear()
         entry = _blocks[key] = [torch.zeros((_BLOCK,), dtype=torch.float32, device=device).untyped_storage(), 0]
     storage, offset = entry
     entry[1] = offset + -(-n // _ALIGN) * _ALIGN
