@@ -1,7 +1,9 @@
 """Host time per eager Linear fwd+bwd (FP8 current scaling, 29 Linears per autocast block), device
 work stubbed as in benchmarks/bench_host.py: te.Linear against a bare autograd.Function that makes
-the same kernel calls (three quantizes, three GEMMs) with none of the library's layers. The gap is
-what a per-signature eager plan ("decide once") could remove from the host's work.
+the same kernel calls (three quantizes, three GEMMs) with none of the library's layers, and between
+them the Linear op called directly (`linear_ops.linear`, no module) and its eager call (no
+`linear()` wrapper). The gap is what a per-signature eager plan ("decide once") could remove from
+the host's work.
 
     python benchmarks/results/2026-12-03-cpu-<commit>/eager_floor.py
 """
@@ -19,6 +21,7 @@ import torch  # noqa: E402
 import transformer_engine_proto as te  # noqa: E402
 from transformer_engine_proto import kernels  # noqa: E402
 from transformer_engine_proto.custom_ops import linear as linear_ops  # noqa: E402
+from transformer_engine_proto.custom_ops.linear_call import call_flags  # noqa: E402
 
 N, REPS, STEPS = 29, 7, 60
 
@@ -47,6 +50,44 @@ def te_linear_step():
                 y = m(y)
         y.sum().backward()
     return step
+
+
+def op_steps():
+    """(linear_ops.linear per GEMM, the op's eager call per GEMM): the op keys the modules use."""
+    mods = [te.Linear(128, 128, bias=False, params_dtype=torch.float32) for _ in range(N)]
+    recipe = C.make_recipe("current")
+    x = torch.randn(128, 128, requires_grad=True)
+    keys, linear = [], linear_ops.linear
+
+    def spy(*args, **kwargs):
+        keys.append(kwargs["key"])
+        return linear(*args, **kwargs)
+
+    linear_ops.linear = spy
+    try:
+        with te.autocast(recipe=recipe):
+            y = x
+            for m in mods:
+                y = m(y)
+    finally:
+        linear_ops.linear = linear
+    weights = [m.weight for m in mods]
+    flags = call_flags(x, weights[0], None, keep_quantized_weight=True)  # as linear() passes in eager
+
+    def through_linear():
+        with te.autocast(recipe=recipe):
+            y = x
+            for w, k in zip(weights, keys):
+                y = linear_ops.linear(y, w, None, key=k)[0]
+        y.sum().backward()
+
+    def through_call():
+        with te.autocast(recipe=recipe):
+            y = x
+            for w, k in zip(weights, keys):
+                y = linear_ops._linear_fwd_call(y, w, None, None, [], [], None, k, flags, [])[0]
+        y.sum().backward()
+    return through_linear, through_call
 
 
 def bare_step():
@@ -83,4 +124,7 @@ def bare_step():
 if __name__ == "__main__":
     with B.stubbed_device_work():
         print(f"te.Linear (current scaling): {best_us(te_linear_step()):.1f} us per Linear fwd+bwd")
+        through_linear, through_call = op_steps()
+        print(f"linear_ops.linear, no module: {best_us(through_linear):.1f} us per Linear fwd+bwd")
+        print(f"the op's eager call, no linear(): {best_us(through_call):.1f} us per Linear fwd+bwd")
         print(f"bare autograd.Function, same kernel calls: {best_us(bare_step()):.1f} us per Linear fwd+bwd")
