@@ -27,9 +27,15 @@ def takes_eager_path(*args) -> bool:
     if torch.compiler.is_dynamo_compiling() or _get_current_dispatch_mode() is not None:
         return False
     for a in args:
-        for t in (a if isinstance(a, list) else (a,)):
-            if isinstance(t, torch.Tensor) and type(t) not in _PLAIN:
-                return False
+        kind = type(a)
+        if kind in _PLAIN:
+            continue
+        if isinstance(a, list):
+            for t in a:
+                if isinstance(t, torch.Tensor) and type(t) not in _PLAIN:
+                    return False
+        elif isinstance(a, torch.Tensor):
+            return False
     return True
 
 

@@ -326,34 +326,28 @@ def finish_backward(call: LinearCall, grads: Sequence[torch.Tensor], grad_amax_s
     return dgrad, wgrad, dbias
 
 
-_FWD_ARGS = tuple(a.name for a in torch.ops.te_proto.linear_fwd.default._schema.arguments)
-
-
 def _setup_context(ctx, inputs, output):
-    a = dict(zip(_FWD_ARGS, inputs))
-    call = LinearCall.of(a["flags"])
+    inp, weight, _, fp8_scale, grad_amax_state, weight_cache, main_grad, key, flags, inp_quantized = inputs
+    call = LinearCall.of(flags)
     _, amaxes, saved, _ = output
-    plan = plan_of(a["key"], a["inp"], a["weight"], call, a["inp_quantized"])
+    plan = plan_of(key, inp, weight, call, inp_quantized)
     if plan.prequantized and plan.saved_input() is not None:  # its columnwise buffers, by name
-        named = dict(zip(plan.prequantized_input().inner_names(), a["inp_quantized"]))
+        named = dict(zip(plan.prequantized_input().inner_names(), inp_quantized))
         saved = [named[n] for n in plan.saved_input().inner_names()] + list(saved)
-    raw_inp = a["inp"] if plan.saves_raw_input() else None
-    raw_w = a["weight"] if plan.saves_raw_weight() else None
-    cache = list(a["weight_cache"]) if call.cache_mode == CACHE_USE and call.input_requires_grad else []
-    ctx.n_saved, ctx.n_cache, ctx.n_cache_in = len(saved), len(cache), len(a["weight_cache"])
-    ctx.n_prequantized = len(a["inp_quantized"])
+    cache = list(weight_cache) if call.cache_mode == CACHE_USE and call.input_requires_grad else []
+    ctx.n_saved, ctx.n_cache, ctx.n_cache_in = len(saved), len(cache), len(weight_cache)
+    ctx.n_prequantized = len(inp_quantized)
     # The buffers backward writes into (grad amax state, main_grad) are kept by reference, not
     # saved, so a module applied twice before its backwards does not trip autograd's version check.
-    fp8_scale = scales_for_backward(a["fp8_scale"])
-    weight_amax = amaxes if plan.reuses_weight_amax else None  # backward quantizes the weight with it
-    state = (raw_inp, raw_w, fp8_scale, weight_amax)
+    state = (inp if plan.saves_raw_input() else None, weight if plan.saves_raw_weight() else None,
+             scales_for_backward(fp8_scale),
+             amaxes if plan.reuses_weight_amax else None)  # backward quantizes the weight with that amax
     ctx.has = tuple(t is not None for t in state)
-    ctx.grad_amax_state, ctx.main_grad = list(a["grad_amax_state"]), a["main_grad"]
-    tensors = [t for t in state if t is not None]
-    ctx.save_for_backward(*saved, *cache, *tensors)
+    ctx.grad_amax_state, ctx.main_grad = list(grad_amax_state), main_grad
+    ctx.save_for_backward(*saved, *cache, *(t for t in state if t is not None))
     ctx.call = call
-    ctx.args = dict(key=a["key"], in_shape=list(a["inp"].shape), weight_shape=list(a["weight"].shape),
-                    weight_dtype=a["weight"].dtype, flags=a["flags"])
+    # linear_bwd's arguments after weight_amax and main_grad
+    ctx.shapes = (key, list(inp.shape), list(weight.shape), weight.dtype)
 
 
 def scales_for_backward(fp8_scale):
@@ -367,28 +361,24 @@ def scales_for_backward(fp8_scale):
 
 
 def _backward(ctx, grad_out, _grad_amaxes, _grad_saved, _grad_cache):
-    tensors = list(ctx.saved_tensors)
-    saved, tensors = tensors[:ctx.n_saved], tensors[ctx.n_saved:]
-    cache, tensors = tensors[:ctx.n_cache], tensors[ctx.n_cache:]
-    it = iter(tensors)
+    tensors = ctx.saved_tensors
+    saved, cache = list(tensors[:ctx.n_saved]), list(tensors[ctx.n_saved:ctx.n_saved + ctx.n_cache])
+    it = iter(tensors[ctx.n_saved + ctx.n_cache:])
     raw_inp, raw_w, scales, weight_amax = (next(it) if h else None for h in ctx.has)
     main_grad = ctx.main_grad
     backward_op = getattr(ctx, "backward_op", linear_bwd)
     dy = grad_out.contiguous()
-    op_args = dict(saved=saved, inp=raw_inp, weight=raw_w, weight_cache=cache, fp8_scale=scales,
-                   weight_amax=weight_amax, main_grad=main_grad, **ctx.args)
     call, deferred = ctx.call, None
     if call.delay_wgrad and call.weight_requires_grad:
         call, deferred = _split_backward(ctx, dy)
-    grads = backward_op(dy, **{**op_args, "flags": call.flags})
+    grads = backward_op(dy, saved, raw_inp, raw_w, cache, scales, weight_amax, main_grad, *ctx.shapes, call.flags)
     dgrad, wgrad, dbias = finish_backward(call, grads, ctx.grad_amax_state, main_grad)
     if deferred is not None:  # the weight's inputs only: dgrad's weight and cache are not kept
-        ctx.wgrad_store.append(functools.partial(_deferred_wgrad, backward_op, deferred, dy,
-                                                 {**op_args, "weight": None, "weight_cache": []}))
-    # one grad per linear_fwd argument, by name: None for the others (a list of Nones for a list)
-    grads_by_name = dict(inp=dgrad, weight=wgrad, bias=dbias, grad_amax_state=[None] * len(ctx.grad_amax_state),
-                         weight_cache=[None] * ctx.n_cache_in, inp_quantized=[None] * ctx.n_prequantized)
-    return tuple(grads_by_name.get(name) for name in _FWD_ARGS)
+        args = (saved, raw_inp, None, [], scales, weight_amax, main_grad, *ctx.shapes)
+        ctx.wgrad_store.append(functools.partial(_deferred_wgrad, backward_op, deferred, dy, args))
+    # one grad per linear_fwd argument (None for the others, a list of Nones for a list)
+    return (dgrad, wgrad, dbias, None, [None] * len(ctx.grad_amax_state), [None] * ctx.n_cache_in, None, None, None,
+            [None] * ctx.n_prequantized)
 
 
 def _split_backward(ctx, dy):
@@ -398,24 +388,30 @@ def _split_backward(ctx, dy):
     if getattr(ctx, "wgrad_store", None) is None:
         raise RuntimeError("linear: delay_wgrad is set but the call has no wgrad queue (a linear() called "
                            "without wgrad_store, or an autograd node other than the op's own)")
-    call, args = ctx.call, ctx.args
-    plan = make_plan(args["key"], tuple(args["in_shape"]), tuple(args["weight_shape"]), dy.dtype,
-                     args["weight_dtype"], call, False)
+    call, (key, in_shape, weight_shape, weight_dtype) = ctx.call, ctx.shapes
+    plan = make_plan(key, tuple(in_shape), tuple(weight_shape), dy.dtype, weight_dtype, call, False)
     bias_later = call.bias_requires_grad and not (plan.dgrad_q or plan.wgrad_q)
     now = dataclasses.replace(call, bias_requires_grad=call.bias_requires_grad and not bias_later)
     later = dataclasses.replace(call, delay_wgrad=False, wgrad_only=True, bias_requires_grad=bias_later)
     return now, later
 
 
-def _deferred_wgrad(backward_op, call: LinearCall, dy, op_args):
+def _deferred_wgrad(backward_op, call: LinearCall, dy, args):
     """(wgrad, dbias) of a delayed call, each None where not computed here; wgrad is None too when
-    it was added into main_grad. The gradient amax was recorded by the backward that queued it."""
+    it was added into main_grad. The gradient amax was recorded by the backward that queued it.
+    `args`: linear_bwd's arguments between grad_out and flags."""
     with torch.no_grad():  # as autograd runs a backward (the saved raw input may require grad)
-        grads = backward_op(dy, **{**op_args, "flags": call.flags})
-        _, wgrad, dbias = finish_backward(call, grads, (), op_args["main_grad"])
+        grads = backward_op(dy, *args, call.flags)
+        _, wgrad, dbias = finish_backward(call, grads, (), args[6])
     return wgrad, dbias
 
 
+# `_setup_context` unpacks and `_backward` answers the ops' arguments by position
+assert [a.name for a in torch.ops.te_proto.linear_fwd.default._schema.arguments] == [
+    "inp", "weight", "bias", "fp8_scale", "grad_amax_state", "weight_cache", "main_grad", "key", "flags",
+    "inp_quantized"]
+assert [a.name for a in torch.ops.te_proto.linear_bwd.default._schema.arguments][-5:] == [
+    "key", "in_shape", "weight_shape", "weight_dtype", "flags"]
 linear_fwd.register_autograd(_backward, setup_context=_setup_context)
 inline_in_inductor(torch.ops.te_proto.linear_fwd.default, linear_fwd._init_fn)
 inline_in_inductor(torch.ops.te_proto.linear_bwd.default, linear_bwd._init_fn)
