@@ -56,3 +56,22 @@ def test_subclass_and_tracing_inputs_take_the_op():
     qt = Float8CurrentScalingQuantizer(torch.float8_e4m3fn)(torch.randn(16, 16))
     assert not eager_path.takes_eager_path(torch.ones(1), qt)
     assert not eager_path.takes_eager_path(torch.ones(1), [torch.ones(1), qt], "key", 3)
+
+
+def test_functorch_transforms_and_their_tensors_take_the_op():
+    """Inside a functorch transform, and for a wrapper tensor escaping one, the call goes through the
+    op (the eager path calls autograd.Function's C entry, which handles neither)."""
+    seen = []
+
+    def f(x):
+        seen.append((eager_path.takes_eager_path(x), eager_path.takes_eager_path(torch.ones(1))))
+        leaked.append(x)
+        return x.sum()
+
+    leaked = []
+    torch.func.grad(f)(torch.ones(3))
+    assert seen == [(False, False)]
+    assert torch._C._functorch.is_functorch_wrapped_tensor(leaked[0])  # its transform has exited
+    assert not eager_path.takes_eager_path(leaked[0])
+    assert not eager_path.takes_eager_path(torch.ones(1), [leaked[0]])
+    assert eager_path.takes_eager_path(torch.ones(1), [torch.ones(1)], None, "key", 3)

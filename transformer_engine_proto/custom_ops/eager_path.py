@@ -20,19 +20,23 @@ from . import shared_input
 __all__ = ["takes_eager_path", "eager_function"]
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def takes_eager_path(*args) -> bool:
-    """Whether a call with these arguments (tensors, lists of tensors, anything else) may skip the op."""
-    if torch.compiler.is_dynamo_compiling() or _get_current_dispatch_mode() is not None:
+    """Whether a call with these arguments (tensors, lists of tensors, anything else) may skip the
+    op: no compile, dispatch mode or functorch transform active, and every tensor a plain one (not
+    a subclass, nor a functorch wrapper left over from a transform)."""
+    if (torch.compiler.is_dynamo_compiling() or _get_current_dispatch_mode() is not None
+            or torch._C._are_functorch_transforms_active()):
         return False
     for a in args:
-        kind = type(a)
-        if kind in _PLAIN:
-            continue
-        if isinstance(a, list):
+        if type(a) in _PLAIN:
+            if _wrapped(a):
+                return False
+        elif isinstance(a, list):
             for t in a:
-                if isinstance(t, torch.Tensor) and type(t) not in _PLAIN:
+                if isinstance(t, torch.Tensor) and (type(t) not in _PLAIN or _wrapped(t)):
                     return False
         elif isinstance(a, torch.Tensor):
             return False
@@ -68,8 +72,11 @@ def eager_function(op, setup_context: Callable, backward: Callable, backward_bod
                {"forward": staticmethod(forward), "backward": staticmethod(backward_)})
 
     overload = op._opoverload  # the op itself: dynamo inlines a CustomOpDef's __call__, at a cost per call
+    # autograd.Function.apply's own C entry: its Python wrapper binds default arguments (there are
+    # none) and unwraps functorch tensors (`takes_eager_path` sends those to the op)
+    apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, cls)
 
     def call(*args):
-        return (cls.apply if takes_eager_path(*args) else overload)(*args)
+        return (apply if takes_eager_path(*args) else overload)(*args)
 
     return call
