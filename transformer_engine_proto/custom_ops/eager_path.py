@@ -65,7 +65,11 @@ def eager_function(op, setup_context: Callable, backward: Callable, backward_bod
         # one grad per op output (None where autograd tracked none: lists); list inputs get None
         grads = (list(grads) + [None] * n_outputs)[:n_outputs]
         with zeroed.slots():
-            return tuple(None if isinstance(g, list) else g for g in backward(ctx, *grads))
+            out = list(backward(ctx, *grads))
+        for i, g in enumerate(out):
+            if isinstance(g, list):
+                out[i] = None
+        return tuple(out)
 
     name = "Eager_" + op._name.split("::")[-1]  # autograd nodes show as Eager_<op>Backward
     cls = type(name, (torch.autograd.Function,),

@@ -342,9 +342,10 @@ def _setup_context(ctx, inputs, output):
     state = (inp if plan.saves_raw_input() else None, weight if plan.saves_raw_weight() else None,
              scales_for_backward(fp8_scale),
              amaxes if plan.reuses_weight_amax else None)  # backward quantizes the weight with that amax
-    ctx.has = tuple(t is not None for t in state)
+    kept = [t for t in state if t is not None]
+    ctx.has = (state[0] is not None, state[1] is not None, state[2] is not None, state[3] is not None)
     ctx.grad_amax_state, ctx.main_grad = list(grad_amax_state), main_grad
-    ctx.save_for_backward(*saved, *cache, *(t for t in state if t is not None))
+    ctx.save_for_backward(*saved, *cache, *kept)
     ctx.call = call
     # linear_bwd's arguments after weight_amax and main_grad
     ctx.shapes = (key, list(inp.shape), list(weight.shape), weight.dtype)
@@ -363,8 +364,8 @@ def scales_for_backward(fp8_scale):
 def _backward(ctx, grad_out, _grad_amaxes, _grad_saved, _grad_cache):
     tensors = ctx.saved_tensors
     saved, cache = list(tensors[:ctx.n_saved]), list(tensors[ctx.n_saved:ctx.n_saved + ctx.n_cache])
-    it = iter(tensors[ctx.n_saved + ctx.n_cache:])
-    raw_inp, raw_w, scales, weight_amax = (next(it) if h else None for h in ctx.has)
+    kept = list(tensors[ctx.n_saved + ctx.n_cache:])
+    raw_inp, raw_w, scales, weight_amax = [kept.pop(0) if h else None for h in ctx.has]
     main_grad = ctx.main_grad
     backward_op = getattr(ctx, "backward_op", linear_bwd)
     dy = grad_out.contiguous()
