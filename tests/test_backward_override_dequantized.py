@@ -167,9 +167,9 @@ def test_linear_saves_the_rowwise_input_only(rid, save_original_input):
         seen, y = saved_storages(lambda: lin(x), lin.parameters())
     plan = linear_plan.make_plan(RecipeKey.of(recipe), (TOKENS, IN), (OUT, IN), x.dtype, x.dtype,
                        L.LinearCall(True, True, False, save_original_input, keep_quantized_weight=True), False)
-    saved, weight = plan.saved_input(), plan.saved_weight()
+    saved, weight = plan.saved_input, plan.saved_weight
     # the rowwise input, and (eager) forward's rowwise weight; compiled, backward quantizes it again
-    assert plan.saved_protos() == [saved, weight]
+    assert plan.saved_protos == [saved, weight]
     for proto in (saved, weight):
         assert proto.quantizer.rowwise_usage and not proto.quantizer.columnwise_usage
     assert not plan.saves_raw_input()  # TE ignores save_original_input here
@@ -326,4 +326,4 @@ def test_a_gemm_kept_in_high_precision_reads_the_original_operand():
     assert RecipeKey.dequantized_gemms(key) == {"dgrad"}
     plan = linear_plan.make_plan(key, (TOKENS, IN), (OUT, IN), torch.float32, torch.float32,
                        L.LinearCall(True, True, False, False), False)
-    assert plan.dgrad_deq and not plan.wgrad_deq and plan.saved_input() is None and plan.saves_raw_input()
+    assert plan.dgrad_deq and not plan.wgrad_deq and plan.saved_input is None and plan.saves_raw_input()

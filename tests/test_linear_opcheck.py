@@ -65,9 +65,9 @@ def _delayed_state(recipe):
 
 
 def _cache_buffers(recipe, plan, weight, fp8_scale):
-    """The weight cache the module would hold: the plan's cached_weight() proto, filled by
+    """The weight cache the module would hold: the plan's cached_weight proto, filled by
     quantizing the weight (checked against the proto's layout: the central invariant)."""
-    proto = plan.cached_weight()
+    proto = plan.cached_weight
     if proto is None:
         return []
     q = proto.quantizer

@@ -58,7 +58,7 @@ def plan_bytes(rid, m, x, save_original_input=False):
     plan = linear_plan.make_plan(key, tuple(x.shape), tuple(m.weight.shape), x.dtype, m.weight.dtype,
                        L.LinearCall(x.requires_grad, m.weight.requires_grad, bias_rg, save_original_input,
                                     keep_quantized_weight=True), False)
-    n = sum(_proto_bytes(p) for p in plan.saved_protos())
+    n = sum(_proto_bytes(p) for p in plan.saved_protos)
     if plan.saves_raw_input():
         n += _bytes(x)
     if plan.quantized and plan.delayed:
@@ -80,7 +80,7 @@ def test_linear_saves_what_its_plan_says(rid, input_rg, weight_rg, save_original
     got = sum(n for n, *_ in seen.values())
     assert got == expected, (rid, got, expected, sorted(seen.values(), key=str))
     # eager keeps the weight exactly where dgrad reads a quantized one
-    assert (plan.saved_weight() is not None) == (plan.quantized and plan.fprop_q and (plan.dgrad_q or plan.dgrad_deq))
+    assert (plan.saved_weight is not None) == (plan.quantized and plan.fprop_q and (plan.dgrad_q or plan.dgrad_deq))
     y.sum().backward()
 
 
@@ -121,7 +121,7 @@ def test_shared_input_saved_once_and_bitwise(rid):
     got = sum(n for n, *_ in seen.values())
     x = torch.empty(TOKENS, IN)
     one, plan = plan_bytes(rid, lin[0], x.requires_grad_())
-    inp = _proto_bytes(plan.saved_input())
+    inp = _proto_bytes(plan.saved_input)
     # `h * 2.0` saves nothing (a Python scalar); the grad_outputs `gs` are left out
     assert got == 3 * (one - inp) + inp, (rid, got, one, inp, sorted(seen.values(), key=str))
     grads = [h.grad] + [m.weight.grad for m in lin]
@@ -390,4 +390,4 @@ def test_kept_weight_gives_the_requantized_bytes(rid, monkeypatch):
     extra = sum(n for n, *_ in seen_keep.values()) - sum(n for n, *_ in seen_again.values())
     amax_bytes = 4 if again.reuses_weight_amax else 0  # the forward's weight amax, which backward quantizes with
     assert again.reuses_weight_amax == (rid == "current")
-    assert plan.saved_weight() is not None and extra == _proto_bytes(plan.saved_weight()) - amax_bytes
+    assert plan.saved_weight is not None and extra == _proto_bytes(plan.saved_weight) - amax_bytes

@@ -93,9 +93,9 @@ def _quantize_input(plan: LinearPlan, inp: torch.Tensor, x2d: torch.Tensor, fp8_
     recomputes `x` (SwiGLU, the attention output's copy, the read below), which our Triton cast
     would read back from memory. The rowwise quantize is tagged too (forward reads it only): an op
     on `x` it shares with the other, which AOT's CSE merges, is then never saved."""
-    iq = plan.input_quantizer()
+    iq = plan.input_quantizer
     x = pad_rows(x2d, plan.input_rows)
-    rebuilt = plan.saved_input() is not None and recompute_saved_input()
+    rebuilt = plan.saved_input is not None and recompute_saved_input()
     split = (rebuilt and traced_for_inductor() and plan.input_columnwise
              and iq.rowwise_usage and iq.columnwise_usage)
     usages = [iq.with_usage(columnwise=False), iq.with_usage(rowwise=False)] if split else [iq]
@@ -139,13 +139,13 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
     amaxes = zeros(2, inp) if plan.delayed else inp.new_empty(0, dtype=torch.float32)
     xq = xq_saved = None
     if plan.prequantized:
-        xq = rebuild(plan.prequantized_input(), inp_quantized)
-    elif plan.input_quantizer() is not None:  # its columnwise copy is saved for wgrad, or rebuilt in backward
+        xq = rebuild(plan.prequantized_input, inp_quantized)
+    elif plan.input_quantizer is not None:  # its columnwise copy is saved for wgrad, or rebuilt in backward
         xq, xq_saved = _quantize_input(plan, inp, x2d, fp8_scale, amaxes)
     if cache_mode == CACHE_USE:
-        wq = rebuild(plan.cached_weight(), weight_cache)
+        wq = rebuild(plan.cached_weight, weight_cache)
     else:
-        wq = plan.weight_quantizer()  # None: forward reads the bf16 weight only
+        wq = plan.weight_quantizer  # None: forward reads the bf16 weight only
         if wq is not None:
             if plan.delayed:
                 wq = wq.with_scale_state(fp8_scale, amaxes, 1)
@@ -169,9 +169,9 @@ def linear_fwd(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Ten
         out = gemm(x2d, weight, trans_b=True, bias=bias, out_dtype=inp.dtype)
     cache = list(wq.get_buffers().values()) if cache_mode == CACHE_FILL else []
     saved = []
-    if plan.saved_input() is not None and not plan.prequantized:  # the usage backward reads
+    if plan.saved_input is not None and not plan.prequantized:  # the usage backward reads
         saved += list(xq_saved.only_usage(not plan.input_columnwise).get_buffers().values())
-    if plan.saved_weight() is not None:  # the usage dgrad reads
+    if plan.saved_weight is not None:  # the usage dgrad reads
         saved += list(wq.only_usage(plan.dgrad_deq).get_buffers().values())
     return out.view(out_shape), amaxes, saved, cache
 
@@ -184,11 +184,11 @@ def _linear_fwd_fake(inp, weight, bias, fp8_scale, grad_amax_state, weight_cache
     out = inp.new_empty(tuple(inp.shape[:-1]) + (weight.shape[0],))
     amaxes = inp.new_empty(_amax_count(plan), dtype=torch.float32)
     saved = []
-    for p in plan.output_saved_protos():
+    for p in plan.output_saved_protos:
         saved += list(dataclasses.replace(p, device=inp.device).create_buffers().values())
     cache = []
     if cache_mode == CACHE_FILL and plan.quantized:
-        p = dataclasses.replace(plan.cached_weight(), device=inp.device)
+        p = dataclasses.replace(plan.cached_weight, device=inp.device)
         cache = list(p.create_buffers().values())
     return out, amaxes, saved, cache
 
@@ -216,8 +216,8 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
     plan = make_plan(key, tuple(in_shape), tuple(weight_shape), grad_out.dtype, weight_dtype, call, False)
     input_requires_grad, weight_requires_grad, cache_mode = call.computes_dgrad, call.computes_wgrad, call.cache_mode
     dy = grad_out.reshape(-1, grad_out.shape[-1])
-    saved_q = iter(_split(saved, plan.saved_layout()))
-    if plan.saved_input() is not None:
+    saved_q = iter(_split(saved, plan.saved_layout))
+    if plan.saved_input is not None:
         x = next(saved_q)
     else:
         x = inp.reshape(-1, in_shape[-1]) if weight_requires_grad else None
@@ -227,7 +227,7 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
     dy_q = dy
     delayed = plan.quantized and plan.delayed
     grad_amax = zeros(1, dy) if delayed else None
-    gq = plan.grad_quantizer()  # None for bias-only or both GEMMs in high precision
+    gq = plan.grad_quantizer  # None for bias-only or both GEMMs in high precision
     if gq is not None:
         if plan.delayed:
             gq = gq.with_scale_state(fp8_scale, grad_amax, 2)
@@ -236,12 +236,12 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
         grad_amax = dy.abs().amax().float().reshape(1)
     if not input_requires_grad:
         w = None
-    elif cache_mode == CACHE_USE and plan.dgrad_weight() is not None:
-        w = rebuild(plan.cached_weight(), weight_cache).only_usage(plan.dgrad_deq)
-    elif plan.saved_weight() is not None:
+    elif cache_mode == CACHE_USE and plan.dgrad_weight is not None:
+        w = rebuild(plan.cached_weight, weight_cache).only_usage(plan.dgrad_deq)
+    elif plan.saved_weight is not None:
         w = next(saved_q)
-    elif plan.dgrad_weight() is not None:  # quantized again, from the weight: the forward's bytes
-        wq = plan.dgrad_weight().quantizer
+    elif plan.dgrad_weight is not None:  # quantized again, from the weight: the forward's bytes
+        wq = plan.dgrad_weight.quantizer
         with recomputed_in_backward():
             if plan.delayed:  # the forward's scale (pinned); its amax was recorded in forward
                 wq = wq.with_scale_state(fp8_scale, None, 1)
@@ -331,9 +331,9 @@ def _setup_context(ctx, inputs, output):
     call = LinearCall.of(flags)
     _, amaxes, saved, _ = output
     plan = plan_of(key, inp, weight, call, inp_quantized)
-    if plan.prequantized and plan.saved_input() is not None:  # its columnwise buffers, by name
-        named = dict(zip(plan.prequantized_input().inner_names(), inp_quantized))
-        saved = [named[n] for n in plan.saved_input().inner_names()] + list(saved)
+    if plan.prequantized and plan.saved_input is not None:  # its columnwise buffers, by name
+        named = dict(zip(plan.prequantized_input.inner_names(), inp_quantized))
+        saved = [named[n] for n in plan.saved_input.inner_names()] + list(saved)
     cache = list(weight_cache) if call.cache_mode == CACHE_USE and call.input_requires_grad else []
     ctx.n_saved, ctx.n_cache, ctx.n_cache_in = len(saved), len(cache), len(weight_cache)
     ctx.n_prequantized = len(inp_quantized)

@@ -19,26 +19,11 @@ from .row_padding import gemm_rows
 __all__ = ["LinearPlan", "make_plan", "plan_of"]
 
 
-def _memo(method):
-    """Compute a zero-argument plan method once per plan (plans are cached per call signature, so
-    eager calls skip rebuilding protos and quantizers: host time on the hot path). Callers must
-    not mutate what it returns. (The plan's properties are `functools.cached_property` for the
-    same reason: read from the instance dict after the first access, with no call.)"""
-    name = method.__name__
-
-    @functools.wraps(method)
-    def wrapper(self):
-        memo = self.__dict__.setdefault("_memo", {})  # frozen dataclass: write the dict directly
-        if name not in memo:
-            memo[name] = method(self)
-        return memo[name]
-
-    return wrapper
-
-
 @dataclass(frozen=True)
 class LinearPlan:
-    """Which buffers exist for one call, from shapes and call-time flags only."""
+    """Which buffers exist for one call, from shapes and call-time flags only. Every derived value
+    is a cached property: computed on first read, then an attribute (no call on the eager hot path);
+    callers must not mutate what they read."""
 
     key: str
     in_shape: tuple
@@ -111,7 +96,7 @@ class LinearPlan:
         q = getattr(self.quantizers, role).with_usage(rowwise=rowwise, columnwise=columnwise)
         return TensorProto(shape, dtype, q)
 
-    @_memo
+    @functools.cached_property
     def saved_input(self) -> Optional[TensorProto]:
         """The columnwise input for a quantized wgrad, or the forward's rowwise input for a
         dequantized one (TE saves it whatever save_original_input says); None where backward
@@ -122,15 +107,15 @@ class LinearPlan:
             return self._proto("input", (self.m, self.in_shape[-1]), self.act_dtype, True, False)
         return None
 
-    @_memo
+    @functools.cached_property
     def saved_weight(self) -> Optional[TensorProto]:
         """The weight dgrad reads (`dgrad_weight`), saved from forward's quantize with
         `keep_quantized_weight`; otherwise None: backward quantizes it again from the weight."""
         if self.call.keep_quantized_weight and self.fprop_q and self.call.cache_mode == CACHE_OFF:
-            return self.dgrad_weight()
+            return self.dgrad_weight
         return None
 
-    @_memo
+    @functools.cached_property
     def dgrad_weight(self) -> Optional[TensorProto]:
         """The quantized weight dgrad reads: saved from forward (`saved_weight`), quantized in
         backward from the weight, or read from the weight cache (CACHE_USE). Columnwise for a
@@ -144,43 +129,43 @@ class LinearPlan:
         """Whether backward quantizes the weight again with the amax forward took of it (a format
         whose scale comes from one per-tensor amax: current scaling): the forward op returns that
         amax, backward skips a pass over the weight. The weight has not changed in between."""
-        if not (self.fprop_q and self.saved_weight() is None and self.call.cache_mode == CACHE_OFF
-                and self.dgrad_weight() is not None):
+        if not (self.fprop_q and self.saved_weight is None and self.call.cache_mode == CACHE_OFF
+                and self.dgrad_weight is not None):
             return False
         return self.quantizers.weight.takes_existing_amax()
 
-    @_memo
+    @functools.cached_property
     def cached_weight(self) -> Optional[TensorProto]:
         """Both usages, as stored in (or refreshed into) the module's weight cache."""
         if self.quantized and self.call.cache_mode != CACHE_OFF:
             return self._proto("weight", self.weight_shape, self.weight_dtype, True, True)
         return None
 
-    @_memo
+    @functools.cached_property
     def saved_protos(self) -> List[TensorProto]:
         """What backward receives, in order: the saved input, then the saved weight."""
-        return [p for p in (self.saved_input(), self.saved_weight()) if p is not None]
+        return [p for p in (self.saved_input, self.saved_weight) if p is not None]
 
-    @_memo
+    @functools.cached_property
     def saved_layout(self) -> List[tuple]:
         """(proto, its inner buffer names) of each of `saved_protos`: what backward rebuilds."""
-        return [(p, p.inner_names()) for p in self.saved_protos()]
+        return [(p, p.inner_names()) for p in self.saved_protos]
 
-    @_memo
+    @functools.cached_property
     def output_saved_protos(self) -> List[TensorProto]:
         """The part of `saved_protos` the forward op returns (a prequantized input is saved from
         the op's inputs instead: returning an input would alias it)."""
-        return [p for p in (None if self.prequantized else self.saved_input(), self.saved_weight())
+        return [p for p in (None if self.prequantized else self.saved_input, self.saved_weight)
                 if p is not None]
 
-    @_memo
+    @functools.cached_property
     def prequantized_input(self) -> TensorProto:
         """The layout a fused norm + quantize produces for this call's input."""
         return self._proto("input", (self.input_rows, self.in_shape[-1]), self.act_dtype, True,
                            self.input_columnwise)
 
     # ---- the quantizers with this call's usages (memoized: no dataclass copy per call) ---------
-    @_memo
+    @functools.cached_property
     def input_quantizer(self):
         """None when no GEMM reads a quantized input in forward and none is saved."""
         rowwise = self.fprop_q or self.wgrad_deq
@@ -188,16 +173,16 @@ class LinearPlan:
             return None
         return self.quantizers.input.with_usage(rowwise=rowwise, columnwise=self.input_columnwise)
 
-    @_memo
+    @functools.cached_property
     def weight_quantizer(self):
         """None when forward needs no quantized weight (fprop in high precision, no cache to fill)."""
         fill = self.call.cache_mode == CACHE_FILL
         if not (self.fprop_q or fill):
             return None
-        keep_columnwise = self.dgrad_q and self.saved_weight() is not None
+        keep_columnwise = self.dgrad_q and self.saved_weight is not None
         return self.quantizers.weight.with_usage(rowwise=True, columnwise=fill or keep_columnwise)
 
-    @_memo
+    @functools.cached_property
     def grad_quantizer(self):
         """None when neither backward GEMM this call runs (`computes_dgrad` / `computes_wgrad`)
         reads a quantized grad_output."""
@@ -219,11 +204,11 @@ class LinearPlan:
 
     # ---- what the autograd context keeps from the op's inputs (never op outputs) ----------
     def saves_raw_input(self) -> bool:
-        return self.call.weight_requires_grad and self.saved_input() is None
+        return self.call.weight_requires_grad and self.saved_input is None
 
     def saves_raw_weight(self) -> bool:
         return self.call.input_requires_grad and (
-            self.dgrad_weight() is None or (self.call.cache_mode != CACHE_USE and self.saved_weight() is None))
+            self.dgrad_weight is None or (self.call.cache_mode != CACHE_USE and self.saved_weight is None))
 
 
 def plan_of(key, inp, weight, call: LinearCall, prequantized=False) -> LinearPlan:
