@@ -343,7 +343,7 @@ def _setup_context(ctx, inputs, output):
              scales_for_backward(fp8_scale),
              amaxes if plan.reuses_weight_amax else None)  # backward quantizes the weight with that amax
     kept = [t for t in state if t is not None]
-    ctx.has = (state[0] is not None, state[1] is not None, state[2] is not None, state[3] is not None)
+    ctx.has = [t is not None for t in state]
     ctx.grad_amax_state, ctx.main_grad = list(grad_amax_state), main_grad
     ctx.save_for_backward(*saved, *cache, *kept)
     ctx.call = call
