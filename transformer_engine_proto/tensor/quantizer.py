@@ -368,10 +368,7 @@ class Quantizer:
         with `internal=True` in its bare storage class (as TE's internal quantizers do): no
         wrapper tensor, for values that never leave an op (host time per GEMM)."""
         if internal:  # keeps this (possibly stateful) quantizer, as the base metadata: never leaves the op
-            bare = self.__dict__.get("_bare_ctor")
-            if bare is None:  # once per quantizer object (frozen: its class and metadata never change)
-                bare = self.__dict__["_bare_ctor"] = (self.tensor_class.storage_class._bare, self.metadata())
-            return bare[0](buffers, shape, dtype, self, bare[1])
+            return self.tensor_class.storage_class._bare(buffers, shape, dtype, self, self.metadata())
         cls, kwargs = self.create_metadata(shape, dtype)
         return cls._from_buffers(buffers, **kwargs)
 
