@@ -39,7 +39,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .block_scaled_gemm import block_scaled_mm, native_layouts
 from .tensor.storage import QuantizedTensorStorage
 
-__all__ = ["gemm", "emulated_gemm"]
+__all__ = ["gemm", "emulated_gemm", "tensorwise_mm"]
 
 
 def _values(t: torch.Tensor, transpose: bool, dtype: torch.dtype) -> torch.Tensor:
@@ -72,8 +72,15 @@ def _tensorwise(a, b, trans_a, trans_b, out_dtype, bias, fast_accum):
     k, n = a_mat.shape[1], b_rows.shape[0]
     if k % 16 or n % 16 or (a_mat.dtype == b_rows.dtype == torch.float8_e5m2):
         return None
+    return tensorwise_mm(a_mat, b_rows, pa.scale, pb.scale, out_dtype, bias, fast_accum)
+
+
+def tensorwise_mm(a_rows, b_rows, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum: bool) -> torch.Tensor:
+    """a (M, K) @ b (N, K)^T, both row-major FP8 with one scale_inv each: the per-tensor FP8 GEMM's
+    one `torch._scaled_mm` call (the bias fused where cuBLAS takes it), shared with the eager
+    Linear programs (custom_ops/eager_program.py), which must make the same call."""
     fused_bias = bias is not None and out_dtype == torch.bfloat16 and bias.dtype == torch.bfloat16
-    out = torch._scaled_mm(a_mat, b_rows.t(), pa.scale, pb.scale,
+    out = torch._scaled_mm(a_rows, b_rows.t(), a_scale_inv, b_scale_inv,
                            bias=bias if fused_bias else None, out_dtype=out_dtype, use_fast_accum=fast_accum)
     if bias is not None and not fused_bias:
         out = (out.float() + bias.float()).to(out_dtype)

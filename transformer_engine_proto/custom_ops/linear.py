@@ -27,9 +27,9 @@ from ..kernels.reference.common import traced
 from ..kernels.zeroed import zeros
 from ..tensor import TensorProto
 from ..tensor.storage import QuantizedTensorStorage
-from . import shared_input
+from . import eager_program, shared_input
 from .delayed_scaling import record_grad_amax
-from .eager_path import eager_function
+from .eager_path import eager_function, takes_eager_path
 from .inductor_lowering import inline_in_inductor
 from .linear_call import CACHE_FILL, CACHE_OFF, CACHE_USE, LinearCall, call_flags
 from .linear_plan import LinearPlan, make_plan, plan_of
@@ -433,6 +433,13 @@ def linear(inp, weight, bias=None, *, key: str, fp8_scale=None, grad_amax_state=
                        keep_quantized_weight=not torch.compiler.is_compiling(), delay_wgrad=wgrad_store is not None)
     args = (inp, weight, bias, fp8_scale, list(grad_amax_state), list(weight_cache), main_grad, key, flags,
             list(inp_quantized))
+    program = None
+    if not (weight_cache or inp_quantized or main_grad is not None or wgrad_store is not None) \
+            and not torch.compiler.is_compiling():
+        program = eager_program.program_for(key, flags, inp, weight)
+    if program is not None and takes_eager_path(inp, weight, bias, fp8_scale, args[4]):
+        out, amaxes = program(inp, weight, bias, fp8_scale, args[4])
+        return out, amaxes, []
     out, amaxes, _, cache = _linear_fwd_call(*args)
     if wgrad_store is not None and out.grad_fn is not None:
         out.grad_fn.wgrad_store = wgrad_store  # the op's autograd node is its backward's ctx

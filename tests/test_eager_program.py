@@ -1,0 +1,161 @@
+"""Eager Linear programs (custom_ops/eager_program.py): a served call makes the op's kernel calls,
+so on CUDA training with programs equals training with the op bit for bit (outputs, gradients,
+parameters, delayed-scaling state); calls no program serves take the op.
+
+On CPU the op emulates its GEMMs in float32 where a program calls `torch._scaled_mm`, so the CPU
+cases (programs allowed on CPU by `SERVED_DEVICES`) check the wiring -- which calls a program
+takes, its gradients and saved state -- with a tolerance on the GEMM outputs and exact amaxes."""
+import copy
+
+import pytest
+import torch
+from linear_cases import fold_last_grad_amaxes
+
+import transformer_engine_proto as te
+from transformer_engine_proto import recipe as R
+from transformer_engine_proto.custom_ops import eager_program
+
+RECIPES = {
+    "current": R.Float8CurrentScaling(),
+    "current-pow2-eps": R.Float8CurrentScaling(fp8_quant_fwd_inp=R.QParams(power_2_scale=True, amax_epsilon=1e-3)),
+    "current-hybrid-fast-accum": R.Float8CurrentScaling(fp8_format=R.Format.HYBRID,
+                                                        fp8_gemm_fprop=R.MMParams(use_split_accumulator=False)),
+    "delayed": R.DelayedScaling(),
+    "delayed-most-recent-margin": R.DelayedScaling(margin=1, amax_history_len=4, amax_compute_algo="most_recent"),
+    "delayed-e4m3": R.DelayedScaling(fp8_format=R.Format.E4M3, amax_history_len=16),
+}
+
+
+class _QKV(torch.nn.Module):
+    """Three Linears reading one tensor (the op shares its quantized copy), then one more."""
+
+    def __init__(self, d, device, bias):
+        super().__init__()
+        kw = dict(bias=bias, params_dtype=torch.bfloat16, device=device)
+        self.q, self.k, self.v = (te.Linear(d, d, **kw) for _ in range(3))
+        self.out = te.Linear(d, d, **kw)
+
+    def forward(self, x):
+        return self.out(self.q(x) * self.k(x) + self.v(x))
+
+
+def _train(model, recipe, x, dy, programs: bool, steps=3):
+    eager_program.set_enabled(programs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    outs = []
+    try:
+        for _ in range(steps):
+            x_ = x.clone().requires_grad_()
+            with te.autocast(recipe=recipe):
+                y = model(x_)
+            y.backward(dy)
+            outs += [y.detach(), x_.grad]
+            opt.step()
+            opt.zero_grad()
+        fold_last_grad_amaxes(recipe)
+    finally:
+        eager_program.set_enabled(True)
+    return outs, {k: v.clone() for k, v in model.state_dict().items()}, _delayed_state(model)
+
+
+def _delayed_state(model):
+    """Each GEMM's delayed-scaling scales and histories (left as they are by current scaling)."""
+    return [(g.fp8_scale.clone(), g.amax_history.clone(), g.grad_fp8_scale.clone(), g.grad_amax_history.clone())
+            for m in model.modules() if isinstance(m, te.Linear) for g, _ in m.gemm_weights()
+            if "delayed_state" in g._buffers]
+
+
+def _same(a, b, exact, rtol=0.02, atol=0.02):
+    if exact:
+        assert torch.equal(a, b)
+    else:
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+
+
+def _compare(recipe_id, device, bias, exact):
+    recipe = RECIPES[recipe_id]
+    torch.manual_seed(0)
+    model = _QKV(64, device, bias)
+    x = torch.randn(2, 16, 64, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(2, 16, 64, device=device, dtype=torch.bfloat16)
+    calls = eager_program.stats["calls"]
+    fast, fast_state, fast_delayed = _train(copy.deepcopy(model), recipe, x, dy, True)
+    # 3 steps x 4 Linears of one signature, whose first call is the op's
+    assert eager_program.stats["calls"] - calls == 3 * 4 - 1
+    slow, slow_state, slow_delayed = _train(copy.deepcopy(model), recipe, x, dy, False)
+    assert eager_program.stats["calls"] - calls == 3 * 4 - 1
+    for a, b in zip(fast, slow):
+        _same(a, b, exact)
+    assert fast_state.keys() == slow_state.keys()
+    for k in fast_state:
+        if isinstance(fast_state[k], torch.Tensor) and fast_state[k].is_floating_point():
+            _same(fast_state[k], slow_state[k], exact)
+    assert len(fast_delayed) == len(slow_delayed) == 4
+    for a, b in zip(fast_delayed, slow_delayed):
+        for ta, tb in zip(a, b):  # CPU: the later steps' amaxes follow GEMM outputs that differ slightly
+            _same(ta, tb, exact, rtol=0.05, atol=0.0)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("recipe_id", list(RECIPES))
+def test_programs_train_as_the_op_does_cpu(recipe_id, bias, monkeypatch):
+    monkeypatch.setattr(eager_program, "SERVED_DEVICES", {"cpu"})
+    _compare(recipe_id, "cpu", bias, exact=False)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("recipe_id", list(RECIPES))
+def test_programs_train_as_the_op_does_bitwise(recipe_id, bias):
+    _compare(recipe_id, "cuda", bias, exact=True)
+
+
+def test_first_call_of_a_signature_runs_the_op(monkeypatch):
+    """The op's input checks run on a signature's first call: a bad input raises the op's error."""
+    monkeypatch.setattr(eager_program, "SERVED_DEVICES", {"cpu"})
+    eager_program.set_enabled(True)
+    lin = te.Linear(32, 32, params_dtype=torch.bfloat16)
+    x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+    calls = eager_program.stats["calls"]
+    for expected in (0, 1, 2):
+        with te.autocast(recipe=R.Float8CurrentScaling()):
+            lin(x).sum().backward()
+        assert eager_program.stats["calls"] - calls == expected
+
+
+@pytest.mark.parametrize("case", ["served", "rows-not-16", "blockwise", "save-original-input",
+                                  "out-features-8"])
+def test_calls_no_program_serves_take_the_op(case, monkeypatch):
+    monkeypatch.setattr(eager_program, "SERVED_DEVICES", {"cpu"})
+    eager_program.set_enabled(True)
+    recipe, rows, kw, out_features = R.Float8CurrentScaling(), 16, {}, 32
+    if case == "rows-not-16":
+        rows = 24
+    elif case == "blockwise":
+        recipe = R.Float8BlockScaling()
+    elif case == "save-original-input":
+        kw = {"save_original_input": True}
+    elif case == "out-features-8":
+        out_features = 8
+    lin = te.Linear(32, out_features, params_dtype=torch.bfloat16, **kw)
+    x = torch.randn(rows, 32, dtype=torch.bfloat16, requires_grad=True)
+    calls = eager_program.stats["calls"]
+    for _ in range(3):
+        with te.autocast(recipe=recipe):
+            lin(x).sum().backward()
+    assert eager_program.stats["calls"] - calls == (2 if case == "served" else 0)
+
+
+def test_switching_programs_off_sends_every_call_to_the_op(monkeypatch):
+    monkeypatch.setattr(eager_program, "SERVED_DEVICES", {"cpu"})
+    eager_program.set_enabled(False)
+    try:
+        lin = te.Linear(32, 32, params_dtype=torch.bfloat16)
+        x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+        calls = eager_program.stats["calls"]
+        for _ in range(3):
+            with te.autocast(recipe=R.Float8CurrentScaling()):
+                lin(x).sum().backward()
+        assert eager_program.stats["calls"] == calls
+    finally:
+        eager_program.set_enabled(True)

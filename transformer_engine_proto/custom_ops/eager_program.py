@@ -1,0 +1,182 @@
+"""The eager Linear of one call signature, decided once (TE's per-signature path).
+
+An eager FP8 Linear step is host-bound, and most of a te.Linear's host time is the generality of
+the op (`linear.py`): its plan and protos, bare storages and their usage views, the GEMM dispatch,
+the autograd wiring of every call flag. For the common call -- per-tensor FP8 with current or
+delayed scaling, every GEMM in FP8 on CUDA, no weight cache, row padding, main_grad, deferred wgrad
+or saved high-precision input -- `program_for` builds once per signature a `LinearProgram` that
+makes the op's kernel calls with the op's arguments in the op's order (the quantize kernels, the
+shared-input lookups, the `torch._scaled_mm` GEMMs, the gradient amax record), without those layers.
+
+The op stays the definition. The first eager call of a signature runs it (its input checks and
+their errors), every call a program cannot serve runs it, torch.compile traces it, and
+tests/test_eager_program.py checks on the GPU that both give the same bits, amaxes and scale state.
+`set_enabled(False)` (or `TE_PROTO_EAGER_PROGRAM=0`) sends every call to the op.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from ..gemm import tensorwise_mm
+from ..kernels import kernel, zeroed
+from ..kernels.zeroed import zeros
+from ..tensor.float8 import Float8CurrentScalingQuantizer, Float8Quantizer
+from . import shared_input
+from .delayed_scaling import record_grad_amax
+from .linear_call import CACHE_OFF, LinearCall
+from .linear_plan import LinearPlan, make_plan
+from .recipe_key import RecipeKey
+
+__all__ = ["program_for", "set_enabled", "LinearProgram"]
+
+_enabled = os.environ.get("TE_PROTO_EAGER_PROGRAM", "1") != "0"
+_PROGRAMS = {}  # call signature -> LinearProgram, or None: the op serves it
+_LIMIT = 4096  # signatures kept: beyond it (shapes that keep changing) the cache starts over
+# devices whose op GEMMs are the programs' `torch._scaled_mm` (on CPU the op emulates the GEMM in
+# float32, so a program there would differ from it: the CPU tests add "cpu" to check the wiring)
+SERVED_DEVICES = {"cuda"}
+stats = {"calls": 0}  # calls the programs served, for tests and tools
+
+
+def set_enabled(on: bool) -> None:
+    """Whether eager calls may take a program (False: every call runs the op)."""
+    global _enabled
+    _enabled = bool(on)
+    _PROGRAMS.clear()
+
+
+def program_for(key: str, flags: int, inp: torch.Tensor, weight: torch.Tensor) -> Optional["LinearProgram"]:
+    """The program of this eager call's signature, or None: the op runs (the signature's first
+    call, a call no program serves, or programs switched off)."""
+    if not _enabled:
+        return None
+    sig = (key, flags, inp.shape, weight.shape, inp.dtype, weight.dtype, inp.get_device(), weight.get_device())
+    program = _PROGRAMS.get(sig, _FIRST)
+    if program is _FIRST:  # the op runs this first call; the next ones take what is built here
+        if len(_PROGRAMS) >= _LIMIT:
+            _PROGRAMS.clear()
+        plan = make_plan(key, tuple(inp.shape), tuple(weight.shape), inp.dtype, weight.dtype, LinearCall.of(flags),
+                         False)
+        served = inp.device.type in SERVED_DEVICES and weight.device == inp.device
+        _PROGRAMS[sig] = LinearProgram(plan) if served and serves(plan) else None
+        return None
+    return program
+
+
+_FIRST = object()
+
+
+def serves(plan: LinearPlan) -> bool:
+    """Whether a program makes exactly the op's kernel calls for this plan: per-tensor FP8 (every
+    role current scaling, or every role delayed), each GEMM that runs in FP8 through
+    `torch._scaled_mm` (dims multiples of 16, no e5m2 x e5m2 product), nothing padded, cached,
+    deferred, accumulated into main_grad or saved in high precision."""
+    call, q = plan.call, plan.quantizers
+    if not plan.quantized or plan.prequantized or call.cache_mode != CACHE_OFF or not call.keep_quantized_weight:
+        return False
+    if call.save_original_input or call.fuse_wgrad_accumulation or call.delay_wgrad or call.wgrad_only:
+        return False
+    kinds = {type(q.input), type(q.weight), type(q.grad_output)}
+    if kinds != {Float8CurrentScalingQuantizer} and kinds != {Float8Quantizer}:
+        return False
+    if not plan.fprop_q or plan.dgrad_q != call.input_requires_grad or plan.wgrad_q != call.weight_requires_grad:
+        return False
+    if plan.dgrad_deq or plan.wgrad_deq or plan.reuses_weight_amax or plan.forward_amax_roles():
+        return False
+    m, k, n = plan.m, plan.in_shape[-1], plan.weight_shape[0]
+    if plan.rows != m or m == 0 or m % 16 or k % 16 or n % 16:
+        return False
+    e5m2 = torch.float8_e5m2
+    x, w, g = q.input.fp8_dtype, q.weight.fp8_dtype, q.grad_output.fp8_dtype
+    return not (x == w == e5m2 or (plan.dgrad_q and g == w == e5m2) or (plan.wgrad_q and g == x == e5m2))
+
+
+def _usage(q) -> tuple:
+    """(fp8 dtype, rowwise, columnwise, current scaling's settings or ()) of a role's quantizer."""
+    current = (q.margin, q.force_pow_2_scales, q.amax_epsilon) if type(q) is Float8CurrentScalingQuantizer else ()
+    return q.fp8_dtype, q.rowwise_usage, q.columnwise_usage, current
+
+
+class LinearProgram:
+    """`linear_fwd` and `linear_bwd` of one plan the program `serves`, as one autograd.Function;
+    `__call__` takes `linear`'s arguments (those a served call can have)."""
+
+    def __init__(self, plan: LinearPlan):
+        call = plan.call
+        self.delayed = plan.delayed
+        self.in_features, self.out_features = plan.in_shape[-1], plan.weight_shape[0]
+        self.in_shape, self.out_shape = tuple(plan.in_shape), tuple(plan.in_shape[:-1]) + (plan.weight_shape[0],)
+        self.weight_dtype = plan.weight_dtype
+        self.dgrad, self.wgrad = call.input_requires_grad, call.weight_requires_grad
+        self.dbias = call.bias_requires_grad
+        iq, wq, gq = plan.input_quantizer, plan.weight_quantizer, plan.grad_quantizer
+        self.input_usage, self.weight_usage, self.grad_usage = (None if q is None else _usage(q) for q in (iq, wq, gq))
+        self.shared_key = (RecipeKey.base(plan.key), iq)  # the op's shared-input key for this quantizer
+        self.fast_accum = tuple(not RecipeKey.split_accumulator(plan.key, g) for g in ("fprop", "dgrad", "wgrad"))
+        fn = type("EagerProgram_linear", (torch.autograd.Function,),
+                  {"forward": staticmethod(self._forward), "backward": staticmethod(self._backward)})
+        self._apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, fn)
+
+    def __call__(self, inp, weight, bias, fp8_scale, grad_amax_state):
+        stats["calls"] += 1
+        handoff = grad_amax_state[0] if grad_amax_state else None
+        return self._apply(inp, weight, bias, fp8_scale, handoff)
+
+    def _quantize(self, x, usage, fp8_scale, amaxes, slot):
+        """The buffers of x quantized with `usage` (`_usage`), in the quantizer's flattening order
+        (`Float8*Quantizer._pack`): the quantizer's own kernel call."""
+        dtype, rowwise, columnwise, current = usage
+        if self.delayed:
+            data, transpose, scale_inv = kernel("fp8_quantize_delayed", x.device)(
+                x, fp8_scale, amaxes, dtype, rowwise, columnwise, slot)
+        else:
+            data, transpose, scale_inv, _ = kernel("fp8_quantize_current", x.device)(
+                x, dtype, rowwise, columnwise, *current, existing_amax=None)
+        return ([data] if rowwise else []) + ([transpose] if columnwise else []) + [scale_inv]
+
+    def _forward(self, ctx, inp, weight, bias, fp8_scale, handoff):
+        with shared_input.scope(), zeroed.slots():
+            x2d = inp.reshape(-1, self.in_features)
+            amaxes = zeros(2, inp) if self.delayed else inp.new_empty(0, dtype=torch.float32)
+            x = shared_input.lookup(inp, self.shared_key)
+            if x is None:
+                x = self._quantize(x2d.contiguous(), self.input_usage, fp8_scale, amaxes, 0)
+                shared_input.store(inp, self.shared_key, x + [amaxes[:1]] if self.delayed else x)
+            elif self.delayed:  # another Linear quantized this input: its amax is this one's too
+                amaxes[:1].copy_(x.pop())
+            w = self._quantize(weight.contiguous(), self.weight_usage, fp8_scale, amaxes, 1)
+            out = tensorwise_mm(x[0], w[0], x[-1], w[-1], inp.dtype, bias, self.fast_accum[0])
+        saved = []
+        if self.wgrad:  # the input's columnwise bytes and scale
+            saved += x[-2:]
+        if self.dgrad:  # the weight's
+            saved += w[-2:]
+        if self.delayed:  # autocast's exit rewrites the state before backward reads the scales
+            saved.append(fp8_scale[:3].clone())
+        ctx.save_for_backward(*saved)
+        ctx.handoff = handoff
+        ctx.mark_non_differentiable(amaxes)
+        return out.view(self.out_shape), amaxes
+
+    def _backward(self, ctx, grad_out, _grad_amaxes):
+        saved = list(ctx.saved_tensors)
+        x_t, x_si = saved[:2] if self.wgrad else (None, None)
+        w_t, w_si = saved[-3:-1] if self.delayed and self.dgrad else saved[-2:] if self.dgrad else (None, None)
+        dy = grad_out.contiguous().reshape(-1, self.out_features)
+        dgrad = wgrad = dbias = None
+        with zeroed.slots():
+            grad_amax = zeros(1, dy) if self.delayed else None
+            g = self._quantize(dy.contiguous(), self.grad_usage, saved[-1] if self.delayed else None, grad_amax, 2)
+            if self.dgrad:
+                dgrad = tensorwise_mm(g[0], w_t, g[-1], w_si, grad_out.dtype, None, self.fast_accum[1])
+                dgrad = dgrad.view(self.in_shape)
+            if self.wgrad:
+                wgrad = tensorwise_mm(g[-2], x_t, g[-1], x_si, self.weight_dtype, None, self.fast_accum[2])
+        if self.dbias:
+            dbias = dy.float().sum(0).to(self.weight_dtype)
+        if self.delayed:
+            record_grad_amax([ctx.handoff], grad_amax)
+        return dgrad, wgrad, dbias, None, None
