@@ -3,10 +3,12 @@
 An eager FP8 Linear step is host-bound, and most of a te.Linear's host time is the generality of
 the op (`linear.py`): its plan and protos, bare storages and their usage views, the GEMM dispatch,
 the autograd wiring of every call flag. For the common call -- per-tensor FP8 with current or
-delayed scaling, every GEMM in FP8 on CUDA, no weight cache, row padding, main_grad, deferred wgrad
-or saved high-precision input -- `program_for` builds once per signature a `LinearProgram` that
-makes the op's kernel calls with the op's arguments in the op's order (the quantize kernels, the
-shared-input lookups, the `torch._scaled_mm` GEMMs, the gradient amax record), without those layers.
+delayed scaling, every GEMM in FP8 on CUDA, the input quantized here or by a fused norm, the wgrad
+returned or added into main_grad; no weight cache, row padding, deferred wgrad or saved
+high-precision input -- `program_for` builds once per signature a `LinearProgram` that makes the
+op's kernel calls with the op's arguments in the op's order (the quantize kernels, the shared-input
+lookups, the `torch._scaled_mm` GEMMs, the gradient amax record, the main_grad accumulation),
+without those layers.
 
 The op stays the definition. The first eager call of a signature runs it (its input checks and
 their errors), every call a program cannot serve runs it, torch.compile traces it, and
@@ -48,18 +50,21 @@ def set_enabled(on: bool) -> None:
     _PROGRAMS.clear()
 
 
-def program_for(key: str, flags: int, inp: torch.Tensor, weight: torch.Tensor) -> Optional["LinearProgram"]:
+def program_for(key: str, flags: int, inp: torch.Tensor, weight: torch.Tensor,
+                prequantized: bool = False) -> Optional["LinearProgram"]:
     """The program of this eager call's signature, or None: the op runs (the signature's first
-    call, a call no program serves, or programs switched off)."""
+    call, a call no program serves, or programs switched off). `prequantized`: the input comes
+    with its quantized buffers (a fused norm + quantize)."""
     if not _enabled:
         return None
-    sig = (key, flags, inp.shape, weight.shape, inp.dtype, weight.dtype, inp.get_device(), weight.get_device())
+    sig = (key, flags, inp.shape, weight.shape, inp.dtype, weight.dtype, inp.get_device(), weight.get_device(),
+           prequantized)
     program = _PROGRAMS.get(sig, _FIRST)
     if program is _FIRST:  # the op runs this first call; the next ones take what is built here
         if len(_PROGRAMS) >= _LIMIT:
             _PROGRAMS.clear()
         plan = make_plan(key, tuple(inp.shape), tuple(weight.shape), inp.dtype, weight.dtype, LinearCall.of(flags),
-                         False)
+                         prequantized)
         served = inp.device.type in SERVED_DEVICES and weight.device == inp.device
         _PROGRAMS[sig] = LinearProgram(plan) if served and serves(plan) else None
         return None
@@ -73,11 +78,13 @@ def serves(plan: LinearPlan) -> bool:
     """Whether a program makes exactly the op's kernel calls for this plan: per-tensor FP8 (every
     role current scaling, or every role delayed), each GEMM that runs in FP8 through
     `torch._scaled_mm` (dims multiples of 16, no e5m2 x e5m2 product), nothing padded, cached,
-    deferred, accumulated into main_grad or saved in high precision."""
+    deferred or saved in high precision, a prequantized input in the layout a fused norm gives."""
     call, q = plan.call, plan.quantizers
-    if not plan.quantized or plan.prequantized or call.cache_mode != CACHE_OFF or not call.keep_quantized_weight:
+    if not plan.quantized or call.cache_mode != CACHE_OFF or not call.keep_quantized_weight:
         return False
-    if call.save_original_input or call.fuse_wgrad_accumulation or call.delay_wgrad or call.wgrad_only:
+    if call.save_original_input or call.delay_wgrad or call.wgrad_only:
+        return False
+    if plan.prequantized and (plan.delayed or plan.prequantized_input.inner_names() != _INPUT_BUFFERS[plan.wgrad_q]):
         return False
     kinds = {type(q.input), type(q.weight), type(q.grad_output)}
     if kinds != {Float8CurrentScalingQuantizer} and kinds != {Float8Quantizer}:
@@ -92,6 +99,10 @@ def serves(plan: LinearPlan) -> bool:
     e5m2 = torch.float8_e5m2
     x, w, g = q.input.fp8_dtype, q.weight.fp8_dtype, q.grad_output.fp8_dtype
     return not (x == w == e5m2 or (plan.dgrad_q and g == w == e5m2) or (plan.wgrad_q and g == x == e5m2))
+
+
+# the buffers of the fused norm's quantized input, without and with the columnwise copy wgrad reads
+_INPUT_BUFFERS = {False: ("_data", "_scale_inv"), True: ("_data", "_transpose", "_scale_inv")}
 
 
 def _usage(q) -> tuple:
@@ -111,7 +122,8 @@ class LinearProgram:
         self.in_shape, self.out_shape = tuple(plan.in_shape), tuple(plan.in_shape[:-1]) + (plan.weight_shape[0],)
         self.weight_dtype = plan.weight_dtype
         self.dgrad, self.wgrad = call.input_requires_grad, call.weight_requires_grad
-        self.dbias = call.bias_requires_grad
+        self.dbias, self.fuse_wgrad = call.bias_requires_grad, call.fuse_wgrad_accumulation
+        self.prequantized = plan.prequantized
         iq, wq, gq = plan.input_quantizer, plan.weight_quantizer, plan.grad_quantizer
         self.input_usage, self.weight_usage, self.grad_usage = (None if q is None else _usage(q) for q in (iq, wq, gq))
         self.shared_key = (RecipeKey.base(plan.key), iq)  # the op's shared-input key for this quantizer
@@ -120,10 +132,10 @@ class LinearProgram:
                   {"forward": staticmethod(self._forward), "backward": staticmethod(self._backward)})
         self._apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, fn)
 
-    def __call__(self, inp, weight, bias, fp8_scale, grad_amax_state):
+    def __call__(self, inp, weight, bias, fp8_scale, grad_amax_state, main_grad, inp_quantized):
         stats["calls"] += 1
         handoff = grad_amax_state[0] if grad_amax_state else None
-        return self._apply(inp, weight, bias, fp8_scale, handoff)
+        return self._apply(inp, weight, bias, fp8_scale, handoff, main_grad, inp_quantized)
 
     def _quantize(self, x, usage, fp8_scale, amaxes, slot):
         """The buffers of x quantized with `usage` (`_usage`), in the quantizer's flattening order
@@ -137,18 +149,19 @@ class LinearProgram:
                 x, dtype, rowwise, columnwise, *current, existing_amax=None)
         return ([data] if rowwise else []) + ([transpose] if columnwise else []) + [scale_inv]
 
-    def _forward(self, ctx, inp, weight, bias, fp8_scale, handoff):
+    def _forward(self, ctx, inp, weight, bias, fp8_scale, handoff, main_grad, inp_quantized):
         with shared_input.scope(), zeroed.slots():
             x2d = inp.reshape(-1, self.in_features)
             amaxes = zeros(2, inp) if self.delayed else inp.new_empty(0, dtype=torch.float32)
-            x = shared_input.lookup(inp, self.shared_key)
+            x = list(inp_quantized) if self.prequantized else shared_input.lookup(inp, self.shared_key)
             if x is None:
                 x = self._quantize(x2d.contiguous(), self.input_usage, fp8_scale, amaxes, 0)
                 shared_input.store(inp, self.shared_key, x + [amaxes[:1]] if self.delayed else x)
             elif self.delayed:  # another Linear quantized this input: its amax is this one's too
                 amaxes[:1].copy_(x.pop())
             w = self._quantize(weight.contiguous(), self.weight_usage, fp8_scale, amaxes, 1)
-            out = tensorwise_mm(x[0], w[0], x[-1], w[-1], inp.dtype, bias, self.fast_accum[0])
+            x_rows = x[0].reshape(-1, self.in_features)
+            out = tensorwise_mm(x_rows, w[0], x[-1], w[-1], inp.dtype, bias, self.fast_accum[0])
         saved = []
         if self.wgrad:  # the input's columnwise bytes and scale
             saved += x[-2:]
@@ -157,11 +170,13 @@ class LinearProgram:
         if self.delayed:  # autocast's exit rewrites the state before backward reads the scales
             saved.append(fp8_scale[:3].clone())
         ctx.save_for_backward(*saved)
-        ctx.handoff = handoff
+        ctx.handoff, ctx.main_grad = handoff, main_grad
         ctx.mark_non_differentiable(amaxes)
         return out.view(self.out_shape), amaxes
 
     def _backward(self, ctx, grad_out, _grad_amaxes):
+        """linear_bwd's kernel calls, then `finish_backward`'s: the gradient amax record, the
+        main_grad accumulation."""
         saved = list(ctx.saved_tensors)
         x_t, x_si = saved[:2] if self.wgrad else (None, None)
         w_t, w_si = saved[-3:-1] if self.delayed and self.dgrad else saved[-2:] if self.dgrad else (None, None)
@@ -174,9 +189,13 @@ class LinearProgram:
                 dgrad = tensorwise_mm(g[0], w_t, g[-1], w_si, grad_out.dtype, None, self.fast_accum[1])
                 dgrad = dgrad.view(self.in_shape)
             if self.wgrad:
-                wgrad = tensorwise_mm(g[-2], x_t, g[-1], x_si, self.weight_dtype, None, self.fast_accum[2])
+                wgrad_dtype = torch.float32 if self.fuse_wgrad else self.weight_dtype
+                wgrad = tensorwise_mm(g[-2], x_t, g[-1], x_si, wgrad_dtype, None, self.fast_accum[2])
         if self.dbias:
             dbias = dy.float().sum(0).to(self.weight_dtype)
         if self.delayed:
             record_grad_amax([ctx.handoff], grad_amax)
-        return dgrad, wgrad, dbias, None, None
+        if self.fuse_wgrad and wgrad is not None:
+            ctx.main_grad.add_(wgrad)
+            wgrad = None
+        return dgrad, wgrad, dbias, None, None, None, None

@@ -434,11 +434,10 @@ def linear(inp, weight, bias=None, *, key: str, fp8_scale=None, grad_amax_state=
     args = (inp, weight, bias, fp8_scale, list(grad_amax_state), list(weight_cache), main_grad, key, flags,
             list(inp_quantized))
     program = None
-    if not (weight_cache or inp_quantized or main_grad is not None or wgrad_store is not None) \
-            and not torch.compiler.is_compiling():
-        program = eager_program.program_for(key, flags, inp, weight)
-    if program is not None and takes_eager_path(inp, weight, bias, fp8_scale, args[4]):
-        out, amaxes = program(inp, weight, bias, fp8_scale, args[4])
+    if not (weight_cache or wgrad_store is not None or torch.compiler.is_compiling()):
+        program = eager_program.program_for(key, flags, inp, weight, bool(inp_quantized))
+    if program is not None and takes_eager_path(inp, weight, bias, fp8_scale, args[4], main_grad, args[9]):
+        out, amaxes = program(inp, weight, bias, fp8_scale, args[4], main_grad, args[9])
         return out, amaxes, []
     out, amaxes, _, cache = _linear_fwd_call(*args)
     if wgrad_store is not None and out.grad_fn is not None:
