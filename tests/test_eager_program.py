@@ -97,8 +97,8 @@ def _same(a, b, exact, rtol=0.02, atol=0.02):
 
 def _compare(model_id, recipe_id, device, bias, exact):
     recipe, make = RECIPES[recipe_id], MODELS[model_id]
-    x = torch.randn(2, 16, 64, device=device, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
-    dy = torch.randn(2, 16, 64, device=device, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(1)).to(device, torch.bfloat16)
+    dy = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(2)).to(device, torch.bfloat16)
     runs = []
     for programs in (True, False):
         torch.manual_seed(0)  # the same initial weights in both runs
