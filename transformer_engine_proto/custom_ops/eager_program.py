@@ -12,7 +12,8 @@ without those layers.
 
 The op stays the definition. The first eager call of a signature runs it (its input checks and
 their errors), every call a program cannot serve runs it, torch.compile traces it, and
-tests/test_eager_program.py checks on the GPU that both give the same bits, amaxes and scale state.
+tests/test_eager_program.py checks that training with and without programs gives the same bits,
+main_grad and scale state (on the GPU, and on CPU with the op's GEMM on `torch._scaled_mm`).
 `set_enabled(False)` (or `TE_PROTO_EAGER_PROGRAM=0`) sends every call to the op.
 """
 from __future__ import annotations
@@ -38,7 +39,7 @@ _enabled = os.environ.get("TE_PROTO_EAGER_PROGRAM", "1") != "0"
 _PROGRAMS = {}  # call signature -> LinearProgram, or None: the op serves it
 _LIMIT = 4096  # signatures kept: beyond it (shapes that keep changing) the cache starts over
 # devices whose op GEMMs are the programs' `torch._scaled_mm` (on CPU the op emulates the GEMM in
-# float32, so a program there would differ from it: the CPU tests add "cpu" to check the wiring)
+# float32, so a program there would differ from it: the CPU tests add "cpu" and give the op that call)
 SERVED_DEVICES = {"cuda"}
 stats = {"calls": 0}  # calls the programs served, for tests and tools
 
@@ -151,11 +152,11 @@ class LinearProgram:
 
     def _forward(self, ctx, inp, weight, bias, fp8_scale, handoff, main_grad, inp_quantized):
         with shared_input.scope(), zeroed.slots():
-            x2d = inp.reshape(-1, self.in_features)
             amaxes = zeros(2, inp) if self.delayed else inp.new_empty(0, dtype=torch.float32)
             x = list(inp_quantized) if self.prequantized else shared_input.lookup(inp, self.shared_key)
             if x is None:
-                x = self._quantize(x2d.contiguous(), self.input_usage, fp8_scale, amaxes, 0)
+                x2d = inp.reshape(-1, self.in_features).contiguous()
+                x = self._quantize(x2d, self.input_usage, fp8_scale, amaxes, 0)
                 shared_input.store(inp, self.shared_key, x + [amaxes[:1]] if self.delayed else x)
             elif self.delayed:  # another Linear quantized this input: its amax is this one's too
                 amaxes[:1].copy_(x.pop())

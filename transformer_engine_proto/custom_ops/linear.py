@@ -27,9 +27,9 @@ from ..kernels.reference.common import traced
 from ..kernels.zeroed import zeros
 from ..tensor import TensorProto
 from ..tensor.storage import QuantizedTensorStorage
-from . import eager_program, shared_input
+from . import eager_path, eager_program, shared_input
 from .delayed_scaling import record_grad_amax
-from .eager_path import eager_function, takes_eager_path
+from .eager_path import eager_function
 from .inductor_lowering import inline_in_inductor
 from .linear_call import CACHE_FILL, CACHE_OFF, CACHE_USE, LinearCall, call_flags
 from .linear_plan import LinearPlan, make_plan, plan_of
@@ -436,7 +436,7 @@ def linear(inp, weight, bias=None, *, key: str, fp8_scale=None, grad_amax_state=
     program = None
     if not (weight_cache or wgrad_store is not None or torch.compiler.is_compiling()):
         program = eager_program.program_for(key, flags, inp, weight, bool(inp_quantized))
-    if program is not None and takes_eager_path(inp, weight, bias, fp8_scale, args[4], main_grad, args[9]):
+    if program is not None and eager_path.takes_eager_path(inp, weight, bias, fp8_scale, args[4], main_grad, args[9]):
         out, amaxes = program(inp, weight, bias, fp8_scale, args[4], main_grad, args[9])
         return out, amaxes, []
     out, amaxes, _, cache = _linear_fwd_call(*args)
