@@ -148,6 +148,64 @@ def test_programs_train_as_the_op_does_cuda(model_id, recipe_id, bias):
     _compare(model_id, recipe_id, "cuda", bias)
 
 
+VARIANTS = ["frozen-input", "frozen-weight", "frozen-bias", "2d-input", "no-grad", "torch-autocast-fp32-params"]
+
+
+def _variant_run(variant, recipe, device, programs: bool):
+    """Three steps of one Linear in a call variant; what they produce (outputs, gradients, state)."""
+    eager_program.set_enabled(programs)
+    torch.manual_seed(0)
+    fp32 = variant == "torch-autocast-fp32-params"
+    lin = te.Linear(64, 32, bias=True, params_dtype=torch.float32 if fp32 else torch.bfloat16, device=device)
+    if variant == "frozen-weight":
+        lin.weight.requires_grad_(False)
+    if variant == "frozen-bias":
+        lin.bias.requires_grad_(False)
+    shape = (32, 64) if variant == "2d-input" else (2, 16, 64)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(device, torch.bfloat16)
+    out = []
+    try:
+        for _ in range(3):
+            x_ = x.clone().requires_grad_(variant not in ("frozen-input", "no-grad"))
+            with te.autocast(recipe=recipe), torch.set_grad_enabled(variant != "no-grad"), \
+                    torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=fp32):
+                y = lin(x_)
+            out.append(y.detach())
+            if y.requires_grad:
+                y.float().square().sum().backward()
+                out += [t.grad for t in (x_, lin.weight, lin.bias) if t.grad is not None]
+                lin.zero_grad()
+        fold_last_grad_amaxes(recipe)
+    finally:
+        eager_program.set_enabled(True)
+    return out + [t.clone() for t in lin.state_dict().values() if isinstance(t, torch.Tensor)] + \
+        [t.clone() for g, _ in lin.gemm_weights() for t in g._buffers.values()]
+
+
+def _compare_variant(variant, recipe_id, device):
+    recipe = RECIPES[recipe_id]
+    calls = eager_program.stats["calls"]
+    fast = _variant_run(variant, recipe, device, True)
+    assert eager_program.stats["calls"] - calls == 2  # steps 2 and 3
+    slow = _variant_run(variant, recipe, device, False)
+    assert len(fast) == len(slow)
+    for a, b in zip(fast, slow):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("recipe_id", ["current", "delayed"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_programs_follow_every_call_variant_cpu(variant, recipe_id, cpu_as_cuda):
+    _compare_variant(variant, recipe_id, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe_id", ["current", "delayed"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_programs_follow_every_call_variant_cuda(variant, recipe_id):
+    _compare_variant(variant, recipe_id, "cuda")
+
+
 def test_first_call_of_a_signature_runs_the_op(monkeypatch):
     """The op's input checks run on a signature's first call: a bad input raises the op's error."""
     monkeypatch.setattr(eager_program, "SERVED_DEVICES", {"cpu"})
