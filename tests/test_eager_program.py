@@ -206,6 +206,50 @@ def test_programs_follow_every_call_variant_cuda(variant, recipe_id):
     _compare_variant(variant, recipe_id, "cuda")
 
 
+TOKEN_COUNTS = (32, 48, 64, 40, 16, 32)  # 40: not a multiple of 16, the op's
+
+
+def _token_count_run(recipe, device, programs: bool):
+    eager_program.set_enabled(programs)
+    torch.manual_seed(0)
+    lin = te.Linear(64, 32, params_dtype=torch.bfloat16, device=device)
+    out = []
+    try:
+        for i, m in enumerate(TOKEN_COUNTS):
+            x = torch.randn(m, 64, generator=torch.Generator().manual_seed(i)).to(device, torch.bfloat16)
+            x.requires_grad_()
+            with te.autocast(recipe=recipe):
+                y = lin(x)
+            y.float().square().sum().backward()
+            out += [y.detach(), x.grad, lin.weight.grad.clone(), lin.bias.grad.clone()]
+        fold_last_grad_amaxes(recipe)
+    finally:
+        eager_program.set_enabled(True)
+    return out + [t.clone() for g, _ in lin.gemm_weights() for t in g._buffers.values()]
+
+
+def _compare_token_counts(recipe_id, device):
+    calls = eager_program.stats["calls"]
+    fast = _token_count_run(RECIPES[recipe_id], device, True)
+    assert eager_program.stats["calls"] - calls == 4  # all but the first call and the 40 tokens
+    slow = _token_count_run(RECIPES[recipe_id], device, False)
+    for a, b in zip(fast, slow, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("recipe_id", ["current", "delayed"])
+def test_one_program_serves_every_token_count_cpu(recipe_id, cpu_as_cuda):
+    """A varying batch (or an MoE expert's split) reuses one program: the token count is not
+    part of a program's signature."""
+    _compare_token_counts(recipe_id, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe_id", ["current", "delayed"])
+def test_one_program_serves_every_token_count_cuda(recipe_id):
+    _compare_token_counts(recipe_id, "cuda")
+
+
 def test_first_call_of_a_signature_runs_the_op(monkeypatch):
     """The op's input checks run on a signature's first call: a bad input raises the op's error."""
     monkeypatch.setattr(eager_program, "SERVED_DEVICES", {"cpu"})

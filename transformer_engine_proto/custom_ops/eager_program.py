@@ -4,11 +4,11 @@ An eager FP8 Linear step is host-bound, and most of a te.Linear's host time is t
 the op (`linear.py`): its plan and protos, bare storages and their usage views, the GEMM dispatch,
 the autograd wiring of every call flag. For the common call -- per-tensor FP8 with current or
 delayed scaling, every GEMM in FP8 on CUDA, the input quantized here or by a fused norm, the wgrad
-returned or added into main_grad; no weight cache, row padding, deferred wgrad or saved
-high-precision input -- `program_for` builds once per signature a `LinearProgram` that makes the
-op's kernel calls with the op's arguments in the op's order (the quantize kernels, the shared-input
-lookups, the `torch._scaled_mm` GEMMs, the gradient amax record, the main_grad accumulation),
-without those layers.
+returned or added into main_grad, a token count that is a multiple of 16; no weight cache, row
+padding, deferred wgrad or saved high-precision input -- `program_for` builds once per signature
+(not per token count) a `LinearProgram` that makes the op's kernel calls with the op's arguments
+in the op's order (the quantize kernels, the shared-input lookups, the `torch._scaled_mm` GEMMs,
+the gradient amax record, the main_grad accumulation), without those layers.
 
 The op stays the definition. The first eager call of a signature runs it (its input checks and
 their errors), every call a program cannot serve runs it, torch.compile traces it, and
@@ -58,8 +58,13 @@ def program_for(key: str, flags: int, inp: torch.Tensor, weight: torch.Tensor,
     with its quantized buffers (a fused norm + quantize)."""
     if not _enabled:
         return None
-    sig = (key, flags, inp.shape, weight.shape, inp.dtype, weight.dtype, inp.get_device(), weight.get_device(),
-           prequantized)
+    # the token count is not part of the signature (a program serves any count cuBLAS takes), so a
+    # varying batch or MoE split builds one program, not one per count
+    k = inp.shape[-1]
+    m = inp.numel() // k if k else 0
+    if m == 0 or m % 16:
+        return None
+    sig = (key, flags, k, weight.shape, inp.dtype, weight.dtype, inp.get_device(), weight.get_device(), prequantized)
     program = _PROGRAMS.get(sig, _FIRST)
     if program is _FIRST:  # the op runs this first call; the next ones take what is built here
         if len(_PROGRAMS) >= _LIMIT:
@@ -76,10 +81,12 @@ _FIRST = object()
 
 
 def serves(plan: LinearPlan) -> bool:
-    """Whether a program makes exactly the op's kernel calls for this plan: per-tensor FP8 (every
-    role current scaling, or every role delayed), each GEMM that runs in FP8 through
-    `torch._scaled_mm` (dims multiples of 16, no e5m2 x e5m2 product), nothing padded, cached,
-    deferred or saved in high precision, a prequantized input in the layout a fused norm gives."""
+    """Whether a program makes exactly the op's kernel calls for this plan, whatever its token
+    count (a multiple of 16, which `program_for` checks per call): per-tensor FP8 (every role
+    current scaling, or every role delayed), each GEMM that runs in FP8 through `torch._scaled_mm`
+    (features multiples of 16, no e5m2 x e5m2 product), nothing padded (per-tensor FP8 has no row
+    block), cached, deferred or saved in high precision, a prequantized input in the layout a
+    fused norm gives."""
     call, q = plan.call, plan.quantizers
     if not plan.quantized or call.cache_mode != CACHE_OFF or not call.keep_quantized_weight:
         return False
@@ -94,8 +101,7 @@ def serves(plan: LinearPlan) -> bool:
         return False
     if plan.dgrad_deq or plan.wgrad_deq or plan.reuses_weight_amax or plan.forward_amax_roles():
         return False
-    m, k, n = plan.m, plan.in_shape[-1], plan.weight_shape[0]
-    if plan.rows != m or m == 0 or m % 16 or k % 16 or n % 16:
+    if plan.rows != plan.m or plan.in_shape[-1] % 16 or plan.weight_shape[0] % 16:
         return False
     e5m2 = torch.float8_e5m2
     x, w, g = q.input.fp8_dtype, q.weight.fp8_dtype, q.grad_output.fp8_dtype
@@ -112,15 +118,30 @@ def _usage(q) -> tuple:
     return q.fp8_dtype, q.rowwise_usage, q.columnwise_usage, current
 
 
+class _Run(torch.autograd.Function):
+    """A program's call: its forward and backward (the program is the first argument)."""
+
+    @staticmethod
+    def forward(ctx, program, *args):
+        ctx.program = program
+        return program.forward(ctx, *args)
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_amaxes):
+        return (None, *ctx.program.backward(ctx, grad_out))
+
+
+_run = torch._C._FunctionBase.__dict__["apply"].__get__(None, _Run)  # Function.apply's C entry
+
+
 class LinearProgram:
-    """`linear_fwd` and `linear_bwd` of one plan the program `serves`, as one autograd.Function;
+    """`linear_fwd` and `linear_bwd` of one plan the program `serves`, for any token count;
     `__call__` takes `linear`'s arguments (those a served call can have)."""
 
     def __init__(self, plan: LinearPlan):
         call = plan.call
         self.delayed = plan.delayed
         self.in_features, self.out_features = plan.in_shape[-1], plan.weight_shape[0]
-        self.in_shape, self.out_shape = tuple(plan.in_shape), tuple(plan.in_shape[:-1]) + (plan.weight_shape[0],)
         self.weight_dtype = plan.weight_dtype
         self.dgrad, self.wgrad = call.input_requires_grad, call.weight_requires_grad
         self.dbias, self.fuse_wgrad = call.bias_requires_grad, call.fuse_wgrad_accumulation
@@ -129,14 +150,11 @@ class LinearProgram:
         self.input_usage, self.weight_usage, self.grad_usage = (None if q is None else _usage(q) for q in (iq, wq, gq))
         self.shared_key = (RecipeKey.base(plan.key), iq)  # the op's shared-input key for this quantizer
         self.fast_accum = tuple(not RecipeKey.split_accumulator(plan.key, g) for g in ("fprop", "dgrad", "wgrad"))
-        fn = type("EagerProgram_linear", (torch.autograd.Function,),
-                  {"forward": staticmethod(self._forward), "backward": staticmethod(self._backward)})
-        self._apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, fn)
 
     def __call__(self, inp, weight, bias, fp8_scale, grad_amax_state, main_grad, inp_quantized):
         stats["calls"] += 1
         handoff = grad_amax_state[0] if grad_amax_state else None
-        return self._apply(inp, weight, bias, fp8_scale, handoff, main_grad, inp_quantized)
+        return _run(self, inp, weight, bias, fp8_scale, handoff, main_grad, inp_quantized)
 
     def _quantize(self, x, usage, fp8_scale, amaxes, slot):
         """The buffers of x quantized with `usage` (`_usage`), in the quantizer's flattening order
@@ -150,7 +168,7 @@ class LinearProgram:
                 x, dtype, rowwise, columnwise, *current, existing_amax=None)
         return ([data] if rowwise else []) + ([transpose] if columnwise else []) + [scale_inv]
 
-    def _forward(self, ctx, inp, weight, bias, fp8_scale, handoff, main_grad, inp_quantized):
+    def forward(self, ctx, inp, weight, bias, fp8_scale, handoff, main_grad, inp_quantized):
         with shared_input.scope(), zeroed.slots():
             amaxes = zeros(2, inp) if self.delayed else inp.new_empty(0, dtype=torch.float32)
             x = list(inp_quantized) if self.prequantized else shared_input.lookup(inp, self.shared_key)
@@ -171,11 +189,11 @@ class LinearProgram:
         if self.delayed:  # autocast's exit rewrites the state before backward reads the scales
             saved.append(fp8_scale[:3].clone())
         ctx.save_for_backward(*saved)
-        ctx.handoff, ctx.main_grad = handoff, main_grad
+        ctx.handoff, ctx.main_grad, ctx.in_shape = handoff, main_grad, inp.shape
         ctx.mark_non_differentiable(amaxes)
-        return out.view(self.out_shape), amaxes
+        return out.view(*inp.shape[:-1], self.out_features), amaxes
 
-    def _backward(self, ctx, grad_out, _grad_amaxes):
+    def backward(self, ctx, grad_out):
         """linear_bwd's kernel calls, then `finish_backward`'s: the gradient amax record, the
         main_grad accumulation."""
         saved = list(ctx.saved_tensors)
@@ -188,7 +206,7 @@ class LinearProgram:
             g = self._quantize(dy.contiguous(), self.grad_usage, saved[-1] if self.delayed else None, grad_amax, 2)
             if self.dgrad:
                 dgrad = tensorwise_mm(g[0], w_t, g[-1], w_si, grad_out.dtype, None, self.fast_accum[1])
-                dgrad = dgrad.view(self.in_shape)
+                dgrad = dgrad.view(ctx.in_shape)
             if self.wgrad:
                 wgrad_dtype = torch.float32 if self.fuse_wgrad else self.weight_dtype
                 wgrad = tensorwise_mm(g[-2], x_t, g[-1], x_si, wgrad_dtype, None, self.fast_accum[2])
