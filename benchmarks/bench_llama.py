@@ -17,7 +17,8 @@ fresh model after `torch._dynamo.reset()`; graph breaks are counted and reported
 name may add `+policy` (`te.GemmPolicy()`; its choices are printed) and `+soi` (every Linear with
 `save_original_input=True`: the raw input saved, quantized in backward; `+soi-attn`: all but
 down_proj and lm_head; `+rc`: `custom_ops.recompute_tags.set_recompute_saved_input(True)`) and
-`+norms` (the RMSNorms swapped for `te.RMSNorm` too) and `+fuse` / `+fuse-amax` (inductor fuses the aten
+`+norms` (the RMSNorms swapped for `te.RMSNorm` too), `+op` (eager Linear calls always through the op, no
+eager programs: `custom_ops/eager_program.py`) and `+fuse` / `+fuse-amax` (inductor fuses the aten
 reference of the per-tensor FP8 quantize, or of its amax only, instead of launching the library's Triton
 kernels: `te.kernels.set_fusible_quantize`).
 Every variant runs in this process, so the ratios compare like with like.
@@ -168,6 +169,8 @@ def make_variant(variant: str, args, device, dtype):
     model = te.convert_model(model, recipe=recipe, convert_norms="+norms" in variant)
     # +fuse: inductor fuses the aten reference of the per-tensor quantize; +fuse-amax: of its amax only
     te.kernels.set_fusible_quantize("amax" if "+fuse-amax" in variant else "+fuse" in variant)
+    # +op: every eager Linear call runs the op (the eager programs off), for an A/B in one process
+    te.custom_ops.eager_program.set_enabled("+op" not in variant)
     # +rc: the Linears' quantized inputs (and the norms) recomputed in backward, not saved
     te.custom_ops.recompute_tags.set_recompute_saved_input("+rc" in variant)
     if "+soi" in variant:  # Linears save their raw input; backward quantizes it (save_original_input)

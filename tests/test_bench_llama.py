@@ -35,6 +35,15 @@ def test_smoke_run_measures_each_variant():
     assert all(r["ms"] > 0 and torch.isfinite(torch.tensor(r["last_loss"])) for r in results), results
 
 
+def test_op_variant_turns_the_eager_programs_off_for_that_variant_only():
+    from transformer_engine_proto.custom_ops import eager_program
+
+    bench_llama.make_variant("te:current+op", SMOKE, "cpu", torch.float32)
+    assert not eager_program.enabled()
+    bench_llama.make_variant("te:current", SMOKE, "cpu", torch.float32)
+    assert eager_program.enabled()
+
+
 def test_kernel_families_by_name():
     cases = {"sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x64": "gemm", "nvjet_tst_128x256": "gemm",
              "aten::mm": "gemm", "_cast_transpose_packed_kernel": "quantize", "_amax_kernel": "quantize",

@@ -33,7 +33,7 @@ from .linear_call import CACHE_OFF, LinearCall
 from .linear_plan import LinearPlan, make_plan
 from .recipe_key import RecipeKey
 
-__all__ = ["program_for", "set_enabled", "LinearProgram"]
+__all__ = ["program_for", "set_enabled", "enabled", "LinearProgram"]
 
 _enabled = os.environ.get("TE_PROTO_EAGER_PROGRAM", "1") != "0"
 _PROGRAMS = {}  # call signature -> LinearProgram, or None: the op serves it
@@ -49,6 +49,10 @@ def set_enabled(on: bool) -> None:
     global _enabled
     _enabled = bool(on)
     _PROGRAMS.clear()
+
+
+def enabled() -> bool:
+    return _enabled
 
 
 def program_for(key: str, flags: int, inp: torch.Tensor, weight: torch.Tensor,
