@@ -40,13 +40,15 @@ def _cpu_cases_see_no_gpu(request, monkeypatch):
 
 
 # The library reads its switches (TE_PROTO_KERNELS, TE_PROTO_FAST_LAUNCH, TE_PROTO_TRITON_SOFT_CAST,
-# TE_PROTO_NATIVE_BLOCK_GEMM) once; tests flip them with the Python setters. After every test each
-# setter is put back to None (follow the environment variable), so no test leaks its choice.
+# TE_PROTO_NATIVE_BLOCK_GEMM, TE_PROTO_EAGER_PROGRAM) once; tests flip them with the Python setters.
+# After every test each setter is put back to None (follow the environment variable), so no test
+# leaks its choice.
 _SWITCHES = (("transformer_engine_proto.kernels", "set_backend"),
              ("transformer_engine_proto.kernels", "set_fusible_quantize"),
              ("transformer_engine_proto.kernels.triton.launch", "set_fast_launch"),
              ("transformer_engine_proto.kernels.triton._common", "set_soft_cast"),
-             ("transformer_engine_proto.block_scaled_gemm", "set_native_block_gemm"))
+             ("transformer_engine_proto.block_scaled_gemm", "set_native_block_gemm"),
+             ("transformer_engine_proto.custom_ops.eager_program", "set_enabled"))
 
 
 @pytest.fixture(autouse=True)

@@ -35,7 +35,7 @@ from .recipe_key import RecipeKey
 
 __all__ = ["program_for", "set_enabled", "enabled", "LinearProgram"]
 
-_enabled = os.environ.get("TE_PROTO_EAGER_PROGRAM", "1") != "0"
+_enabled = None  # None: not decided yet, take TE_PROTO_EAGER_PROGRAM at the next call
 _PROGRAMS = {}  # call signature -> LinearProgram, or None: the op serves it
 _LIMIT = 4096  # signatures kept: beyond it (shapes that keep changing) the cache starts over
 # devices whose op GEMMs are the programs' `torch._scaled_mm` (on CPU the op emulates the GEMM in
@@ -44,14 +44,19 @@ SERVED_DEVICES = {"cuda"}
 stats = {"calls": 0}  # calls the programs served, for tests and tools
 
 
-def set_enabled(on: bool) -> None:
-    """Whether eager calls may take a program (False: every call runs the op)."""
+def set_enabled(on: Optional[bool]) -> None:
+    """Whether eager calls may take a program (False: every call runs the op); None follows
+    `TE_PROTO_EAGER_PROGRAM` again (unset or anything but "0": on)."""
     global _enabled
-    _enabled = bool(on)
+    _enabled = None if on is None else bool(on)
     _PROGRAMS.clear()
 
 
 def enabled() -> bool:
+    """Whether eager calls may take a program now."""
+    global _enabled
+    if _enabled is None:
+        _enabled = os.environ.get("TE_PROTO_EAGER_PROGRAM", "1") != "0"
     return _enabled
 
 
@@ -60,7 +65,7 @@ def program_for(key: str, flags: int, inp: torch.Tensor, weight: torch.Tensor,
     """The program of this eager call's signature, or None: the op runs (the signature's first
     call, a call no program serves, or programs switched off). `prequantized`: the input comes
     with its quantized buffers (a fused norm + quantize)."""
-    if not _enabled:
+    if not (_enabled if _enabled is not None else enabled()):
         return None
     # the token count is not part of the signature (a program serves any count cuBLAS takes), so a
     # varying batch or MoE split builds one program, not one per count
