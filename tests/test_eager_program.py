@@ -148,7 +148,8 @@ def test_programs_train_as_the_op_does_cuda(model_id, recipe_id, bias):
     _compare(model_id, recipe_id, "cuda", bias)
 
 
-VARIANTS = ["frozen-input", "frozen-weight", "frozen-bias", "2d-input", "no-grad", "torch-autocast-fp32-params"]
+VARIANTS = ["frozen-input", "frozen-weight", "frozen-bias", "only-bias-trains", "2d-input", "no-grad",
+            "torch-autocast-fp32-params"]
 
 
 def _variant_run(variant, recipe, device, programs: bool):
@@ -157,7 +158,7 @@ def _variant_run(variant, recipe, device, programs: bool):
     torch.manual_seed(0)
     fp32 = variant == "torch-autocast-fp32-params"
     lin = te.Linear(64, 32, bias=True, params_dtype=torch.float32 if fp32 else torch.bfloat16, device=device)
-    if variant == "frozen-weight":
+    if variant in ("frozen-weight", "only-bias-trains"):
         lin.weight.requires_grad_(False)
     if variant == "frozen-bias":
         lin.bias.requires_grad_(False)
@@ -166,7 +167,7 @@ def _variant_run(variant, recipe, device, programs: bool):
     out = []
     try:
         for _ in range(3):
-            x_ = x.clone().requires_grad_(variant not in ("frozen-input", "no-grad"))
+            x_ = x.clone().requires_grad_(variant not in ("frozen-input", "only-bias-trains", "no-grad"))
             with te.autocast(recipe=recipe), torch.set_grad_enabled(variant != "no-grad"), \
                     torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=fp32):
                 y = lin(x_)

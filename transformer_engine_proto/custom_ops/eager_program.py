@@ -212,7 +212,9 @@ class LinearProgram:
         dgrad = wgrad = dbias = None
         with zeroed.slots():
             grad_amax = zeros(1, dy) if self.delayed else None
-            g = self._quantize(dy.contiguous(), self.grad_usage, saved[-1] if self.delayed else None, grad_amax, 2)
+            g = None  # no GEMM reads a quantized dy (only dbias is computed): none is made, as in the op
+            if self.grad_usage is not None:
+                g = self._quantize(dy.contiguous(), self.grad_usage, saved[-1] if self.delayed else None, grad_amax, 2)
             if self.dgrad:
                 dgrad = tensorwise_mm(g[0], w_t, g[-1], w_si, grad_out.dtype, None, self.fast_accum[1])
                 dgrad = dgrad.view(ctx.in_shape)
