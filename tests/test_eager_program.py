@@ -252,7 +252,8 @@ def test_one_program_serves_every_token_count_cuda(recipe_id):
 
 
 def test_first_call_of_a_signature_runs_the_op(monkeypatch):
-    """The op's input checks run on a signature's first call: a bad input raises the op's error."""
+    """A signature's first call runs the op (its input checks, once per signature); programs
+    serve the later calls."""
     monkeypatch.setattr(eager_program, "SERVED_DEVICES", {"cpu"})
     eager_program.set_enabled(True)
     lin = te.Linear(32, 32, params_dtype=torch.bfloat16)
