@@ -200,11 +200,16 @@ class LinearProgram:
         ctx.save_for_backward(*saved)
         ctx.handoff, ctx.main_grad, ctx.in_shape = handoff, main_grad, inp.shape
         ctx.mark_non_differentiable(amaxes)
+        # no zero gradient made for `amaxes` before backward (delayed scaling's would be an
+        # allocation and a fill launch per Linear)
+        ctx.set_materialize_grads(False)
         return out.view(*inp.shape[:-1], self.out_features), amaxes
 
     def backward(self, ctx, grad_out):
         """linear_bwd's kernel calls, then `finish_backward`'s: the gradient amax record, the
         main_grad accumulation."""
+        if grad_out is None:  # no gradient reached the output (grads are not materialized)
+            return (None,) * 7
         saved = list(ctx.saved_tensors)
         x_t, x_si = saved[:2] if self.wgrad else (None, None)
         w_t, w_si = saved[-3:-1] if self.delayed and self.dgrad else saved[-2:] if self.dgrad else (None, None)
