@@ -259,9 +259,12 @@ def test_first_call_of_a_signature_runs_the_op(monkeypatch):
     lin = te.Linear(32, 32, params_dtype=torch.bfloat16)
     x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
     calls = eager_program.stats["calls"]
-    for expected in (0, 1, 2):
+    for expected, node in ((0, "Eager_linear_fwdBackward"), (1, "EagerLinearProgramBackward"),
+                           (2, "EagerLinearProgramBackward")):
         with te.autocast(recipe=R.Float8CurrentScaling()):
-            lin(x).sum().backward()
+            y = lin(x)
+        assert type(y.grad_fn).__name__ == node
+        y.sum().backward()
         assert eager_program.stats["calls"] - calls == expected
 
 

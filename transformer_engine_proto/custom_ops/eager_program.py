@@ -127,8 +127,9 @@ def _usage(q) -> tuple:
     return q.fp8_dtype, q.rowwise_usage, q.columnwise_usage, current
 
 
-class _Run(torch.autograd.Function):
-    """A program's call: its forward and backward (the program is the first argument)."""
+class EagerLinearProgram(torch.autograd.Function):
+    """A program's call: its forward and backward (the program is the first argument); autograd
+    shows its node as `EagerLinearProgramBackward`."""
 
     @staticmethod
     def forward(ctx, program, *args):
@@ -140,7 +141,7 @@ class _Run(torch.autograd.Function):
         return (None, *ctx.program.backward(ctx, grad_out))
 
 
-_run = torch._C._FunctionBase.__dict__["apply"].__get__(None, _Run)  # Function.apply's C entry
+_run = torch._C._FunctionBase.__dict__["apply"].__get__(None, EagerLinearProgram)  # Function.apply's C entry
 
 
 class LinearProgram:
