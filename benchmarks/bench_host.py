@@ -10,6 +10,8 @@ like the real results of their first call, so what is timed is our Python (plans
 objects, dispatch), torch's custom-op and autograd machinery and the compiled graph's wrappers. The baseline
 `nn.Linear` keeps its real (small) matmuls, in float32 on CPU (CPU bf16 matmuls are slow enough to
 dominate; params are bf16 on CUDA). Numbers depend on the host CPU: compare variants within one run.
+A te variant may add `+op`: eager calls through the op even where an eager Linear program would
+serve them (CUDA; `custom_ops/eager_program.py`), for an A/B in one run.
 Reported: the best of `--repeats` timings of `--steps` steps each (the least disturbed run), and
 the Python function calls into this library during one step (`sys.setprofile`; under inductor the
 ops are inlined, so what remains is the eager code around the compiled region, e.g. autocast).
@@ -67,21 +69,25 @@ def _stubbed(fn):
 
 @contextlib.contextmanager
 def stubbed_device_work():
-    """Every registered kernel and the te Linear GEMM replaced by stubs, restored on exit."""
+    """Every registered kernel and the te Linear GEMMs (the op's, the eager programs') replaced by
+    stubs, restored on exit."""
     from transformer_engine_proto import kernels
+    from transformer_engine_proto.custom_ops import eager_program
     from transformer_engine_proto.custom_ops import linear as linear_ops
 
     kernels.kernel("amax")  # load the registry
-    saved_kernels, saved_gemm = dict(kernels._KERNELS), linear_ops.gemm
+    saved_kernels, saved_gemm, saved_mm = dict(kernels._KERNELS), linear_ops.gemm, eager_program.tensorwise_mm
     try:
         for key, fn in saved_kernels.items():
             kernels._KERNELS[key] = _stubbed(fn)
         linear_ops.gemm = _stubbed(saved_gemm)
+        eager_program.tensorwise_mm = _stubbed(saved_mm)
         yield
     finally:
         kernels._KERNELS.clear()
         kernels._KERNELS.update(saved_kernels)
         linear_ops.gemm = saved_gemm
+        eager_program.tensorwise_mm = saved_mm
 
 
 def host_us(variant, shape, compiled, steps, repeats, device, dtype):
@@ -95,6 +101,8 @@ def host_us(variant, shape, compiled, steps, repeats, device, dtype):
     else:
         mod = te.Linear(k, n, bias=False, device=device, params_dtype=dtype)
         recipe = C.make_recipe(variant.split(":", 1)[1])
+    # +op: eager calls through the op even where an eager program would serve them (CUDA)
+    te.custom_ops.eager_program.set_enabled("+op" not in variant)
     x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)
     dy = torch.randn(m, n, device=device, dtype=dtype)
     run = torch.compile(mod, fullgraph=True, dynamic=False) if compiled else mod

@@ -13,11 +13,13 @@ from transformer_engine_proto.custom_ops import linear as linear_ops  # noqa: E4
 
 
 def test_bench_host_times_variants_and_restores_the_kernels():
+    from transformer_engine_proto.custom_ops import eager_program
+
     kernels.kernel("amax")
-    before, gemm = dict(kernels._KERNELS), linear_ops.gemm
-    results = bench_host.main(["--variants", "nn.Linear,te:current,te:blockwise", "--modes", "eager",
+    before, gemm, mm = dict(kernels._KERNELS), linear_ops.gemm, eager_program.tensorwise_mm
+    results = bench_host.main(["--variants", "nn.Linear,te:current,te:current+op,te:blockwise", "--modes", "eager",
                                "--steps", "2", "--repeats", "1"])
-    assert [r["variant"] for r in results] == ["nn.Linear", "te:current", "te:blockwise"]
+    assert [r["variant"] for r in results] == ["nn.Linear", "te:current", "te:current+op", "te:blockwise"]
     assert all(r.get("host_us", 0) > 0 for r in results), results
     assert all(r["library_calls"] > 0 for r in results), results  # eager: the op bodies run
-    assert kernels._KERNELS == before and linear_ops.gemm is gemm
+    assert kernels._KERNELS == before and linear_ops.gemm is gemm and eager_program.tensorwise_mm is mm
