@@ -424,7 +424,9 @@ _linear_fwd_call = eager_function(linear_fwd, _setup_context, _backward, linear_
 def linear(inp, weight, bias=None, *, key: str, fp8_scale=None, grad_amax_state=(), weight_cache=(),
            main_grad=None, cache_mode: int = CACHE_OFF, save_original_input: bool = False,
            fuse_wgrad_accumulation: bool = False, inp_quantized=(), wgrad_store=None):
-    """y = inp @ weight.T + bias through the custom ops. Returns (y, amaxes, new_weight_cache).
+    """y = inp @ weight.T + bias through the custom ops (an eager call of a signature seen before
+    through its eager program where one serves it: eager_program.py). Returns (y, amaxes,
+    new_weight_cache).
     `wgrad_store`: a list (eager only) that backward appends the weight-gradient computation to
     instead of running it (TE's delay_wgrad_compute): a callable giving (wgrad, dbias)."""
     # eager keeps the weight dgrad reads from forward, as TE (one quantize of each weight per step: an
