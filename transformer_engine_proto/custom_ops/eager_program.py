@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from ..gemm import tensorwise_mm
-from ..kernels import kernel, zeroed
+from ..kernels import zeroed
 from ..kernels.zeroed import zeros
 from ..tensor.float8 import Float8CurrentScalingQuantizer, Float8Quantizer
 from . import shared_input
@@ -121,12 +121,6 @@ def serves(plan: LinearPlan) -> bool:
 _INPUT_BUFFERS = {False: ("_data", "_scale_inv"), True: ("_data", "_transpose", "_scale_inv")}
 
 
-def _usage(q) -> tuple:
-    """(fp8 dtype, rowwise, columnwise, current scaling's settings or ()) of a role's quantizer."""
-    current = (q.margin, q.force_pow_2_scales, q.amax_epsilon) if type(q) is Float8CurrentScalingQuantizer else ()
-    return q.fp8_dtype, q.rowwise_usage, q.columnwise_usage, current
-
-
 class EagerLinearProgram(torch.autograd.Function):
     """A program's call: its forward and backward (the program is the first argument); autograd
     shows its node as `EagerLinearProgramBackward`."""
@@ -156,9 +150,9 @@ class LinearProgram:
         self.dgrad, self.wgrad = call.input_requires_grad, call.weight_requires_grad
         self.dbias, self.fuse_wgrad = call.bias_requires_grad, call.fuse_wgrad_accumulation
         self.prequantized = plan.prequantized
-        iq, wq, gq = plan.input_quantizer, plan.weight_quantizer, plan.grad_quantizer
-        self.input_usage, self.weight_usage, self.grad_usage = (None if q is None else _usage(q) for q in (iq, wq, gq))
-        self.shared_key = (RecipeKey.base(plan.key), iq)  # the op's shared-input key for this quantizer
+        # each role's quantizer with this call's usages: `cast` is its kernel call
+        self.input_q, self.weight_q, self.grad_q = plan.input_quantizer, plan.weight_quantizer, plan.grad_quantizer
+        self.shared_key = (RecipeKey.base(plan.key), self.input_q)  # the op's shared-input key for it
         self.fast_accum = tuple(not RecipeKey.split_accumulator(plan.key, g) for g in ("fprop", "dgrad", "wgrad"))
 
     def __call__(self, inp, weight, bias, fp8_scale, grad_amax_state, main_grad, inp_quantized):
@@ -166,17 +160,14 @@ class LinearProgram:
         handoff = grad_amax_state[0] if grad_amax_state else None
         return _run(self, inp, weight, bias, fp8_scale, handoff, main_grad, inp_quantized)
 
-    def _quantize(self, x, usage, fp8_scale, amaxes, slot):
-        """The buffers of x quantized with `usage` (`_usage`), in the quantizer's flattening order
-        (`Float8*Quantizer._pack`): the quantizer's own kernel call."""
-        dtype, rowwise, columnwise, current = usage
+    def _quantize(self, q, x, fp8_scale, amaxes, slot):
+        """x's buffers quantized by q, in q's flattening order (`Float8*Quantizer._pack`); delayed
+        scaling reads scale[slot] and records into amaxes[slot]."""
         if self.delayed:
-            data, transpose, scale_inv = kernel("fp8_quantize_delayed", x.device)(
-                x, fp8_scale, amaxes, dtype, rowwise, columnwise, slot)
+            data, transpose, scale_inv = q.cast(x, fp8_scale, amaxes, slot)
         else:
-            data, transpose, scale_inv, _ = kernel("fp8_quantize_current", x.device)(
-                x, dtype, rowwise, columnwise, *current, existing_amax=None)
-        return ([data] if rowwise else []) + ([transpose] if columnwise else []) + [scale_inv]
+            data, transpose, scale_inv, _ = q.cast(x)
+        return ([data] if q.rowwise_usage else []) + ([transpose] if q.columnwise_usage else []) + [scale_inv]
 
     def forward(self, ctx, inp, weight, bias, fp8_scale, handoff, main_grad, inp_quantized):
         with shared_input.scope(), zeroed.slots():
@@ -184,11 +175,11 @@ class LinearProgram:
             x = list(inp_quantized) if self.prequantized else shared_input.lookup(inp, self.shared_key)
             if x is None:
                 x2d = inp.reshape(-1, self.in_features).contiguous()
-                x = self._quantize(x2d, self.input_usage, fp8_scale, amaxes, 0)
+                x = self._quantize(self.input_q, x2d, fp8_scale, amaxes, 0)
                 shared_input.store(inp, self.shared_key, x + [amaxes[:1]] if self.delayed else x)
             elif self.delayed:  # another Linear quantized this input: its amax is this one's too
                 amaxes[:1].copy_(x.pop())
-            w = self._quantize(weight.contiguous(), self.weight_usage, fp8_scale, amaxes, 1)
+            w = self._quantize(self.weight_q, weight.contiguous(), fp8_scale, amaxes, 1)
             x_rows = x[0].reshape(-1, self.in_features)
             out = tensorwise_mm(x_rows, w[0], x[-1], w[-1], inp.dtype, bias, self.fast_accum[0])
         saved = []
@@ -219,8 +210,8 @@ class LinearProgram:
         with zeroed.slots():
             grad_amax = zeros(1, dy) if self.delayed else None
             g = None  # no GEMM reads a quantized dy (only dbias is computed): none is made, as in the op
-            if self.grad_usage is not None:
-                g = self._quantize(dy.contiguous(), self.grad_usage, saved[-1] if self.delayed else None, grad_amax, 2)
+            if self.grad_q is not None:
+                g = self._quantize(self.grad_q, dy.contiguous(), saved[-1] if self.delayed else None, grad_amax, 2)
             if self.dgrad:
                 dgrad = tensorwise_mm(g[0], w_t, g[-1], w_si, grad_out.dtype, None, self.fast_accum[1])
                 dgrad = dgrad.view(ctx.in_shape)

@@ -287,11 +287,14 @@ class Float8Quantizer(_Float8QuantizerBase):
                 "Float8Quantizer has no scale/amax tensors (a stateless copy from tensor metadata); "
                 "quantize with the quantizer that owns the delayed-scaling state"
             )
-        data, transpose, scale_inv = kernel("fp8_quantize_delayed", x.device)(
-            x, self.scale, self.amax, self.fp8_dtype, self.rowwise_usage, self.columnwise_usage,
-            self.__dict__.get("_slot", 0)
-        )
-        return self._pack(data, transpose, scale_inv)
+        return self._pack(*self.cast(x, self.scale, self.amax, self.__dict__.get("_slot", 0)))
+
+    def cast(self, x, scale, amax, slot: int = 0):
+        """(data, transpose, scale_inv) of contiguous x with scale[slot], its amax max-accumulated
+        into amax[slot] (None: not recorded): this quantizer's kernel call, which the eager Linear
+        programs make with the module's state directly (custom_ops/eager_program.py)."""
+        return kernel("fp8_quantize_delayed", x.device)(x, scale, amax, self.fp8_dtype, self.rowwise_usage,
+                                                         self.columnwise_usage, slot)
 
 
 @te_constructor(te_only={"with_amax_reduction": (False,), "amax_reduction_group": (None,),
@@ -372,11 +375,15 @@ class Float8CurrentScalingQuantizer(_Float8QuantizerBase):
             data, transpose, scale_inv, _ = self.quantize_with_reduced_amax(
                 x, lambda amax: None, self.rowwise_usage, self.columnwise_usage, existing)
             return self._pack(data, transpose, scale_inv)
-        data, transpose, scale_inv, _ = kernel("fp8_quantize_current", x.device)(
+        return self._pack(*self.cast(x, existing)[:3])
+
+    def cast(self, x, existing_amax=None):
+        """(data, transpose, scale_inv, amax) of contiguous x, scaled from its own amax (or
+        `existing_amax`): this quantizer's kernel call, which the eager Linear programs make
+        directly (custom_ops/eager_program.py)."""
+        return kernel("fp8_quantize_current", x.device)(
             x, self.fp8_dtype, self.rowwise_usage, self.columnwise_usage,
-            self.margin, self.force_pow_2_scales, self.amax_epsilon, existing_amax=existing,
-        )
-        return self._pack(data, transpose, scale_inv)
+            self.margin, self.force_pow_2_scales, self.amax_epsilon, existing_amax=existing_amax)
 
 
 def norm_quantize_current(q: Float8CurrentScalingQuantizer, inp, weight, bias, eps: float, normalization: str,
