@@ -28,8 +28,8 @@ from ..kernels import zeroed
 from ..kernels.zeroed import zeros
 from ..tensor.float8 import Float8CurrentScalingQuantizer, Float8Quantizer
 from . import shared_input
-from .delayed_scaling import record_grad_amax
 from .linear_call import CACHE_OFF, LinearCall
+from .linear_ends import backward_tail, finish_backward, scales_for_backward
 from .linear_plan import LinearPlan, make_plan
 from .recipe_key import RecipeKey
 
@@ -101,8 +101,8 @@ def serves(plan: LinearPlan) -> bool:
         return False
     if call.save_original_input or call.delay_wgrad or call.wgrad_only:
         return False
-    if plan.prequantized and (plan.delayed or plan.prequantized_input.inner_names() != _INPUT_BUFFERS[plan.wgrad_q]):
-        return False
+    if plan.prequantized and (plan.delayed or plan.prequantized_input.quantizer != plan.input_quantizer):
+        return False  # the fused norm's buffers are not the ones the input quantizer would make
     kinds = {type(q.input), type(q.weight), type(q.grad_output)}
     if kinds != {Float8CurrentScalingQuantizer} and kinds != {Float8Quantizer}:
         return False
@@ -115,10 +115,6 @@ def serves(plan: LinearPlan) -> bool:
     e5m2 = torch.float8_e5m2
     x, w, g = q.input.fp8_dtype, q.weight.fp8_dtype, q.grad_output.fp8_dtype
     return not (x == w == e5m2 or (plan.dgrad_q and g == w == e5m2) or (plan.wgrad_q and g == x == e5m2))
-
-
-# the buffers of the fused norm's quantized input, without and with the columnwise copy wgrad reads
-_INPUT_BUFFERS = {False: ("_data", "_scale_inv"), True: ("_data", "_transpose", "_scale_inv")}
 
 
 class EagerLinearProgram(torch.autograd.Function):
@@ -143,7 +139,7 @@ class LinearProgram:
     `__call__` takes `linear`'s arguments (those a served call can have)."""
 
     def __init__(self, plan: LinearPlan):
-        call = plan.call
+        self.call = call = plan.call
         self.delayed = plan.delayed
         self.in_features, self.out_features = plan.in_shape[-1], plan.weight_shape[0]
         self.weight_dtype = plan.weight_dtype
@@ -157,19 +153,15 @@ class LinearProgram:
 
     def __call__(self, inp, weight, bias, fp8_scale, grad_amax_state, main_grad, inp_quantized):
         stats["calls"] += 1
-        handoff = grad_amax_state[0] if grad_amax_state else None
-        return _run(self, inp, weight, bias, fp8_scale, handoff, main_grad, inp_quantized)
+        return _run(self, inp, weight, bias, fp8_scale, grad_amax_state, main_grad, inp_quantized)
 
     def _quantize(self, q, x, fp8_scale, amaxes, slot):
-        """x's buffers quantized by q, in q's flattening order (`Float8*Quantizer._pack`); delayed
-        scaling reads scale[slot] and records into amaxes[slot]."""
-        if self.delayed:
-            data, transpose, scale_inv = q.cast(x, fp8_scale, amaxes, slot)
-        else:
-            data, transpose, scale_inv, _ = q.cast(x)
-        return ([data] if q.rowwise_usage else []) + ([transpose] if q.columnwise_usage else []) + [scale_inv]
+        """x's buffers quantized by q, in q's flattening order (its `_pack`); delayed scaling reads
+        scale[slot] and records into amaxes[slot]."""
+        made = q.cast(x, fp8_scale, amaxes, slot) if self.delayed else q.cast(x)[:3]
+        return list(q._pack(*made).values())
 
-    def forward(self, ctx, inp, weight, bias, fp8_scale, handoff, main_grad, inp_quantized):
+    def forward(self, ctx, inp, weight, bias, fp8_scale, grad_amax_state, main_grad, inp_quantized):
         with shared_input.scope(), zeroed.slots():
             amaxes = zeros(2, inp) if self.delayed else inp.new_empty(0, dtype=torch.float32)
             x = list(inp_quantized) if self.prequantized else shared_input.lookup(inp, self.shared_key)
@@ -188,9 +180,10 @@ class LinearProgram:
         if self.dgrad:  # the weight's
             saved += w[-2:]
         if self.delayed:  # autocast's exit rewrites the state before backward reads the scales
-            saved.append(fp8_scale[:3].clone())
+            saved.append(scales_for_backward(fp8_scale))
         ctx.save_for_backward(*saved)
-        ctx.handoff, ctx.main_grad, ctx.in_shape = handoff, main_grad, inp.shape
+        # kept by reference, as the op does (backward writes them)
+        ctx.grad_amax_state, ctx.main_grad, ctx.in_shape = grad_amax_state, main_grad, inp.shape
         ctx.mark_non_differentiable(amaxes)
         # no zero gradient made for `amaxes` before backward (delayed scaling's would be an
         # allocation and a fill launch per Linear)
@@ -198,15 +191,15 @@ class LinearProgram:
         return out.view(*inp.shape[:-1], self.out_features), amaxes
 
     def backward(self, ctx, grad_out):
-        """linear_bwd's kernel calls, then `finish_backward`'s: the gradient amax record, the
-        main_grad accumulation."""
+        """linear_bwd's kernel calls and output list (`backward_tail`), then `finish_backward`:
+        the gradient amax record, the main_grad accumulation."""
         if grad_out is None:  # no gradient reached the output (grads are not materialized)
             return (None,) * 7
         saved = list(ctx.saved_tensors)
         x_t, x_si = saved[:2] if self.wgrad else (None, None)
         w_t, w_si = saved[-3:-1] if self.delayed and self.dgrad else saved[-2:] if self.dgrad else (None, None)
         dy = grad_out.contiguous().reshape(-1, self.out_features)
-        dgrad = wgrad = dbias = None
+        grads = []
         with zeroed.slots():
             grad_amax = zeros(1, dy) if self.delayed else None
             g = None  # no GEMM reads a quantized dy (only dbias is computed): none is made, as in the op
@@ -214,15 +207,9 @@ class LinearProgram:
                 g = self._quantize(self.grad_q, dy.contiguous(), saved[-1] if self.delayed else None, grad_amax, 2)
             if self.dgrad:
                 dgrad = tensorwise_mm(g[0], w_t, g[-1], w_si, grad_out.dtype, None, self.fast_accum[1])
-                dgrad = dgrad.view(ctx.in_shape)
+                grads.append(dgrad.view(ctx.in_shape))
             if self.wgrad:
                 wgrad_dtype = torch.float32 if self.fuse_wgrad else self.weight_dtype
-                wgrad = tensorwise_mm(g[-2], x_t, g[-1], x_si, wgrad_dtype, None, self.fast_accum[2])
-        if self.dbias:
-            dbias = dy.float().sum(0).to(self.weight_dtype)
-        if self.delayed:
-            record_grad_amax([ctx.handoff], grad_amax)
-        if self.fuse_wgrad and wgrad is not None:
-            ctx.main_grad.add_(wgrad)
-            wgrad = None
-        return dgrad, wgrad, dbias, None, None, None, None
+                grads.append(tensorwise_mm(g[-2], x_t, g[-1], x_si, wgrad_dtype, None, self.fast_accum[2]))
+        grads = backward_tail(grads, dy, self.dbias, self.weight_dtype, grad_amax)
+        return (*finish_backward(self.call, grads, ctx.grad_amax_state, ctx.main_grad), None, None, None, None)

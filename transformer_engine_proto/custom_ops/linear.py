@@ -23,15 +23,14 @@ import torch
 
 from ..gemm import gemm
 from ..kernels import fused_into_producer, kernel
-from ..kernels.reference.common import traced
 from ..kernels.zeroed import zeros
 from ..tensor import TensorProto
 from ..tensor.storage import QuantizedTensorStorage
 from . import eager_path, eager_program, shared_input
-from .delayed_scaling import record_grad_amax
 from .eager_path import eager_function
 from .inductor_lowering import inline_in_inductor
 from .linear_call import CACHE_FILL, CACHE_OFF, CACHE_USE, LinearCall, call_flags
+from .linear_ends import backward_tail, fake_backward_grads, finish_backward, scales_for_backward
 from .linear_plan import LinearPlan, make_plan, plan_of
 from .recipe_key import RecipeKey
 from .recompute_tags import recomputable_read, recompute_saved_input, recomputed_in_backward, traced_for_inductor
@@ -275,17 +274,6 @@ def linear_bwd(grad_out: torch.Tensor, saved: List[torch.Tensor], inp: Optional[
     return backward_tail(grads, dy, call.bias_requires_grad, weight_dtype, grad_amax if delayed else None)
 
 
-def backward_tail(grads: List[torch.Tensor], dy: torch.Tensor, bias_requires_grad: bool, weight_dtype: torch.dtype,
-                  grad_amax: Optional[torch.Tensor]) -> List[torch.Tensor]:
-    """`grads` + [dbias (from the high-precision dy)] + [the gradient amax (delayed scaling)]: the
-    end of every Linear backward op's output list, in the order `finish_backward` reads."""
-    if bias_requires_grad:
-        grads.append(dy.float().sum(0).to(weight_dtype))
-    if grad_amax is not None:
-        grads.append(grad_amax)
-    return grads
-
-
 @linear_bwd.register_fake
 def _linear_bwd_fake(grad_out, saved, inp, weight, weight_cache, fp8_scale, weight_amax, main_grad, key, in_shape,
                      weight_shape, weight_dtype, flags):
@@ -294,38 +282,7 @@ def _linear_bwd_fake(grad_out, saved, inp, weight, weight_cache, fp8_scale, weig
     return fake_backward_grads(grad_out, call, in_shape, weight_shape, weight_dtype, plan.quantized and plan.delayed)
 
 
-def fake_backward_grads(grad_out, call: LinearCall, in_shape, weight_shape, weight_dtype, delayed: bool):
-    """Empty tensors shaped as a Linear backward op's outputs (`backward_tail`'s order)."""
-    grads = []
-    if call.computes_dgrad:
-        grads.append(grad_out.new_empty(tuple(in_shape)))
-    if call.computes_wgrad:
-        dtype = torch.float32 if call.fuse_wgrad_accumulation else weight_dtype
-        grads.append(grad_out.new_empty(tuple(weight_shape), dtype=dtype))
-    if call.bias_requires_grad:
-        grads.append(grad_out.new_empty((weight_shape[0],), dtype=weight_dtype))
-    if delayed:
-        grads.append(grad_out.new_empty((1,), dtype=torch.float32))
-    return grads
-
-
 # ---- autograd wiring ----------------------------------------------------------------------------
-def finish_backward(call: LinearCall, grads: Sequence[torch.Tensor], grad_amax_state, main_grad):
-    """(dgrad, wgrad, dbias) from a Linear backward op's outputs ([dgrad] [wgrad] [dbias] [grad
-    amax], by the call's flags): records the gradient amax (delayed scaling) and accumulates wgrad into
-    `main_grad` (then returned as None), the two side effects both Linear paths share."""
-    grads = iter(grads)
-    dgrad = next(grads) if call.computes_dgrad else None
-    wgrad = next(grads) if call.computes_wgrad else None
-    dbias = next(grads) if call.bias_requires_grad else None
-    if grad_amax_state:
-        record_grad_amax(grad_amax_state, next(grads))
-    if call.fuse_wgrad_accumulation and wgrad is not None:
-        main_grad.add_(wgrad)
-        wgrad = None
-    return dgrad, wgrad, dbias
-
-
 def _setup_context(ctx, inputs, output):
     inp, weight, _, fp8_scale, grad_amax_state, weight_cache, main_grad, key, flags, inp_quantized = inputs
     call = LinearCall.of(flags)
@@ -349,16 +306,6 @@ def _setup_context(ctx, inputs, output):
     ctx.call = call
     # linear_bwd's arguments after weight_amax and main_grad
     ctx.shapes = (key, list(inp.shape), list(weight.shape), weight.dtype)
-
-
-def scales_for_backward(fp8_scale):
-    """The delayed-scaling scales backward reads. Eager, a snapshot of slots 0-2 (the update at
-    autocast exit rewrites the state in place). Traced, the scales are values already pinned for
-    backward (`saved_state`), kept as they are: a snapshot would cost a small generated kernel per
-    backward quantize that reads it."""
-    if fp8_scale is None or traced(fp8_scale):
-        return fp8_scale
-    return fp8_scale[:3].clone()
 
 
 def _backward(ctx, grad_out, _grad_amaxes, _grad_saved, _grad_cache):

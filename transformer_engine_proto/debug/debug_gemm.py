@@ -23,8 +23,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..custom_ops.linear import backward_tail, fake_backward_grads, finish_backward, scales_for_backward
 from ..custom_ops.linear_call import LinearCall, call_flags
+from ..custom_ops.linear_ends import backward_tail, fake_backward_grads, finish_backward, scales_for_backward
 from ..custom_ops.recipe_key import RecipeKey
 from ..gemm import gemm
 from ..tensor import QuantizedTensor
