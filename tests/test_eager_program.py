@@ -116,21 +116,24 @@ def _compare(model_id, recipe_id, device, bias):
             assert torch.equal(ta, tb)
 
 
+def cuda_path_gemm(a, b, *, out_dtype, trans_a=False, trans_b=False, bias=None, use_split_accumulator=True, **kw):
+    """`gemm.gemm` with two per-tensor FP8 operands on the CUDA path's `torch._scaled_mm` call on
+    any device (CPU torch has it); everything else as `gemm.gemm`."""
+    if isinstance(a, QuantizedTensorStorage) and a.gemm_native() == "tensorwise" \
+            and isinstance(b, QuantizedTensorStorage) and b.gemm_native() == "tensorwise":
+        out = G._tensorwise(a, b, trans_a, trans_b, out_dtype, bias, not use_split_accumulator)
+        if out is not None:
+            return out
+    return G.gemm(a, b, out_dtype=out_dtype, trans_a=trans_a, trans_b=trans_b, bias=bias,
+                  use_split_accumulator=use_split_accumulator, **kw)
+
+
 @pytest.fixture
 def cpu_as_cuda(monkeypatch):
     """Programs allowed on CPU, and the op's per-tensor FP8 GEMMs on the CUDA path's
-    `torch._scaled_mm` call (which CPU torch has), so both compute what they compute on CUDA."""
-    def gemm(a, b, *, out_dtype, trans_a=False, trans_b=False, bias=None, use_split_accumulator=True, **kw):
-        if isinstance(a, QuantizedTensorStorage) and a.gemm_native() == "tensorwise" \
-                and isinstance(b, QuantizedTensorStorage) and b.gemm_native() == "tensorwise":
-            out = G._tensorwise(a, b, trans_a, trans_b, out_dtype, bias, not use_split_accumulator)
-            if out is not None:
-                return out
-        return G.gemm(a, b, out_dtype=out_dtype, trans_a=trans_a, trans_b=trans_b, bias=bias,
-                      use_split_accumulator=use_split_accumulator, **kw)
-
+    `torch._scaled_mm` call, so both compute what they compute on CUDA."""
     monkeypatch.setattr(eager_program, "SERVED_DEVICES", {"cpu"})
-    monkeypatch.setattr(linear_ops, "gemm", gemm)
+    monkeypatch.setattr(linear_ops, "gemm", cuda_path_gemm)
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
