@@ -104,6 +104,9 @@ def first_step(variant: str, args) -> dict:
     res = {"variant": variant, "first_step_s": time.perf_counter() - t0,
            "phases_s": {name: sum(ts) for name, ts in compilation_time_metrics.items()}, "graph": graph}
     if prof:
+        if args.cprofile_dump:  # the whole profile, for pstats / snakeviz
+            os.makedirs(args.cprofile_dump, exist_ok=True)
+            prof.dump_stats(os.path.join(args.cprofile_dump, f"{variant.replace(':', '_')}_{os.getpid()}.prof"))
         stats = pstats.Stats(prof)
         where = {key: f"{os.path.basename(key[0])}:{key[2]}" for key in stats.stats}
         library = [(where[k], v[3]) for k, v in stats.stats.items() if "transformer_engine_proto" in k[0]]
@@ -191,6 +194,7 @@ def parse_args(argv=None):
     C.add_model_args(p, **bench_llama.PRESETS["llama"], vocab=32768, seq=2048, batch=4)
     p.add_argument("--smoke", action="store_true", help="tiny shapes (CPU check of the wiring)")
     p.add_argument("--cprofile", action="store_true", help="list the library functions compile time goes to")
+    p.add_argument("--cprofile-dump", default="", help="with --cprofile: also write each process's profile here")
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--caches", default="cold,warm",
                    help="the runs, in order, each a fresh process on the variant's cache directories: the "

@@ -60,3 +60,41 @@ def test_constexprs_read_from_the_jit_function():
     from transformer_engine_proto.kernels.triton import float8
     names = trace_analysis._constexprs(float8._cast_transpose_packed_kernel.fn)
     assert {"BM", "BK", "FMAX", "ROWWISE"} <= names and not names & {"x_ptr", "M", "K", "n_k"}
+
+
+def test_source_closure_memoized_per_kernel_for_our_kernels_only():
+    calls = []
+
+    def closure(kernel, epilogue_fusion=None):
+        calls.append((kernel, epilogue_fusion))
+        return f"source of {id(kernel)} {epilogue_fusion}"
+
+    memo = trace_analysis._memoized_closure(closure)
+    ours, ours2 = _kernel("transformer_engine_proto.kernels.triton.float8"), _kernel("transformer_engine_proto.x")
+    theirs = _kernel("user.kernels")
+    assert memo(ours) == memo(ours) == memo(ours, None) == f"source of {id(ours)} None"
+    assert len(calls) == 1
+    assert memo(ours2) != memo(ours) and len(calls) == 2  # one entry per kernel
+    assert memo(ours, ("node", "fused src")) == f"source of {id(ours)} ('node', 'fused src')"  # epilogue: torch's
+    memo(theirs)
+    memo(theirs)
+    assert len(calls) == 5
+
+
+def test_source_closure_of_a_real_kernel_is_torchs_and_installed_on_first_inductor_trace():
+    wrapper = pytest.importorskip("torch._inductor.codegen.wrapper")
+    from transformer_engine_proto import kernels
+    from transformer_engine_proto.kernels.triton import float8
+
+    name = "user_defined_triton_kernel_transitive_closure_source_code"
+    with kernels.tracing_for_inductor():
+        pass
+    installed = getattr(wrapper, name)
+    assert installed.te_proto_memoized
+    trace_analysis.install_closure()
+    assert getattr(wrapper, name) is installed  # idempotent
+    kernel = float8._cast_transpose_packed_kernel
+    kernel = kernel.fn if not hasattr(kernel, "src") else kernel  # inductor passes the JITFunction
+    torchs = installed.__wrapped__(kernel)
+    assert "_cast_transpose_packed_kernel" in torchs and installed(kernel) == torchs
+    assert installed(kernel) is installed(kernel)  # the cached string

@@ -17,6 +17,8 @@ else:
     from . import blockwise, delayed_scaling, dequant, float8, mxfp8, norm, nvfp4  # noqa: F401,E402
     from .direct_swap import install_swap as _install_swap  # noqa: E402
     from .trace_analysis import install as _install_trace_analysis  # noqa: E402
+    from .trace_analysis import install_closure as _install_closure  # noqa: E402
 
     _install_trace_analysis()
-    ON_INDUCTOR_TRACE.append(_install_swap)  # inductor's modules load only when a compile needs them
+    # inductor's modules load only when a compile needs them
+    ON_INDUCTOR_TRACE.extend([_install_swap, _install_closure])

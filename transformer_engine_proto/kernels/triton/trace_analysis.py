@@ -1,4 +1,4 @@
-"""Torch's TTIR analysis of our Triton kernels' launches, done once per kernel and specialization.
+"""Torch's per-launch analyses of our Triton kernels, done once per kernel (and specialization).
 
 When torch traces a `wrap_triton` launch (inductor inlining a library op), it asks which tensor
 arguments the kernel reads and writes: `identify_mutated_tensors` (torch 2.11) or
@@ -9,6 +9,13 @@ kernel and on what Triton specializes on: which arguments are tensors (and their
 constexpr values, and each int's class (1, a multiple of 16, its width). `install()` memoizes
 the analysis by that key for the kernels of this package; other kernels go to torch's function
 unchanged, as do launches with TMA descriptors.
+
+Inductor also collects each launched kernel's source with every helper and global it reads
+(`user_defined_triton_kernel_transitive_closure_source_code`, disassembling each function): for
+the FX graph cache key and again for the generated code, at every launch in the graph. Our
+kernels' sources and globals are fixed for the process, so `install_closure()` (called when
+inductor first traces a library op: importing inductor's code generator takes seconds an eager run
+should not pay) memoizes it per kernel.
 
 Inductor's later per-launch work, the swap to the mutating launch, is `direct_swap.py`'s.
 """
@@ -85,3 +92,31 @@ def install() -> None:
         analysis = getattr(triton_kernel_wrap, name, None)
         if analysis is not None and not getattr(analysis, "te_proto_memoized", False):
             setattr(triton_kernel_wrap, name, _memoized(analysis))
+
+
+def _memoized_closure(closure):
+    cache = {}  # id(kernel) -> (kernel, source): the kernel kept alive so its id stays its own
+
+    @functools.wraps(closure)
+    def run(kernel, *args, **kw):
+        if any(a is not None for a in (*args, *kw.values())) or not ours(python_fn(kernel)):
+            return closure(kernel, *args, **kw)  # an epilogue fused into the kernel, or not ours
+        found = cache.get(id(kernel))
+        if found is None:
+            found = cache[id(kernel)] = (kernel, closure(kernel))
+        return found[1]
+
+    run.te_proto_memoized = True
+    run.cache = cache
+    return run
+
+
+def install_closure() -> None:
+    """Memoize inductor's source closure for this package's kernels (idempotent; a torch without the
+    function is left as it is)."""
+    from torch._inductor.codegen import wrapper
+
+    name = "user_defined_triton_kernel_transitive_closure_source_code"
+    closure = getattr(wrapper, name, None)
+    if closure is not None and not getattr(closure, "te_proto_memoized", False):
+        setattr(wrapper, name, _memoized_closure(closure))
