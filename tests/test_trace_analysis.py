@@ -98,3 +98,42 @@ def test_source_closure_of_a_real_kernel_is_torchs_and_installed_on_first_induct
     torchs = installed.__wrapped__(kernel)
     assert "_cast_transpose_packed_kernel" in torchs and installed(kernel) == torchs
     assert installed(kernel) is installed(kernel)  # the cached string
+
+
+@pytest.mark.cuda
+def test_a_compile_asks_torchs_source_closure_once_per_kernel_of_ours(monkeypatch, tmp_path):
+    from torch._inductor.codegen import wrapper
+
+    import transformer_engine_proto as te
+    from transformer_engine_proto import recipe as R
+    from transformer_engine_proto.kernels.triton.direct_swap import ours, python_fn
+
+    name = "user_defined_triton_kernel_transitive_closure_source_code"
+    torchs = getattr(wrapper, name).__wrapped__
+    ours_computed, asked = [], []
+
+    def counted(kernel, *args, **kw):
+        if ours(python_fn(kernel)):
+            ours_computed.append(kernel)
+        return torchs(kernel, *args, **kw)
+
+    memo = trace_analysis._memoized_closure(counted)
+
+    def asking(kernel, *args, **kw):
+        asked.append(kernel)
+        return memo(kernel, *args, **kw)
+
+    asking.te_proto_memoized = True
+    monkeypatch.setattr(wrapper, name, asking)
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(*[te.Linear(256, 256, device="cuda", params_dtype=torch.bfloat16) for _ in range(3)])
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    # an empty FX graph cache (its key asks for every launch's closure), AOT's cache off (a hit skips it)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    with torch._inductor.config.patch(fx_graph_cache=True), te.autocast(recipe=R.Float8CurrentScaling()):
+        y = torch.compile(model, fullgraph=True)(x)
+    y.float().sum().backward()
+    mine = [k for k in asked if ours(python_fn(k))]
+    assert ours_computed, "no kernel of this package reached inductor's code generation"
+    assert len(ours_computed) == len({id(k) for k in ours_computed}) < len(mine)
