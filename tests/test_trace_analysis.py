@@ -109,6 +109,7 @@ def test_a_compile_asks_torchs_source_closure_once_per_kernel_of_ours(monkeypatc
     from transformer_engine_proto.kernels.triton.direct_swap import ours, python_fn
 
     name = "user_defined_triton_kernel_transitive_closure_source_code"
+    trace_analysis.install_closure()
     torchs = getattr(wrapper, name).__wrapped__
     ours_computed, asked = [], []
 
