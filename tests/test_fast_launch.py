@@ -277,3 +277,33 @@ def test_threads_record_their_own_plans(monkeypatch):
     torch.cuda.synchronize()
     assert not errors, errors[0]
     assert 0 < len(launch.PLANS) <= 3
+
+
+@triton.jit
+def _add_one(x_ptr, n, BLOCK: triton.language.constexpr):
+    i = triton.language.arange(0, BLOCK)
+    triton.language.store(x_ptr + i, triton.language.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
+
+
+def test_traced_launches_with_options_share_one_kernel_per_options():
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    wrapped = launch.fast_launch(_add_one)
+
+    def body(x):
+        for _ in range(3):
+            wrapped[(1,)](x, 4, BLOCK=4, num_warps=1)
+        wrapped[(1,)](x, 4, BLOCK=4, num_warps=2)
+        wrapped[(1,)](x, 4, BLOCK=4)
+        return x
+
+    graph = make_fx(body, tracing_mode="fake")(torch.zeros(4))
+    nodes = [n for n in graph.graph.nodes if n.op == "call_function"]
+    kernels = [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]) for n in nodes]
+    assert len(nodes) == 5
+    assert kernels[0] is kernels[1] is kernels[2] and kernels[3] is not kernels[0]  # one entry per options
+    assert [k.configs[0].num_warps for k in kernels[:4]] == [1, 1, 1, 2] and len(kernels[0].configs) == 1
+    assert kernels[0].fn is _add_one and kernels[4] is _add_one  # no options: the kernel itself
+    for n in nodes:  # the options travel in the kernel's config, not as arguments
+        assert "num_warps" not in kernel_side_table.get_constant_args(n.kwargs["constant_args_idx"])

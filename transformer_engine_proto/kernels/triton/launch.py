@@ -30,7 +30,11 @@ its full path.
 
 While torch traces the call (fake tensors: inductor inlining a library op, make_fx), the launch
 goes through `torch.library.wrap_triton`, so the kernel becomes a node of the graph that the
-generated code launches itself (see `custom_ops/inductor_lowering.py`).
+generated code launches itself (see `custom_ops/inductor_lowering.py`). Torch turns a traced
+launch given launch options (`num_warps=`) into a new one-config `triton.autotune` kernel, a new
+entry of its kernel side table for every launch, and its per-entry work (the repro string each
+compile writes parses every entry's source) grows with the launches; the traced launch here
+passes one such kernel per kernel and options instead (`_with_options`).
 """
 from __future__ import annotations
 
@@ -53,6 +57,7 @@ except ImportError:  # a Triton without knobs: always Triton's own path
 VERIFIED_TRITON = ("3.6.",)  # versions the bitwise GPU kernel suites passed through the fast path
 
 
+_LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")  # what `triton.Config` takes beside kwargs
 _enabled = None  # None: not decided yet, take TE_PROTO_FAST_LAUNCH / the Triton version at the next launch
 
 
@@ -204,9 +209,22 @@ class fast_launch:
         self.fn = fn
         self.arg_names = list(fn.arg_names)
         self._compiled = {}
+        self._tuned = {}  # launch options -> the one-config autotune kernel a traced launch passes
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self._launch(grid, args, kwargs)
+
+    def _with_options(self, kwargs):
+        """(kernel, the other keywords) for a traced launch: the launch options moved into a
+        one-config autotune kernel made once per options, what torch makes at every launch."""
+        options = tuple((k, kwargs[k]) for k in _LAUNCH_OPTIONS if k in kwargs)
+        if not options:
+            return self.fn, kwargs
+        kernel = self._tuned.get(options)
+        if kernel is None:
+            kernel = self._tuned[options] = triton.autotune(configs=[triton.Config({}, **dict(options))],
+                                                            key=[])(self.fn)
+        return kernel, {k: v for k, v in kwargs.items() if k not in _LAUNCH_OPTIONS}
 
     @staticmethod
     def _key(args, kwargs):
@@ -219,7 +237,8 @@ class fast_launch:
 
     def _launch(self, grid, args, kwargs):
         if _traced_call(args):
-            return torch.library.wrap_triton(self.fn)[tuple(grid)](*args, **kwargs)
+            kernel, kwargs = self._with_options(kwargs)
+            return torch.library.wrap_triton(kernel)[tuple(grid)](*args, **kwargs)
         if _recording.launches is not None:
             return self._recorded(grid, args, kwargs)
         if not (_enabled if _enabled is not None else enabled()) or _INTERPRETING or hooks_installed():
