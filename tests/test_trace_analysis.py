@@ -131,8 +131,8 @@ def test_a_compile_asks_torchs_source_closure_once_per_kernel_of_ours(monkeypatc
     x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     # an empty FX graph cache (its key asks for every launch's closure), AOT's cache off (a hit skips it)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
-    with torch._inductor.config.patch(fx_graph_cache=True), te.autocast(recipe=R.Float8CurrentScaling()):
+    no_aot_cache = torch._functorch.config.patch(enable_autograd_cache=False)
+    with no_aot_cache, torch._inductor.config.patch(fx_graph_cache=True), te.autocast(recipe=R.Float8CurrentScaling()):
         y = torch.compile(model, fullgraph=True)(x)
     y.float().sum().backward()
     mine = [k for k in asked if ours(python_fn(k))]
