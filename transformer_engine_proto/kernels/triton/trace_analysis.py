@@ -83,15 +83,19 @@ def _memoized(analysis):
     return run
 
 
+def _memoize_in(module, name: str, memoized) -> None:
+    """`module.name` replaced by `memoized(it)`, once (a torch without the function keeps none)."""
+    fn = getattr(module, name, None)
+    if fn is not None and not getattr(fn, "te_proto_memoized", False):
+        setattr(module, name, memoized(fn))
+
+
 def install() -> None:
-    """Memoize torch's TTIR analysis for this package's kernels (idempotent; a torch without the
-    function is left as it is)."""
+    """Memoize torch's TTIR analysis for this package's kernels (idempotent)."""
     from torch._higher_order_ops import triton_kernel_wrap
 
     for name in _ANALYSES:
-        analysis = getattr(triton_kernel_wrap, name, None)
-        if analysis is not None and not getattr(analysis, "te_proto_memoized", False):
-            setattr(triton_kernel_wrap, name, _memoized(analysis))
+        _memoize_in(triton_kernel_wrap, name, _memoized)
 
 
 def _memoized_closure(closure):
@@ -112,11 +116,7 @@ def _memoized_closure(closure):
 
 
 def install_closure() -> None:
-    """Memoize inductor's source closure for this package's kernels (idempotent; a torch without the
-    function is left as it is)."""
+    """Memoize inductor's source closure for this package's kernels (idempotent)."""
     from torch._inductor.codegen import wrapper
 
-    name = "user_defined_triton_kernel_transitive_closure_source_code"
-    closure = getattr(wrapper, name, None)
-    if closure is not None and not getattr(closure, "te_proto_memoized", False):
-        setattr(wrapper, name, _memoized_closure(closure))
+    _memoize_in(wrapper, "user_defined_triton_kernel_transitive_closure_source_code", _memoized_closure)
